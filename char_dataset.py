@@ -1,0 +1,206 @@
+"""Text in, batches out: reading, tokenizing, splitting and ordering samples.
+
+- Text comes from any fsspec path or URL (`data.path`); empty means the
+  embedded default corpus, which this file generates (no download, no
+  third-party text).
+- Tokenizers: `char` (vocabulary = the sorted characters of the text, saved
+  in snapshots) or `gpt2` (tiktoken's BPE, which needs its two encoding files
+  locally when offline: see TIKTOKEN_CACHE_DIR in the README).
+- Train/val split: the first (1 - val_fraction) of the tokens train, the rest
+  validate. Contiguous, so no window straddles both, and identical on every
+  rank because it involves no randomness at all.
+- Sample order: a sample is the window starting at token i. Each epoch is a
+  permutation of all windows drawn from a generator seeded by (seed, epoch),
+  so the order changes per epoch and is reproducible. Optimizer step s reads
+  global-batch positions [s*B, (s+1)*B) of that stream; data-parallel rank r
+  takes its contiguous 1/dp of them. The position is therefore a function of
+  the step alone, which is what lets a snapshot resume under another layout.
+"""
+
+import random
+from dataclasses import dataclass
+
+import fsspec
+import torch
+
+from errors import UserError
+
+
+@dataclass
+class DataConfig:
+    """The `data:` section of gpt2_train_cfg.yaml."""
+    path: str = ""           # fsspec path or URL; "" = embedded default corpus
+    block_size: int = 128    # context length in tokens
+    tokenizer: str = "char"  # char | gpt2
+    val_fraction: float = 0.1
+
+
+# ---------------------------------------------------------------- text
+
+def embedded_corpus(n_chars: int = 600_000, seed: int = 1234) -> str:
+    """A play-like text generated from this project's own word lists."""
+    rng = random.Random(seed)
+    speakers = ["KING", "QUEEN", "FOOL", "CAPTAIN", "NURSE", "SCRIBE", "HERALD"]
+    adj = ["old", "quiet", "bright", "cold", "gentle", "proud", "weary", "golden", "dark"]
+    noun = ["river", "crown", "tower", "sword", "garden", "letter", "ship", "lantern", "field"]
+    verb = ["keeps", "remembers", "breaks", "follows", "carries", "guards", "forgets"]
+    go = ["walk to", "sail past", "wait by", "ride toward", "sleep beneath"]
+    call = ["my lord", "good lady", "sweet friend", "sir", "brave heart"]
+    templates = [
+        lambda: f"The {rng.choice(adj)} {rng.choice(noun)} {rng.choice(verb)} the {rng.choice(noun)}.",
+        lambda: f"I shall {rng.choice(go)} the {rng.choice(adj)} {rng.choice(noun)} tonight.",
+        lambda: f"Why do you {rng.choice(['weep', 'laugh', 'wait', 'sing'])}, {rng.choice(call)}?",
+        lambda: f"Bring me the {rng.choice(noun)}, and tell the {rng.choice(speakers).lower()} "
+                f"that the {rng.choice(noun)} is {rng.choice(adj)}.",
+        lambda: f"No, {rng.choice(call)}; the {rng.choice(noun)} {rng.choice(verb)} what we lost.",
+    ]
+    parts, size = [], 0
+    while size < n_chars:
+        lines = " ".join(rng.choice(templates)() for _ in range(rng.randint(1, 3)))
+        speech = f"{rng.choice(speakers)}:\n{lines}\n\n"
+        parts.append(speech)
+        size += len(speech)
+    return "".join(parts)
+
+
+def load_text(path: str) -> str:
+    """Read UTF-8 text from an fsspec path or URL ("" = embedded default)."""
+    if not path:
+        return embedded_corpus()
+    try:
+        with fsspec.open(path, "rb") as f:
+            raw = f.read()
+    except FileNotFoundError:
+        raise UserError(f"data file not found: {path}") from None
+    except Exception as e:  # network, permissions, unknown protocol, ...
+        raise UserError(f"cannot read data file {path}: {e}") from None
+    try:
+        return raw.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise UserError(f"data file {path} is not UTF-8 text "
+                        f"(byte 0x{raw[e.start]:02x} at offset {e.start})") from None
+
+
+# ---------------------------------------------------------------- tokenizers
+
+class CharTokenizer:
+    kind = "char"
+
+    def __init__(self, chars):
+        self.chars = list(chars)
+        self.stoi = {c: i for i, c in enumerate(self.chars)}
+        self.vocab_size = len(self.chars)
+
+    def encode(self, text):
+        try:
+            return [self.stoi[c] for c in text]
+        except KeyError as e:
+            raise UserError(f"character {e.args[0]!r} is not in the vocabulary "
+                            f"({self.vocab_size} characters)") from None
+
+    def decode(self, ids):
+        return "".join(self.chars[i] for i in ids)
+
+    def state(self):
+        return {"kind": self.kind, "chars": "".join(self.chars)}
+
+
+class GPT2Tokenizer:
+    kind = "gpt2"
+
+    def __init__(self):
+        import tiktoken
+        try:
+            self.enc = tiktoken.get_encoding("gpt2")
+        except Exception as e:
+            raise UserError(
+                "tiktoken's gpt2 encoding files are not available offline "
+                f"({type(e).__name__}). Copy vocab.bpe and encoder.json into a directory, "
+                "named by the sha1 of their download URL, and set TIKTOKEN_CACHE_DIR to it "
+                "(see README, 'GPT-2 tokenizer offline').") from None
+        self.vocab_size = self.enc.n_vocab
+
+    def encode(self, text):
+        return self.enc.encode_ordinary(text)
+
+    def decode(self, ids):
+        return self.enc.decode(list(ids))
+
+    def state(self):
+        return {"kind": self.kind}
+
+
+def build_tokenizer(kind, text=None, saved=None):
+    """A tokenizer from a snapshot's saved state, or else fitted to `text`."""
+    if saved is not None:
+        kind = saved["kind"]
+    if kind == "gpt2":
+        return GPT2Tokenizer()
+    if kind == "char":
+        return CharTokenizer(saved["chars"] if saved else sorted(set(text)))
+    raise UserError(f"data.tokenizer must be 'char' or 'gpt2', got {kind!r}")
+
+
+# ---------------------------------------------------------------- samples
+
+class CharDataset:
+    """Every window of block_size + 1 tokens: x = window[:-1], y = window[1:]."""
+
+    def __init__(self, tokens: torch.Tensor, block_size: int):
+        self.tokens = tokens
+        self.block_size = block_size
+
+    def __len__(self):
+        return len(self.tokens) - self.block_size
+
+    def batch(self, starts):
+        """Stack the windows that begin at `starts` into (x, y) of shape (len, block)."""
+        idx = starts.view(-1, 1) + torch.arange(self.block_size + 1)
+        windows = self.tokens[idx]
+        return windows[:, :-1], windows[:, 1:]
+
+
+def split_tokens(text, tokenizer, cfg: DataConfig, source):
+    """Train and val CharDatasets, with a clear error if either is too short."""
+    tokens = torch.tensor(tokenizer.encode(text), dtype=torch.long)
+    n_val = int(len(tokens) * cfg.val_fraction)
+    train, val = tokens[:len(tokens) - n_val], tokens[len(tokens) - n_val:]
+    for name, part in (("train", train), ("val", val)):
+        if len(part) <= cfg.block_size:
+            raise UserError(
+                f"data file {source or '<embedded>'} is too short: its {name} split has "
+                f"{len(part)} tokens of {len(tokens)}, but one sample needs block_size + 1 = "
+                f"{cfg.block_size + 1}")
+    return CharDataset(train, cfg.block_size), CharDataset(val, cfg.block_size)
+
+
+class GlobalBatches:
+    """Which windows each optimizer step reads, as a function of the step alone."""
+
+    def __init__(self, n_samples, global_batch, seed):
+        if n_samples < global_batch:
+            raise UserError(f"the train split has {n_samples} samples, fewer than one "
+                            f"global batch of {global_batch}")
+        self.n, self.batch_size, self.seed = n_samples, global_batch, seed
+        self.steps_per_epoch = n_samples // global_batch  # the ragged tail is dropped
+        self._epoch, self._perm = None, None
+
+    def indices(self, step):
+        """Global-batch window starts for 0-based optimizer step `step`."""
+        epoch, pos = divmod(step, self.steps_per_epoch)
+        if epoch != self._epoch:
+            g = torch.Generator().manual_seed(self.seed * 1_000_003 + epoch)
+            self._epoch, self._perm = epoch, torch.randperm(self.n, generator=g)
+        return self._perm[pos * self.batch_size:(pos + 1) * self.batch_size]
+
+    def local_micro_batches(self, dataset, step, dp_rank, dp_size, grad_accum):
+        """This dp rank's share of step `step`, as grad_accum (x, y) micro-batches."""
+        mine = self.indices(step).view(dp_size, -1)[dp_rank]
+        return [dataset.batch(part) for part in mine.view(grad_accum, -1)]
+
+
+def eval_starts(n_samples, global_batch, n_batches):
+    """Fixed, evenly spaced val windows: the same ones at every eval and layout
+    (a val split smaller than the batches repeats windows rather than fail)."""
+    total = global_batch * n_batches
+    return torch.linspace(0, n_samples - 1, total).long().view(n_batches, global_batch)

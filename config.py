@@ -1,0 +1,130 @@
+"""The run's configuration: gpt2_train_cfg.yaml + `key=value` overrides, typed and checked.
+
+Each YAML section maps onto one dataclass that lives beside the code it
+configures (ModelConfig in model.py, DataConfig in char_dataset.py, ...).
+omegaconf rejects unknown keys and wrong types; `validate` rejects impossible
+values and layouts. Both run on every rank *before* any process group
+exists, so a bad config makes every rank exit with the same one-line error
+and no rank is left waiting in a collective.
+"""
+
+import os
+from dataclasses import dataclass, field
+
+from omegaconf import OmegaConf
+from omegaconf.errors import OmegaConfBaseException
+
+from char_dataset import DataConfig
+from errors import UserError
+from model import ModelConfig
+from parallel import STRATEGIES
+from parallel.config import ParallelConfig
+from trainer import TrainerConfig
+
+DEFAULT_YAML = os.path.join(os.path.dirname(os.path.abspath(__file__)), "gpt2_train_cfg.yaml")
+
+
+@dataclass
+class WandbConfig:
+    mode: str = "offline"   # offline | online | disabled
+    project: str = "mingpt-parallel"
+    name: str = ""          # "" = the run directory's name
+
+
+@dataclass
+class SampleConfig:
+    prompt: str = "\n"
+    length: int = 300
+    temperature: float = 0.8
+    top_k: int = 20
+    seed: int = 0
+
+
+@dataclass
+class Config:
+    mode: str = "train"     # train | sample
+    model: ModelConfig = field(default_factory=ModelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    trainer: TrainerConfig = field(default_factory=TrainerConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    wandb: WandbConfig = field(default_factory=WandbConfig)
+    sample: SampleConfig = field(default_factory=SampleConfig)
+
+
+def load_config(overrides, world_size: int, yaml_path: str = DEFAULT_YAML) -> Config:
+    """Schema <- YAML <- command-line dot-list, then validate. Raises UserError."""
+    # `config=path` picks another YAML file (handy for tests and experiments)
+    rest = [o for o in overrides if not o.startswith("config=")]
+    for o in overrides:
+        if o.startswith("config="):
+            yaml_path = o.split("=", 1)[1]
+    for o in rest:
+        if "=" not in o:
+            raise UserError(f"command-line argument {o!r} is not key=value "
+                            "(e.g. trainer.max_steps=100)")
+    try:
+        cfg = OmegaConf.merge(OmegaConf.structured(Config), OmegaConf.load(yaml_path),
+                              OmegaConf.from_dotlist(rest))
+        cfg = OmegaConf.to_object(cfg)
+    except FileNotFoundError:
+        raise UserError(f"config file not found: {yaml_path}") from None
+    except OmegaConfBaseException as e:
+        raise UserError(f"bad config: {_first_line(e)}") from None
+    validate(cfg, world_size)
+    return cfg
+
+
+def _first_line(e):
+    # omegaconf appends "full_key: ..., object_type=..." lines; the first says it all
+    lines = [ln.strip() for ln in str(e).splitlines() if ln.strip()]
+    key = getattr(e, "full_key", None)
+    return f"{lines[0]}" + (f" (key: {key})" if key and key not in lines[0] else "")
+
+
+def validate(cfg: Config, world_size: int):
+    m, d, t, p = cfg.model, cfg.data, cfg.trainer, cfg.parallel
+    checks = [
+        (cfg.mode in ("train", "sample"), f"mode must be train or sample, got {cfg.mode!r}"),
+        (p.dp in STRATEGIES, f"parallel.dp={p.dp!r} is not one of {sorted(STRATEGIES)}"),
+        (p.tp == 1, "parallel.tp: tensor parallelism is not implemented yet; only 1 is accepted"),
+        (p.pp == 1, "parallel.pp: pipeline parallelism is not implemented yet; only 1 is accepted"),
+        (world_size % (p.tp * p.pp) == 0,
+         f"world size {world_size} is not divisible by parallel.tp * parallel.pp = {p.tp * p.pp}"),
+        (m.n_layer >= 1 and m.n_head >= 1 and m.n_embd >= 1, "model sizes must be positive"),
+        (m.n_embd % m.n_head == 0,
+         f"model.n_embd={m.n_embd} is not divisible by model.n_head={m.n_head}"),
+        (0.0 <= m.dropout < 1.0, f"model.dropout must be in [0, 1), got {m.dropout}"),
+        (d.block_size >= 1, f"data.block_size must be >= 1, got {d.block_size}"),
+        (d.tokenizer in ("char", "gpt2"), f"data.tokenizer must be char or gpt2, got {d.tokenizer!r}"),
+        (0.0 < d.val_fraction < 1.0, f"data.val_fraction must be in (0, 1), got {d.val_fraction}"),
+        (t.max_steps >= 1, f"trainer.max_steps must be >= 1, got {t.max_steps}"),
+        (t.batch_size >= 1 and t.grad_accum >= 1, "trainer.batch_size and grad_accum must be >= 1"),
+        (t.lr > 0 and 0 <= t.min_lr <= t.lr, "need 0 < trainer.lr and 0 <= trainer.min_lr <= lr"),
+        (min(t.log_every, t.eval_every, t.save_every, t.eval_batches, t.warmup_steps) >= 0,
+         "trainer.log_every/eval_every/save_every/eval_batches/warmup_steps must be >= 0"),
+        (t.device in ("auto", "cpu", "cuda"), f"trainer.device must be auto, cpu or cuda, got {t.device!r}"),
+        (cfg.wandb.mode in ("offline", "online", "disabled"),
+         f"wandb.mode must be offline, online or disabled, got {cfg.wandb.mode!r}"),
+        (p.timeout_s > 0, "parallel.timeout_s must be > 0"),
+    ]
+    for ok, message in checks:
+        if not ok:
+            raise UserError(message)
+
+    dp = world_size // (p.tp * p.pp)
+    if p.dp == "single" and world_size != 1:
+        raise UserError(f"parallel.dp=single runs on one process, but the world size is "
+                        f"{world_size}: use torchrun --nproc_per_node=1 or a data-parallel strategy")
+    per_rank = dp * t.grad_accum
+    if t.batch_size % per_rank:
+        raise UserError(
+            f"trainer.batch_size={t.batch_size} (the global batch) must be divisible by "
+            f"dp degree {dp} x trainer.grad_accum {t.grad_accum} = {per_rank}")
+
+
+def resolved_yaml(cfg: Config) -> str:
+    return OmegaConf.to_yaml(OmegaConf.structured(cfg))
+
+
+def to_dict(cfg: Config) -> dict:
+    return OmegaConf.to_container(OmegaConf.structured(cfg))

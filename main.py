@@ -1,0 +1,159 @@
+"""Entry point: config, process groups, wiring; then train or sample.
+
+    torchrun --standalone --nproc_per_node=2 main.py [key=value ...]
+    python main.py [key=value ...]                 # world size 1
+    python main.py mode=sample sample.prompt="KING:"
+
+Every failure a user can fix is a UserError: printed as one line on every
+rank, exit status 2. Checks that every rank can make on its own (config, data,
+snapshot) run before the first collective that could leave a rank waiting;
+the ranks then agree that all of them got through before going on.
+"""
+
+import datetime
+import os
+import sys
+import traceback
+from dataclasses import asdict
+
+import torch
+import torch.distributed as dist
+
+from char_dataset import build_tokenizer, load_text, split_tokens
+from config import load_config, resolved_yaml
+from errors import UserError
+from model import GPT, GPTConfig
+from parallel import build_strategy
+from parallel.grid import ProcessGrid
+from parallel.strategy import load_named_parameters
+from snapshot import check_model_shape, load_snapshot, snapshot_exists
+from trainer import Trainer, snapshot_location
+
+
+def pick_device(choice, local_rank):
+    if choice == "cuda" or (choice == "auto" and torch.cuda.is_available()):
+        if not torch.cuda.is_available():
+            raise UserError("trainer.device=cuda but no CUDA device is available")
+        torch.cuda.set_device(local_rank)
+        return torch.device("cuda", local_rank)
+    return torch.device("cpu")
+
+
+def init_process_group(device, timeout_s, rank, world_size):
+    backend = "nccl" if device.type == "cuda" else "gloo"
+    timeout = datetime.timedelta(seconds=timeout_s)
+    if "MASTER_ADDR" in os.environ:  # launched by torchrun (or by hand with env://)
+        dist.init_process_group(backend, rank=rank, world_size=world_size, timeout=timeout)
+    else:  # plain `python main.py`: a one-rank group, so the code path is the same
+        dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1,
+                                timeout=timeout)
+
+
+def prepare_data(cfg):
+    """Everything each rank can check alone: snapshot, text, tokenizer, shapes."""
+    path = snapshot_location(cfg.trainer)
+    snapshot = load_snapshot(path) if snapshot_exists(path) else None
+    text = load_text(cfg.data.path)
+    tokenizer = build_tokenizer(cfg.data.tokenizer, text,
+                                saved=snapshot["tokenizer"] if snapshot else None)
+    train_set, val_set = split_tokens(text, tokenizer, cfg.data, cfg.data.path)
+    gpt_config = GPTConfig(**asdict(cfg.model), vocab_size=tokenizer.vocab_size,
+                           block_size=cfg.data.block_size)
+    if snapshot:
+        check_model_shape(path, snapshot["gpt_config"], asdict(gpt_config))
+    return snapshot, tokenizer, train_set, val_set, gpt_config
+
+
+def train(cfg, grid):
+    try:
+        prepared, error = prepare_data(cfg), None
+    except UserError as e:
+        prepared, error = None, e
+    if not grid.all_ok(error is None):
+        raise error or UserError("stopping: another rank reported an error (see above)")
+    snapshot, tokenizer, train_set, val_set, gpt_config = prepared
+
+    if grid.is_main:
+        os.makedirs(cfg.trainer.run_dir, exist_ok=True)
+        with open(os.path.join(cfg.trainer.run_dir, "config.yaml"), "w") as f:
+            f.write(resolved_yaml(cfg))
+    torch.manual_seed(cfg.trainer.seed)  # identical initial weights on every rank
+    model = GPT(gpt_config)
+    if grid.is_main:
+        print(f"{grid}; {model.num_params() / 1e6:.2f}M parameters, vocab {gpt_config.vocab_size}, "
+              f"{len(train_set)} train windows", flush=True)
+    strategy = build_strategy(model, grid, cfg.parallel)
+    meta = {"gpt_config": asdict(gpt_config), "tokenizer": tokenizer.state()}
+    trainer = Trainer(cfg, strategy, grid, train_set, val_set, meta, snapshot)
+    try:
+        trainer.train()
+    finally:
+        trainer.close()
+    state = strategy.state_dict()  # collective: gathers shards where there are any
+    if grid.is_main and cfg.sample.length > 0:
+        model = GPT(gpt_config)
+        load_named_parameters(model, state)
+        print("---- sample ----\n" + generate_text(model, tokenizer, cfg.sample), flush=True)
+
+
+def sample(cfg):
+    path = snapshot_location(cfg.trainer)
+    if not snapshot_exists(path):
+        raise UserError(f"no snapshot at {path}: train first, or set trainer.snapshot_path")
+    snap = load_snapshot(path)
+    tokenizer = build_tokenizer(None, saved=snap["tokenizer"])
+    model = GPT(GPTConfig(**snap["gpt_config"]))
+    load_named_parameters(model, snap["model"], f"snapshot {path}")
+    print(generate_text(model, tokenizer, cfg.sample), flush=True)
+
+
+def generate_text(model, tokenizer, scfg):
+    model.eval()
+    prompt = tokenizer.encode(scfg.prompt) or [0]
+    idx = torch.tensor([prompt], dtype=torch.long)
+    gen = torch.Generator().manual_seed(scfg.seed)
+    out = model.generate(idx, scfg.length, temperature=scfg.temperature,
+                         top_k=scfg.top_k or None, generator=gen)
+    return tokenizer.decode(out[0].tolist())
+
+
+def main(argv, rank, world_size, local_rank):
+    cfg = load_config(argv, world_size)  # before any collective: bad config exits everywhere
+    if cfg.mode == "sample":
+        if rank == 0:
+            sample(cfg)
+        return
+    device = pick_device(cfg.trainer.device, local_rank)
+    init_process_group(device, cfg.parallel.timeout_s, rank, world_size)
+    p = cfg.parallel
+    grid = ProcessGrid(world_size // (p.tp * p.pp), p.pp, p.tp, device)
+    train(cfg, grid)
+    dist.barrier()  # nobody leaves while another rank may still need it
+    dist.destroy_process_group()
+
+
+def run_and_exit():
+    """Exit through os._exit after flushing: torch 2.13's interpreter teardown after
+    destroy_process_group sometimes aborts (SIGABRT, DESIGN.md section 6), which
+    would turn a finished job into a failed one."""
+    rank = int(os.environ.get("RANK", 0))
+    world_size = int(os.environ.get("WORLD_SIZE", 1))
+    code = 0
+    try:
+        main(sys.argv[1:], rank, world_size, int(os.environ.get("LOCAL_RANK", 0)))
+    except UserError as e:
+        where = f" on rank {rank}" if world_size > 1 else ""
+        print(f"error{where}: {e}", file=sys.stderr)
+        code = 2
+    except KeyboardInterrupt:
+        code = 130
+    except BaseException:
+        traceback.print_exc()
+        code = 1
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
+
+
+if __name__ == "__main__":
+    run_and_exit()

@@ -1,0 +1,17 @@
+"""Parallel strategies: the YAML key `parallel.dp` picks one from STRATEGIES.
+
+A new strategy is one new file with a `parallel.strategy.Strategy` subclass
+plus one line here. `build_strategy` is the only place that looks at the name.
+"""
+
+from parallel.single import Single
+from parallel.torch_ddp import TorchDDP
+
+STRATEGIES = {
+    "single": Single,        # one process; the parity reference
+    "torch_ddp": TorchDDP,   # PyTorch DDP; the speed reference for ddp_*
+}
+
+
+def build_strategy(model, grid, cfg):
+    return STRATEGIES[cfg.dp](model, grid, cfg)

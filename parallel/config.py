@@ -1,0 +1,15 @@
+"""The `parallel:` section of gpt2_train_cfg.yaml."""
+
+from dataclasses import dataclass
+
+
+@dataclass
+class ParallelConfig:
+    dp: str = "torch_ddp"       # how the data-parallel dimension works (see parallel/__init__.py)
+    tp: int = 1                 # tensor-parallel degree
+    pp: int = 1                 # pipeline-parallel degree; dp degree = world / (tp * pp)
+    zero_stage: int = 3         # 1, 2 or 3, for dp=fsdp
+    pp_schedule: str = "1f1b"   # gpipe | 1f1b, for pp > 1
+    microbatches: int = 1       # pipeline micro-batches per step, for pp > 1
+    bucket_cap_mb: float = 25.0  # gradient bucket size for ddp_bucket / torch_ddp
+    timeout_s: float = 600.0    # a collective that waits longer than this fails instead of hanging

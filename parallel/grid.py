@@ -1,0 +1,50 @@
+"""The process grid: world = dp x pp x tp, TP fastest-varying.
+
+Built once in main.py and passed to whoever needs it; nothing deep inside
+reads environment variables or global state. Rank r sits at coordinates
+(dp_rank, pp_rank, tp_rank) of `torch.arange(world).view(dp, pp, tp)`, so the
+ranks of one TP group are neighbours (same node), as Megatron arranges them.
+"""
+
+import torch
+import torch.distributed as dist
+
+
+class ProcessGrid:
+    def __init__(self, dp: int, pp: int, tp: int, device: torch.device):
+        self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
+        assert dp * pp * tp == self.world_size, "validated in config.py before we get here"
+        self.dp_size, self.pp_size, self.tp_size = dp, pp, tp
+        self.device = device
+        self.ranks = torch.arange(self.world_size).view(dp, pp, tp)
+        self.dp_rank, self.pp_rank, self.tp_rank = (
+            int(c) for c in (self.ranks == self.rank).nonzero()[0])
+        # every rank must create every group, in the same order
+        self.dp_group = self._groups_along(0)
+        self.pp_group = self._groups_along(1)
+        self.tp_group = self._groups_along(2)
+
+    def _groups_along(self, dim):
+        """The group of ranks that differ only in coordinate `dim`, holding this rank."""
+        lines = self.ranks.movedim(dim, -1).reshape(-1, self.ranks.size(dim))
+        mine = None
+        for line in lines.tolist():
+            group = dist.new_group(line) if len(line) < self.world_size else dist.group.WORLD
+            if self.rank in line:
+                mine = group
+        return mine
+
+    @property
+    def is_main(self):
+        """The one rank that writes snapshots, metrics and logs for the whole job."""
+        return self.rank == 0
+
+    def all_ok(self, ok: bool) -> bool:
+        """True on every rank iff `ok` was true on every rank (so all stop together)."""
+        flag = torch.tensor([1 if ok else 0], device=self.device)
+        dist.all_reduce(flag, op=dist.ReduceOp.MIN)
+        return bool(flag.item())
+
+    def __repr__(self):
+        return (f"ProcessGrid(dp={self.dp_size}, pp={self.pp_size}, tp={self.tp_size}; rank {self.rank} "
+                f"at dp={self.dp_rank} pp={self.pp_rank} tp={self.tp_rank})")

@@ -1,0 +1,22 @@
+"""`torch_ddp`: PyTorch's own DistributedDataParallel, kept as the reference.
+
+Not one of our strategies: it is what `ddp_naive` and `ddp_bucket` are
+measured against (parity and speed) in the same run. DDP broadcasts rank 0's
+parameters at construction, all-reduces gradient buckets from autograd hooks
+during backward, and skips that on accumulation micro-steps under no_sync().
+"""
+
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+from parallel.strategy import ReplicatedStrategy
+
+
+class TorchDDP(ReplicatedStrategy):
+    def __init__(self, model, grid, cfg):
+        super().__init__(model, grid, cfg)
+        device_ids = [self.device] if self.device.type == "cuda" else None
+        self.model = DDP(self.module, process_group=grid.dp_group, device_ids=device_ids,
+                         bucket_cap_mb=cfg.bucket_cap_mb)
+
+    def no_sync(self, last_micro_step):
+        return super().no_sync(True) if last_micro_step else self.model.no_sync()

@@ -1,0 +1,221 @@
+"""The snapshotting training loop: batches, LR schedule, clipping, eval, logs, snapshots.
+
+It talks to one `parallel.strategy.Strategy` and never asks which one.
+Everything a step reads is a function of (config, step): the data position
+(char_dataset.GlobalBatches), the LR (lr_at) and the random state (reseeded
+each step from trainer.seed, the step and the data-parallel rank). So a
+snapshot needs only the step, the model and the optimizer to continue
+exactly, under any layout, and a resumed run's losses equal an
+uninterrupted run's.
+"""
+
+import json
+import math
+import os
+import sys
+import time
+import uuid
+from dataclasses import dataclass
+
+import torch
+
+from char_dataset import GlobalBatches, eval_starts
+from errors import UserError
+from snapshot import save_snapshot
+
+
+@dataclass
+class TrainerConfig:
+    """The `trainer:` section of gpt2_train_cfg.yaml."""
+    max_steps: int = 300
+    batch_size: int = 32        # GLOBAL sequences per optimizer step, whatever the layout
+    grad_accum: int = 1         # micro-steps per optimizer step on each dp rank
+    lr: float = 2e-3
+    min_lr: float = 2e-4
+    warmup_steps: int = 20
+    weight_decay: float = 0.1
+    beta1: float = 0.9
+    beta2: float = 0.95
+    grad_clip: float = 1.0      # 0 = no clipping
+    eval_every: int = 50        # optimizer steps; 0 = never
+    eval_batches: int = 4       # global batches of val data per eval
+    log_every: int = 10
+    save_every: int = 50        # 0 = only at the end
+    seed: int = 1337
+    run_dir: str = "runs/default"
+    snapshot_path: str = ""     # any fsspec URL; "" = <run_dir>/snapshot.pt
+    device: str = "auto"        # auto (cuda if available) | cpu | cuda
+
+
+def lr_at(step: int, t: TrainerConfig) -> float:
+    """Linear warm-up to t.lr, then cosine decay to t.min_lr at t.max_steps."""
+    if step < t.warmup_steps:
+        return t.lr * (step + 1) / t.warmup_steps
+    progress = min(1.0, (step - t.warmup_steps) / max(1, t.max_steps - t.warmup_steps))
+    return t.min_lr + 0.5 * (1.0 + math.cos(math.pi * progress)) * (t.lr - t.min_lr)
+
+
+def peak_memory_mb(device) -> float:
+    """Peak memory of this process: allocator peak on CUDA, max RSS on CPU."""
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device) / 2**20
+    import resource
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # Linux: KiB
+
+
+def snapshot_location(t: TrainerConfig) -> str:
+    return t.snapshot_path or os.path.join(t.run_dir, "snapshot.pt")
+
+
+class MetricsLog:
+    """metrics.jsonl, the console and wandb; active on the main rank only."""
+
+    def __init__(self, cfg, active, resumed_step, wandb_id):
+        self.active, self.run = active, None
+        self.tty = active and sys.stdout.isatty()
+        if not active:
+            return
+        os.makedirs(cfg.trainer.run_dir, exist_ok=True)
+        self.path = os.path.join(cfg.trainer.run_dir, "metrics.jsonl")
+        self._keep_steps_up_to(resumed_step)  # a fresh run starts an empty file
+        if cfg.wandb.mode != "disabled":
+            import wandb
+            from config import to_dict
+            self.run = wandb.init(
+                project=cfg.wandb.project, id=wandb_id, resume="allow", mode=cfg.wandb.mode,
+                name=cfg.wandb.name or os.path.basename(os.path.normpath(cfg.trainer.run_dir)),
+                dir=cfg.trainer.run_dir, config=to_dict(cfg))
+
+    def _keep_steps_up_to(self, step):
+        """Drop records past the snapshot: the resumed run writes those steps again."""
+        lines = []
+        if os.path.exists(self.path):
+            with open(self.path) as f:
+                lines = [ln for ln in f if ln.strip() and json.loads(ln)["step"] <= step]
+        with open(self.path, "w") as f:
+            f.writelines(lines)
+
+    def write(self, record, total_steps, console):
+        if not self.active:
+            return
+        with open(self.path, "a") as f:
+            f.write(json.dumps(record) + "\n")
+        if self.run is not None:
+            self.run.log(record, step=record["step"])
+        if console:
+            line = (f"step {record['step']}/{total_steps} | loss {record['loss']:.4f} | "
+                    f"lr {record['lr']:.2e} | {record['tokens_per_s']:.0f} tok/s | "
+                    f"{record['step_ms']:.1f} ms/step")
+            if "val_loss" in record:
+                line += f" | val {record['val_loss']:.4f}"
+            print(("\r" if self.tty else "") + line, flush=True)
+
+    def progress(self, step, total):
+        if self.tty:
+            done = int(30 * step / total)
+            print(f"\r[{'#' * done}{'.' * (30 - done)}] {step}/{total}", end="", flush=True)
+
+    def close(self):
+        if self.run is not None:
+            self.run.finish()
+
+
+class Trainer:
+    def __init__(self, cfg, strategy, grid, train_set, val_set, snapshot_meta, snapshot=None):
+        """snapshot_meta: what the snapshot carries beyond the training state
+        (GPT shape, tokenizer vocabulary); snapshot: a loaded one to resume."""
+        self.cfg, self.t = cfg, cfg.trainer
+        self.strategy, self.grid = strategy, grid
+        self.train_set, self.val_set = train_set, val_set
+        self.snapshot_meta = snapshot_meta
+        self.snapshot_path = snapshot_location(self.t)
+        self.batches = GlobalBatches(len(train_set), self.t.batch_size, self.t.seed)
+        self.step, self.wandb_id = 0, uuid.uuid4().hex[:12]
+        strategy.configure_optimizer(self.t)
+        if snapshot is not None:
+            self._restore(snapshot)
+        self.metrics = MetricsLog(cfg, grid.is_main, self.step, self.wandb_id)
+
+    def _restore(self, snap):
+        saved = snap["config"]["trainer"]
+        for key in ("batch_size", "seed"):
+            if saved[key] != getattr(self.t, key):
+                raise UserError(
+                    f"snapshot {self.snapshot_path} was trained with trainer.{key}={saved[key]}, "
+                    f"this run asks for {getattr(self.t, key)}: resuming would change the data "
+                    f"order. Use the snapshot's value or a new trainer.snapshot_path")
+        self.strategy.load_state_dict(snap["model"])
+        self.strategy.load_optimizer_state_dict(snap["optimizer"])
+        self.step, self.wandb_id = snap["step"], snap["wandb_id"]
+        if self.grid.is_main:
+            print(f"resuming from snapshot {self.snapshot_path} at step {self.step}", flush=True)
+
+    def _reseed(self, step):
+        """Dropout etc. draw from a stream fixed by (seed, step, dp rank): resumable."""
+        seed = (self.t.seed * 1_000_003 + step) * 1_009 + self.grid.dp_rank
+        torch.manual_seed(seed)
+
+    def train(self):
+        t, g = self.t, self.grid
+        while self.step < t.max_steps:
+            started = time.perf_counter()
+            self._reseed(self.step)
+            micro = self.batches.local_micro_batches(
+                self.train_set, self.step, g.dp_rank, g.dp_size, t.grad_accum)
+            loss = self.strategy.forward_backward(micro)
+            if not math.isfinite(loss):
+                raise UserError(f"training loss became {loss} at step {self.step + 1}: "
+                                "lower trainer.lr or raise trainer.warmup_steps")
+            lr = lr_at(self.step, t)
+            if t.grad_clip > 0:
+                self.strategy.clip_grad_norm_(t.grad_clip)
+            self.strategy.optimizer_step(lr)
+            self.step += 1
+            elapsed = time.perf_counter() - started
+
+            record = {"step": self.step, "loss": loss, "lr": lr,
+                      "tokens_per_s": t.batch_size * self.train_set.block_size / elapsed,
+                      "step_ms": 1000 * elapsed, "peak_mem_mb": peak_memory_mb(g.device),
+                      **self.strategy.comm_stats()}
+            last = self.step == t.max_steps
+            if t.eval_every and (self.step % t.eval_every == 0 or last):
+                record["val_loss"] = self.evaluate()
+            logged = t.log_every and (self.step % t.log_every == 0 or last)
+            if logged or "val_loss" in record:
+                self.metrics.write(record, t.max_steps, console=bool(logged) or last)
+            else:
+                self.metrics.progress(self.step, t.max_steps)
+            if (t.save_every and self.step % t.save_every == 0) or last:
+                self.save()
+        return self.step
+
+    def evaluate(self):
+        g, starts = self.grid, eval_starts(len(self.val_set), self.t.batch_size, self.t.eval_batches)
+        losses = [self.strategy.eval_loss(*self.val_set.batch(row.view(g.dp_size, -1)[g.dp_rank]))
+                  for row in starts]
+        return sum(losses) / len(losses)
+
+    def save(self):
+        """Every rank helps gather canonical state; only the main rank writes."""
+        model, optim = self.strategy.state_dict(), self.strategy.optimizer_state_dict()
+        ok, error = True, None
+        if self.grid.is_main:
+            from config import to_dict
+            try:
+                save_snapshot(self.snapshot_path, {
+                    "step": self.step, "samples_seen": self.step * self.t.batch_size,
+                    "model": model, "optimizer": optim, "wandb_id": self.wandb_id,
+                    "config": to_dict(self.cfg), **self.snapshot_meta,
+                    "lr_schedule": {"warmup_steps": self.t.warmup_steps, "max_steps": self.t.max_steps,
+                                    "lr": self.t.lr, "min_lr": self.t.min_lr},
+                    "rng": {"scheme": "torch.manual_seed((seed*1000003 + step)*1009 + dp_rank) "
+                                      "at the start of each step", "seed": self.t.seed},
+                })
+            except OSError as e:
+                ok, error = False, e
+        if not self.grid.all_ok(ok):  # nobody trains on past a snapshot that was not written
+            raise UserError(f"could not write snapshot {self.snapshot_path}: {error}"
+                            if error else "the main rank could not write the snapshot")
+
+    def close(self):
+        self.metrics.close()
