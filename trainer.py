@@ -176,6 +176,7 @@ class Trainer:
             record = {"step": self.step, "loss": loss, "lr": lr,
                       "tokens_per_s": t.batch_size * self.train_set.block_size / elapsed,
                       "step_ms": 1000 * elapsed, "peak_mem_mb": peak_memory_mb(g.device),
+                      "state_bytes": self.strategy.state_bytes(),
                       **self.strategy.comm_stats()}
             last = self.step == t.max_steps
             if t.eval_every and (self.step % t.eval_every == 0 or last):

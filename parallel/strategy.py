@@ -28,6 +28,7 @@ import torch
 import torch.distributed as dist
 
 from errors import UserError
+from parallel.comm import CommCounter
 
 
 class Strategy:
@@ -35,6 +36,8 @@ class Strategy:
 
     def __init__(self, model, grid, cfg):
         self.grid, self.cfg, self.device = grid, cfg, grid.device
+        self.comm = CommCounter()  # training traffic goes through it, so it is counted
+        self.last_state_bytes = 0  # set by optimizer_step, see state_bytes()
 
     def configure_optimizer(self, tcfg):
         raise NotImplementedError
@@ -71,10 +74,16 @@ class Strategy:
 
     def comm_stats(self) -> dict:
         """Collective calls/bytes since the last call (see parallel/comm.py)."""
-        return {}
+        return self.comm.pop()
+
+    def state_bytes(self) -> int:
+        """Bytes of parameters + gradients + optimizer state resident on this rank,
+        measured at the end of the last optimizer step (before grads are freed)."""
+        return self.last_state_bytes
 
     def dp_mean(self, value: torch.Tensor) -> float:
-        """Average a scalar over the data-parallel group (losses, for logging)."""
+        """Average a scalar over the data-parallel group (losses, for logging;
+        deliberately not counted as training traffic)."""
         value = value.detach().clone()
         if self.grid.dp_size > 1:
             dist.all_reduce(value, group=self.grid.dp_group)
@@ -105,6 +114,21 @@ def load_named_parameters(module, state, what="snapshot model state"):
     check_state_names(params, state, what)
     for name, p in params.items():
         p.copy_(state[name])
+
+
+def resident_bytes(params, optimizer):
+    """Parameters + their gradients + optimizer state tensors, in bytes (each tensor once)."""
+    seen, total = set(), 0
+    tensors = []
+    for p in params:
+        tensors += [p, p.grad]
+    for state in optimizer.state.values():
+        tensors += [v for v in state.values() if torch.is_tensor(v)]
+    for t in tensors:
+        if t is not None and id(t) not in seen:
+            seen.add(id(t))
+            total += t.numel() * t.element_size()
+    return total
 
 
 def build_adamw(named_params: dict, groups, tcfg, **kwargs):
@@ -193,6 +217,7 @@ class ReplicatedStrategy(Strategy):
         for group in self.optimizer.param_groups:
             group["lr"] = lr
         self.optimizer.step()
+        self.last_state_bytes = resident_bytes(self.module.parameters(), self.optimizer)
         self.optimizer.zero_grad(set_to_none=True)
 
     def state_dict(self):

@@ -1,0 +1,58 @@
+"""Counted collectives: every strategy sends through these, so metrics.jsonl can say
+how many collective calls each rank made per step and how many bytes it handed
+to them, by kind (`comm_calls`, `comm_bytes`, and `comm_<kind>_calls/bytes`).
+
+"Bytes handed" is the payload of the call on this rank (the tensor given to
+all_reduce, the output of an all_gather, the input of a reduce_scatter, what a
+send sends), not what the algorithm puts on the wire: the benchmark compares
+it with the textbook volumes.
+"""
+
+from collections import Counter
+
+import torch.distributed as dist
+
+
+class CommCounter:
+    def __init__(self):
+        self.calls, self.bytes = Counter(), Counter()
+
+    def record(self, kind, tensor):
+        self.calls[kind] += 1
+        self.bytes[kind] += tensor.numel() * tensor.element_size()
+
+    def pop(self) -> dict:
+        """Totals and per-kind figures since the last pop, then start again."""
+        out = {"comm_calls": sum(self.calls.values()), "comm_bytes": sum(self.bytes.values())}
+        for kind in sorted(self.calls):
+            out[f"comm_{kind}_calls"] = self.calls[kind]
+            out[f"comm_{kind}_bytes"] = self.bytes[kind]
+        self.calls.clear()
+        self.bytes.clear()
+        return out
+
+    # -- the collectives, same signatures as torch.distributed plus the counting
+
+    def all_reduce(self, tensor, group=None, op=dist.ReduceOp.SUM, async_op=False):
+        self.record("all_reduce", tensor)
+        return dist.all_reduce(tensor, op=op, group=group, async_op=async_op)
+
+    def reduce_scatter(self, output, input, group=None, op=dist.ReduceOp.SUM, async_op=False):
+        self.record("reduce_scatter", input)
+        return dist.reduce_scatter_tensor(output, input, op=op, group=group, async_op=async_op)
+
+    def all_gather(self, output, input, group=None, async_op=False):
+        self.record("all_gather", output)
+        return dist.all_gather_into_tensor(output, input, group=group, async_op=async_op)
+
+    def broadcast(self, tensor, src, group=None, async_op=False):
+        self.record("broadcast", tensor)
+        return dist.broadcast(tensor, src=src, group=group, async_op=async_op)
+
+    def isend(self, tensor, dst, group=None):
+        self.record("send", tensor)
+        return dist.isend(tensor, dst=dst, group=group)
+
+    def irecv(self, tensor, src, group=None):
+        self.calls["recv"] += 1  # bytes received are the peer's send: count calls only
+        return dist.irecv(tensor, src=src, group=group)
