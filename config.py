@@ -63,8 +63,8 @@ def load_config(overrides, world_size: int, yaml_path: str = DEFAULT_YAML) -> Co
             raise UserError(f"command-line argument {o!r} is not key=value "
                             "(e.g. trainer.max_steps=100)")
     try:
-        cfg = OmegaConf.merge(OmegaConf.structured(Config), OmegaConf.load(yaml_path),
-                              OmegaConf.from_dotlist(rest))
+        schema = OmegaConf.structured(Config)
+        cfg = OmegaConf.merge(schema, OmegaConf.load(yaml_path), _parse_overrides(schema, rest))
         cfg = OmegaConf.to_object(cfg)
     except FileNotFoundError:
         raise UserError(f"config file not found: {yaml_path}") from None
@@ -72,6 +72,19 @@ def load_config(overrides, world_size: int, yaml_path: str = DEFAULT_YAML) -> Co
         raise UserError(f"bad config: {_first_line(e)}") from None
     validate(cfg, world_size)
     return cfg
+
+
+def _parse_overrides(schema, overrides):
+    """Like OmegaConf.from_dotlist, except that string keys take the text as written:
+    `sample.prompt=KING:` is the prompt "KING:", not a YAML mapping."""
+    parsed = OmegaConf.create()
+    for item in overrides:
+        key, value = item.split("=", 1)
+        if isinstance(OmegaConf.select(schema, key, default=None), str):
+            OmegaConf.update(parsed, key, value, force_add=True)
+        else:
+            parsed.merge_with(OmegaConf.from_dotlist([item]))
+    return parsed
 
 
 def _first_line(e):

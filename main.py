@@ -143,7 +143,8 @@ def run_and_exit():
         main(sys.argv[1:], rank, world_size, int(os.environ.get("LOCAL_RANK", 0)))
     except UserError as e:
         where = f" on rank {rank}" if world_size > 1 else ""
-        print(f"error{where}: {e}", file=sys.stderr)
+        sys.stderr.flush()  # one write of the whole line, so ranks' lines never interleave
+        os.write(2, f"error{where}: {e}\n".encode())
         code = 2
     except KeyboardInterrupt:
         code = 130

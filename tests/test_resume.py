@@ -1,0 +1,111 @@
+"""Kill a real 2-rank job with SIGKILL, start it again with the same command, and
+get exactly the losses of a run that was never interrupted (DESIGN.md section 3)."""
+
+import json
+import os
+import signal
+import subprocess
+import time
+
+import torch
+
+from char_dataset import embedded_corpus
+from harness import TINY, command, job_env, read_metrics, run_job, run_metrics
+from snapshot import load_snapshot, save_snapshot
+
+# a short corpus makes an epoch 10 steps long, so the run crosses epoch boundaries
+# and the kill lands mid-epoch; a wider model makes steps slow enough to kill mid-run
+RESUME = ["trainer.max_steps=30", "trainer.save_every=4", "trainer.eval_every=10",
+          "data.val_fraction=0.3", "model.n_embd=64", "data.block_size=32",
+          "model.dropout=0.1"]  # dropout: the random stream must resume too
+
+
+def small_corpus(tmp_path):
+    path = tmp_path / "corpus.txt"
+    path.write_text(embedded_corpus(1000)[:220])  # 154 train tokens: 122 windows, 10 steps/epoch
+    return path
+
+
+def kill_after_step(workdir, overrides, step, timeout=120):
+    """Start a 2-rank job and SIGKILL its whole process group once `step` is logged."""
+    os.makedirs(workdir, exist_ok=True)
+    metrics = os.path.join(workdir, "runs", "default", "metrics.jsonl")
+    proc = subprocess.Popen(command(2, TINY + overrides), cwd=workdir, env=job_env(),
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                            start_new_session=True)
+    deadline = time.time() + timeout
+    try:
+        while time.time() < deadline and proc.poll() is None:
+            if os.path.exists(metrics):
+                with open(metrics) as f:
+                    if f.read().count("\n") >= step:
+                        break
+            time.sleep(0.005)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+    return read_metrics(os.path.dirname(metrics))
+
+
+def test_killed_job_resumes_with_identical_losses(tmp_path):
+    args = ["parallel.dp=torch_ddp", f"data.path={small_corpus(tmp_path)}", *RESUME]
+    reference = run_metrics(tmp_path, 2, args)
+    assert len(reference) == 30
+
+    workdir = tmp_path / "killed"
+    before_kill = kill_after_step(workdir, args, step=13)
+    assert 13 <= len(before_kill) < 30, "the kill must land mid-run"
+    print(f"killed after step {len(before_kill)}")
+    snap = load_snapshot(str(workdir / "runs" / "default" / "snapshot.pt"))
+    assert snap["step"] % 4 == 0 and 0 < snap["step"] < 30
+
+    result = run_job(workdir, 2, args)
+    assert result.returncode == 0, result.stderr
+    assert f"resuming from snapshot" in result.stdout
+    resumed = read_metrics(workdir / "runs" / "default")
+    assert [r["step"] for r in resumed] == list(range(1, 31))  # re-done steps not duplicated
+    for ref, got in zip(reference, resumed):
+        assert abs(ref["loss"] - got["loss"]) <= 1e-6 * abs(ref["loss"]), (ref, got)
+        assert ("val_loss" in ref) == ("val_loss" in got)
+        if "val_loss" in ref:
+            assert abs(ref["val_loss"] - got["val_loss"]) <= 1e-6 * ref["val_loss"]
+
+
+def test_snapshot_holds_what_resume_needs(tmp_path):
+    run_metrics(tmp_path, 1, ["parallel.dp=single", "trainer.max_steps=3"])
+    job = next(p for p in tmp_path.iterdir() if p.name.startswith("job-"))
+    snap = load_snapshot(str(job / "runs" / "default" / "snapshot.pt"))
+    assert snap["step"] == 3 and snap["samples_seen"] == 36
+    assert set(snap) >= {"model", "optimizer", "lr_schedule", "rng", "config", "tokenizer",
+                         "wandb_id", "gpt_config"}
+    assert "transformer.wte.weight" in snap["model"]  # canonical single-device names
+    assert set(snap["optimizer"]["state"]) == set(snap["model"])
+
+
+def test_failed_write_keeps_previous_snapshot(tmp_path, monkeypatch):
+    """A write that dies half way leaves the old snapshot loadable and no temp file."""
+    path = str(tmp_path / "snap.pt")
+    save_snapshot(path, {"step": 1, "w": torch.ones(3)})
+    import fsspec.implementations.local as local
+
+    real_open = local.LocalFileSystem._open
+
+    def dying_open(self, p, mode="rb", **kw):
+        f = real_open(self, p, mode, **kw)
+        if "w" in mode:
+            def write(data):
+                f.__class__.write(f, bytes(data)[:10])
+                raise OSError("disk died mid-write")
+            f.write = write
+        return f
+
+    monkeypatch.setattr(local.LocalFileSystem, "_open", dying_open)
+    try:
+        save_snapshot(path, {"step": 2, "w": torch.zeros(3)})
+    except OSError:
+        pass
+    monkeypatch.undo()
+    snap = load_snapshot(path)
+    assert snap["step"] == 1 and torch.equal(snap["w"], torch.ones(3))
+    assert os.listdir(tmp_path) == ["snap.pt"]
