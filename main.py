@@ -43,7 +43,13 @@ def init_process_group(device, timeout_s, rank, world_size):
     backend = "nccl" if device.type == "cuda" else "gloo"
     timeout = datetime.timedelta(seconds=timeout_s)
     if "MASTER_ADDR" in os.environ:  # launched by torchrun (or by hand with env://)
-        dist.init_process_group(backend, rank=rank, world_size=world_size, timeout=timeout)
+        store, rank, world_size = next(dist.rendezvous("env://", timeout=timeout))
+        # torchrun keeps one key-value store across --max-restarts attempts: without a
+        # per-attempt namespace a restarted rank can read a dead rank's old address
+        attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+        store = dist.PrefixStore(f"attempt-{attempt}", store)
+        dist.init_process_group(backend, store=store, rank=rank, world_size=world_size,
+                                timeout=timeout)
     else:  # plain `python main.py`: a one-rank group, so the code path is the same
         dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1,
                                 timeout=timeout)
