@@ -1,0 +1,162 @@
+"""`python -m bench.run`: own and reference strategies side by side (DESIGN.md section 5).
+
+    python -m bench.run --preset ddp                      # -> docs/bench/ddp-default/
+    python -m bench.run --preset fsdp --model thin12 --rounds 6
+    python -m bench.run --model tiny --variants single,torch_ddp --steps 8 --rounds 1
+
+Every variant is one real training job (main.py, torchrun --standalone, gloo),
+all on the same model, data and GLOBAL batch. Jobs alternate in rounds
+(A B C, A B C, ...) so a noisy neighbour slows every variant alike, and ratios
+are taken within a round before the median over rounds. Variants whose keys
+this checkout's config rejects (a strategy not merged yet) are skipped with
+the config's own message. Writes results.json (every logged step of every job
+too), results.md and step_time.png into --out.
+"""
+
+import argparse
+import os
+import shlex
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+if REPO not in sys.path:  # also runs as `python bench/run.py`
+    sys.path.insert(0, REPO)
+
+from bench import report, stats  # noqa: E402
+from bench.variants import MODELS, PRESETS, pick  # noqa: E402
+
+MAIN = os.path.join(REPO, "main.py")
+SHAKESPEARE = os.path.normpath(os.path.join(REPO, "..", "shared", "data", "tinyshakespeare.txt"))
+
+
+def parse_args(argv):
+    p = argparse.ArgumentParser(prog="python -m bench.run", description=__doc__.split("\n")[0])
+    p.add_argument("--preset", choices=sorted(PRESETS), default="all", help="which variants (%(default)s)")
+    p.add_argument("--variants", default="", help="comma list of variants; replaces --preset")
+    p.add_argument("--model", choices=sorted(MODELS), default="default", help="model size (%(default)s)")
+    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                   help="extra main.py override for every variant (repeatable)")
+    p.add_argument("--data", default=None, help="data.path; default ../shared/data/"
+                   "tinyshakespeare.txt when present, else the embedded corpus ('' forces it)")
+    p.add_argument("--nproc", type=int, default=2, help="ranks of the multi-process variants (%(default)s)")
+    p.add_argument("--rounds", type=int, default=3, help="(%(default)s)")
+    p.add_argument("--steps", type=int, default=30, help="optimizer steps per job (%(default)s)")
+    p.add_argument("--warmup", type=int, default=5, help="steps dropped at the start of each job (%(default)s)")
+    p.add_argument("--timeout", type=float, default=900, help="seconds before a job counts as hung (%(default)s)")
+    p.add_argument("--out", default="", help="output directory (default docs/bench/<preset>-<model>)")
+    p.add_argument("--runs-dir", default="", help="keep the jobs' run directories here "
+                   "(default: a temporary directory, deleted at the end)")
+    args = p.parse_args(argv)
+    if not 0 <= args.warmup < args.steps:
+        p.error(f"--warmup ({args.warmup}) must be smaller than --steps ({args.steps})")
+    args.out = args.out or os.path.join("docs", "bench",
+                                        f"{'custom' if args.variants else args.preset}-{args.model}")
+    return args
+
+
+def common_overrides(args):
+    """What every job shares: model, data, steps, and nothing that costs time but the step."""
+    data = args.data if args.data is not None else (SHAKESPEARE if os.path.exists(SHAKESPEARE) else "")
+    return (MODELS[args.model] + ([f"data.path={data}"] if data else [])
+            + [f"trainer.max_steps={args.steps}", "trainer.log_every=1", "trainer.eval_every=0",
+               "trainer.save_every=0", "sample.length=0", "wandb.mode=disabled",
+               "parallel.timeout_s=120"])  # a hung collective fails the job, not the bench
+
+
+def check(overrides, ranks):
+    """Why main.py would refuse these overrides on `ranks` processes, or None.
+    The same load_config main.py runs, so 'not merged yet' needs no list of its own."""
+    from config import load_config
+    from errors import UserError
+    try:
+        return None, load_config(overrides, ranks)
+    except UserError as e:
+        return str(e), None
+
+
+def run_job(ranks, threads, overrides, run_dir, timeout):
+    """One training job; returns its exit status, wall time, logged records and error tail."""
+    os.makedirs(run_dir, exist_ok=True)
+    launcher = [sys.executable, MAIN] if ranks == 1 else [
+        sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={ranks}", MAIN]
+    env = dict(os.environ, OMP_NUM_THREADS=str(threads), MKL_NUM_THREADS=str(threads),
+               WANDB_SILENT="true", PYTHONUNBUFFERED="1")
+    for key in ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_RANK"):
+        env.pop(key, None)  # an outer torchrun's variables would hijack the job's rendezvous
+    started = time.perf_counter()
+    try:
+        proc = subprocess.run(launcher + overrides + [f"trainer.run_dir={run_dir}"], cwd=run_dir,
+                              env=env, capture_output=True, text=True, timeout=timeout)
+        # keep plenty: torchrun's banner comes after the ranks' own error lines
+        code, tail = proc.returncode, (proc.stderr or proc.stdout)[-20000:]
+    except subprocess.TimeoutExpired:
+        code, tail = None, f"hung: killed after {timeout:.0f}s"
+    return {"returncode": code, "seconds": round(time.perf_counter() - started, 2),
+            "records": stats.read_metrics(os.path.join(run_dir, "metrics.jsonl")),
+            "error": "" if code == 0 else tail}
+
+
+def command_line(argv):
+    launcher = ["python", "-m", "bench.run"] if __package__ else ["python", "bench/run.py"]
+    return shlex.join(launcher + list(argv))
+
+
+def main(argv=None):
+    argv = sys.argv[1:] if argv is None else argv
+    args = parse_args(argv)
+    common = common_overrides(args)
+
+    # which variants this checkout can run; the others are reported, not fatal
+    plan, skipped, cfg = [], {}, None
+    for v in pick(args.variants, args.preset):
+        ranks, threads = v.ranks or args.nproc, v.threads or args.nproc
+        overrides = common + list(v.overrides) + args.set
+        why, got = check(overrides, ranks)
+        if why:
+            skipped[v.name] = why
+            print(f"skip {v.name}: {why}", flush=True)
+        else:
+            plan.append((v, ranks, threads, overrides))
+            cfg = cfg or got
+    if not plan:
+        raise SystemExit("nothing to run: every variant was skipped (see above)")
+    params = stats.count_params(cfg)
+
+    runs_dir = args.runs_dir or tempfile.mkdtemp(prefix="bench-runs-")
+    load_before, jobs = os.getloadavg(), []
+    if load_before[0] >= 0.5 * (os.cpu_count() or 1):
+        print(f"note: load average {load_before[0]:.2f} on {os.cpu_count()} CPUs: other work "
+              "is running, so absolute times will be noisy (ratios within a round less so)")
+    try:
+        for rnd in range(1, args.rounds + 1):
+            for v, ranks, threads, overrides in plan:
+                run_dir = os.path.join(runs_dir, f"r{rnd}-{v.name}")
+                job = {"variant": v.name, "round": rnd, "ranks": ranks, "threads": threads,
+                       **run_job(ranks, threads, overrides, run_dir, args.timeout)}
+                job["ok"] = job["returncode"] == 0 and len(job["records"]) == args.steps
+                jobs.append(job)
+                ms = stats.job_median_ms(job, args.warmup) if job["ok"] else None
+                print(f"round {rnd}/{args.rounds} {v.name:<18} "
+                      + (f"{ms:8.1f} ms/step" if ms else f"FAILED ({job['returncode']})")
+                      + f"   job {job['seconds']:.0f} s", flush=True)
+    finally:
+        if not args.runs_dir:
+            shutil.rmtree(runs_dir, ignore_errors=True)
+
+    settings = {"model": args.model, "overrides": common + args.set, "params": params,
+                "nproc": args.nproc, "rounds": args.rounds, "steps": args.steps,
+                "warmup": args.warmup, **report.environment(load_before)}
+    variants = [(v, ranks, threads) for v, ranks, threads, _ in plan]
+    summary = stats.summarize(jobs, variants, params, args.warmup)
+    paths = report.write_all(args.out, command_line(argv), settings, summary, skipped, jobs)
+    print("\n" + open(paths["md"]).read())
+    print("wrote " + ", ".join(paths.values()))
+    return 0 if all(j["ok"] for j in jobs) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

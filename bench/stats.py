@@ -1,0 +1,134 @@
+"""From the jobs' metrics.jsonl records to one summary per variant, plus textbook figures.
+
+Metrics come from rank 0 only (the trainer logs on the main rank): step time is
+rank 0's wall time of the whole optimizer step, which ends with a collective
+(the loss average), so it is the slowest rank's time too; memory and traffic
+are rank 0's, which is representative when ranks do the same work.
+"""
+
+import json
+import os
+from dataclasses import asdict
+from statistics import median
+
+# Bytes a bandwidth-optimal (ring) algorithm makes each of n ranks send, per byte
+# of the payload our counter records (parallel/comm.py: the all_reduce tensor,
+# the all_gather output, the reduce_scatter input, what a send sends).
+WIRE_PER_PAYLOAD = {
+    "all_reduce": lambda n: 2 * (n - 1) / n,   # reduce-scatter + all-gather
+    "all_gather": lambda n: (n - 1) / n,
+    "reduce_scatter": lambda n: (n - 1) / n,
+    "broadcast": lambda n: (n - 1) / n,        # pipelined ring: on average per rank
+    "send": lambda n: 1.0,
+}
+
+
+def read_metrics(path):
+    if not os.path.exists(path):
+        return []
+    with open(path) as f:
+        return [json.loads(line) for line in f if line.strip()]
+
+
+def count_params(cfg):
+    """Unique parameters of the GPT these jobs train (tied embedding counted once)."""
+    import torch
+    from char_dataset import build_tokenizer, load_text
+    from model import GPT, GPTConfig
+    try:
+        vocab = build_tokenizer(cfg.data.tokenizer, load_text(cfg.data.path)).vocab_size
+    except Exception as e:  # e.g. gpt2 tokenizer files missing: report without textbook figures
+        print(f"note: cannot count parameters ({e}); textbook columns stay empty")
+        return None
+    with torch.device("meta"):  # shapes only: no memory, no init cost
+        model = GPT(GPTConfig(**asdict(cfg.model), vocab_size=vocab, block_size=cfg.data.block_size))
+    return model.num_params()
+
+
+def textbook(params, n, zero_stage):
+    """Per rank per step for fp32 + Adam on n ranks (DESIGN.md section 5).
+    payload: what our counter would record; wire: what a ring makes a rank send;
+    state: parameters + gradients + Adam's two moments, 16 bytes/param, /n where sharded."""
+    if not params:
+        return None
+    g, f = 4 * params, (n - 1) / n
+    if n == 1:
+        return {"grad_bytes": g, "payload_bytes": 0, "wire_bytes": 0, "state_bytes": 16 * params}
+    return {"grad_bytes": g,
+            # DDP: all-reduce the gradient; ZeRO-1/2: reduce-scatter it + all-gather the
+            # parameters; ZeRO-3: all-gather twice (forward, backward) + reduce-scatter
+            "payload_bytes": g * (1, 2, 2, 3)[zero_stage],
+            "wire_bytes": 2 * f * g * (1.5 if zero_stage == 3 else 1.0),
+            "state_bytes": (16 * params, 8 * params + 8 * params / n,
+                            4 * params + 12 * params / n, 16 * params / n)[zero_stage]}
+
+
+def kept(job, warmup):
+    return job["records"][warmup:]
+
+
+def job_median_ms(job, warmup):
+    return median(r["step_ms"] for r in kept(job, warmup))
+
+
+def comm_per_step(records, n):
+    """Median over steps of every comm_* counter, plus the ring wire estimate."""
+    keys = sorted({k for r in records for k in r if k.startswith("comm_")})
+    comm = {k: median(r.get(k, 0) for r in records) for k in keys}
+    wire = 0.0
+    for k, value in comm.items():
+        kind = k[len("comm_"):-len("_bytes")] if k.endswith("_bytes") else None
+        if kind and kind in WIRE_PER_PAYLOAD:
+            wire += value * WIRE_PER_PAYLOAD[kind](n)
+        elif kind:  # a collective this table does not know: count its payload once
+            wire += value
+    comm["wire_bytes_est"] = wire
+    return comm
+
+
+def ratio(by_round, a, b):
+    """Median over rounds of (a's median step / b's median step) within the round."""
+    per_round = [by_round[a, r] / by_round[b, r] for (name, r) in sorted(by_round)
+                 if name == a and (b, r) in by_round]
+    return {"median": median(per_round), "per_round": per_round} if per_round else None
+
+
+def loss_diff(jobs, a, b):
+    """Max relative per-step loss difference between the first good jobs of a and b:
+    a fast variant that trains a different model is not a result."""
+    first = {}
+    for j in jobs:
+        first.setdefault(j["variant"], j)
+    if a not in first or b not in first:
+        return None
+    la, lb = ([r["loss"] for r in first[x]["records"]] for x in (a, b))
+    if len(la) != len(lb):
+        return None
+    return max(abs(x - y) / max(abs(y), 1e-12) for x, y in zip(la, lb))
+
+
+def summarize(jobs, variants, params, warmup):
+    """variants: [(Variant, ranks, threads)]; failed jobs are left out of every figure."""
+    ok = [j for j in jobs if j["ok"]]
+    by_round = {(j["variant"], j["round"]): job_median_ms(j, warmup) for j in ok}
+    out = {}
+    for v, ranks, threads in variants:
+        mine = [j for j in ok if j["variant"] == v.name]
+        if not mine:
+            continue
+        recs = [r for j in mine for r in kept(j, warmup)]
+        out[v.name] = {
+            "ranks": ranks, "threads": threads, "reference": v.reference, "note": v.note,
+            "jobs": len(mine), "steps_kept": len(recs),
+            "step_ms": median(r["step_ms"] for r in recs),
+            "step_ms_per_round": [by_round[v.name, j["round"]] for j in mine],
+            "tokens_per_s": median(r["tokens_per_s"] for r in recs),
+            "peak_mem_mb": max(r["peak_mem_mb"] for j in mine for r in j["records"]),
+            "state_bytes": max(r["state_bytes"] for r in recs),
+            "comm": comm_per_step(recs, ranks),
+            "vs_single": ratio(by_round, v.name, "single"),
+            "vs_reference": ratio(by_round, v.name, v.reference) if v.reference else None,
+            "loss_rel_diff_vs_single": loss_diff(ok, v.name, "single"),
+            "textbook": textbook(params, ranks, v.zero_stage),
+        }
+    return out

@@ -1,0 +1,80 @@
+"""What the benchmark runs: layouts ("variants"), presets of them, and model sizes.
+
+A variant is a name, a process count, threads per process and the overrides
+that pick its strategy. Variants of strategies that are not merged yet stay
+listed: run.py skips them with a note when the config rejects their keys, so
+the same command picks them up the day they land.
+
+`ranks=0` means "the --nproc of this invocation" (2 by default). The single
+process gets as many threads as the others have ranks (DESIGN.md section 5
+compares 2 ranks x 1 thread with one process x 2 threads: same cores).
+"""
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class Variant:
+    name: str                # what --variants and the report call it
+    overrides: tuple         # key=value for main.py
+    ranks: int = 0           # processes; 0 = --nproc
+    threads: int = 1         # OMP threads per process; 0 = --nproc (the single process)
+    reference: str = ""      # the PyTorch implementation its time is compared with
+    zero_stage: int = 0      # textbook figures: 0 = replicated (DDP), 1/2/3 = ZeRO stage
+    note: str = ""
+
+
+VARIANTS = [
+    Variant("single", ("parallel.dp=single",), ranks=1, threads=0,
+            note="one process, as many threads as the others have ranks"),
+    Variant("single_1t", ("parallel.dp=single",), ranks=1, threads=1,
+            note="one process, one thread"),
+    Variant("torch_ddp", ("parallel.dp=torch_ddp",), note="PyTorch DDP (reference)"),
+    Variant("ddp_naive", ("parallel.dp=ddp_naive",), reference="torch_ddp",
+            note="one all-reduce per parameter"),
+    Variant("ddp_bucket", ("parallel.dp=ddp_bucket", "parallel.allreduce=native"),
+            reference="torch_ddp", note="buckets, torch's all-reduce"),
+    Variant("ddp_bucket_ring", ("parallel.dp=ddp_bucket", "parallel.allreduce=ring"),
+            reference="torch_ddp", note="buckets, our ring all-reduce"),
+    Variant("torch_fsdp", ("parallel.dp=torch_fsdp",), zero_stage=3,
+            note="PyTorch FSDP2 fully_shard (reference)"),
+    Variant("fsdp1", ("parallel.dp=fsdp", "parallel.zero_stage=1"), reference="torch_fsdp",
+            zero_stage=1, note="ZeRO-1: optimizer state sharded"),
+    Variant("fsdp2", ("parallel.dp=fsdp", "parallel.zero_stage=2"), reference="torch_fsdp",
+            zero_stage=2, note="ZeRO-2: + gradients"),
+    Variant("fsdp3", ("parallel.dp=fsdp", "parallel.zero_stage=3"), reference="torch_fsdp",
+            zero_stage=3, note="ZeRO-3: + parameters"),
+    Variant("fsdp3_noprefetch", ("parallel.dp=fsdp", "parallel.zero_stage=3",
+                                 "parallel.prefetch=false"), reference="torch_fsdp",
+            zero_stage=3, note="ZeRO-3 without prefetching the next unit"),
+]
+BY_NAME = {v.name: v for v in VARIANTS}
+
+# each preset starts with `single`: every ratio "vs single" needs it in the same round
+PRESETS = {
+    "ddp": ["single", "torch_ddp", "ddp_naive", "ddp_bucket", "ddp_bucket_ring"],
+    "fsdp": ["single", "torch_ddp", "torch_fsdp", "fsdp1", "fsdp2", "fsdp3", "fsdp3_noprefetch"],
+    "all": [v.name for v in VARIANTS if v.name != "single_1t"],
+}
+
+# the same model, data and GLOBAL batch for every variant
+MODELS = {
+    # DESIGN.md section 5: ~3.2M parameters, 4 layers x 256, 128 tokens, global batch 16
+    "default": ["model.n_layer=4", "model.n_head=4", "model.n_embd=256",
+                "data.block_size=128", "trainer.batch_size=16"],
+    # many small parameters: per-parameter collectives (ddp_naive) pay their latency 12x
+    "thin12": ["model.n_layer=12", "model.n_head=4", "model.n_embd=64",
+               "data.block_size=128", "trainer.batch_size=16"],
+    # for tests and smoke runs: seconds per job
+    "tiny": ["model.n_layer=2", "model.n_head=2", "model.n_embd=32",
+             "data.block_size=16", "trainer.batch_size=4"],
+}
+
+
+def pick(names: str, preset: str):
+    """Variants from a comma list (wins) or a preset; unknown names are an error."""
+    chosen = [n.strip() for n in names.split(",") if n.strip()] if names else PRESETS[preset]
+    unknown = [n for n in chosen if n not in BY_NAME]
+    if unknown:
+        raise SystemExit(f"unknown variant(s) {unknown}; known: {', '.join(BY_NAME)}")
+    return [BY_NAME[n] for n in dict.fromkeys(chosen)]  # keep order, drop repeats

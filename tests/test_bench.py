@@ -1,0 +1,59 @@
+"""The benchmark command end to end on a tiny model: its reports carry the jobs' own numbers."""
+
+import json
+import subprocess
+import sys
+from statistics import median
+
+import pytest
+
+from bench import stats
+from bench.report import fmt_ms
+from bench.run import check
+from harness import REPO, job_env, read_metrics
+
+STEPS, WARMUP = 6, 2
+
+
+def test_bench_reports_the_jobs_numbers(tmp_path):
+    out, runs = tmp_path / "out", tmp_path / "runs"
+    cmd = [sys.executable, "-m", "bench.run", "--model", "tiny", "--variants", "single,torch_ddp",
+           "--rounds", "1", "--steps", str(STEPS), "--warmup", str(WARMUP), "--data", "",
+           "--out", str(out), "--runs-dir", str(runs)]
+    result = subprocess.run(cmd, cwd=REPO, env=job_env(), capture_output=True, text=True, timeout=180)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+
+    doc = json.loads((out / "results.json").read_text())
+    md = (out / "results.md").read_text()
+    assert (out / "step_time.png").stat().st_size > 0
+    assert "python -m bench.run --model tiny --variants single,torch_ddp" in md
+
+    medians = {}
+    for name in ("single", "torch_ddp"):
+        metrics = read_metrics(str(runs / f"r1-{name}"))  # what the job itself logged
+        assert len(metrics) == STEPS
+        medians[name] = median(m["step_ms"] for m in metrics[WARMUP:])
+        got = doc["variants"][name]
+        assert got["step_ms"] == pytest.approx(medians[name])
+        assert got["state_bytes"] == metrics[-1]["state_bytes"]
+        assert got["peak_mem_mb"] == max(m["peak_mem_mb"] for m in metrics)
+        assert [j["records"] for j in doc["jobs"] if j["variant"] == name] == [metrics]
+        assert f"| {name} | " in md and f"| {fmt_ms(medians[name])} |" in md
+    ratio = doc["variants"]["torch_ddp"]["vs_single"]["median"]
+    assert ratio == pytest.approx(medians["torch_ddp"] / medians["single"])
+    assert f"{ratio:.2f}x" in md
+    # same run under both layouts (DESIGN.md section 4), so the ratio compares like with like
+    assert doc["variants"]["torch_ddp"]["loss_rel_diff_vs_single"] <= 1e-5
+
+
+def test_unknown_strategy_is_skipped_with_the_configs_reason():
+    why, _ = check(["parallel.dp=no_such_strategy"], 2)
+    assert "no_such_strategy" in why
+    assert check(["parallel.dp=torch_ddp"], 2)[0] is None
+
+
+def test_textbook_figures():
+    ddp, zero3 = stats.textbook(1000, 2, 0), stats.textbook(1000, 2, 3)
+    assert ddp["wire_bytes"] == 4000  # ring: 2(N-1)/N x 4 bytes x params
+    assert zero3["wire_bytes"] == 1.5 * ddp["wire_bytes"]
+    assert (ddp["state_bytes"], zero3["state_bytes"]) == (16000, 8000)
