@@ -47,6 +47,8 @@ def save_snapshot(path: str, snapshot: dict):
                 except (OSError, io.UnsupportedOperation):
                     pass
         fs.mv(tmp, p)
+        for stale in fs.glob(f"{p}.tmp-*"):  # left by a writer killed mid-write
+            fs.rm(stale)
     finally:
         if fs.exists(tmp):
             fs.rm(tmp)

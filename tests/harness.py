@@ -34,12 +34,12 @@ def job_env():
     return env
 
 
-def command(nproc, overrides):
-    if nproc == 1:
+def command(nproc, overrides, launcher_args=()):
+    if nproc == 1 and not launcher_args:
         launcher = [sys.executable, MAIN]
     else:  # --standalone picks a free port for the rendezvous
         launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone",
-                    f"--nproc_per_node={nproc}", MAIN]
+                    f"--nproc_per_node={nproc}", *launcher_args, MAIN]
     return launcher + list(overrides)
 
 
