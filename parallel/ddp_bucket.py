@@ -80,7 +80,7 @@ class DDPBucket(DDPNaive):
                 # hook, which fires once, after both of its uses have accumulated
                 p.register_post_accumulate_grad_hook(self._on_grad_ready)
         self.ring = RingRunner(self.comm, self.group) if self.use_ring else None
-        self.syncing, self.next_launch = False, 0
+        self.syncing, self.next_launch, self.grads_copied = False, 0, 0
 
     def forward_backward(self, micro_batches):
         # optimizer_step drops every .grad (zero_grad(set_to_none=True)): point them back
@@ -115,6 +115,7 @@ class DDPBucket(DDPNaive):
             # the bucket must hold what the optimizer will read
             view.copy_(p.grad)
             p.grad = view
+            self.grads_copied += 1  # should stay 0: tests check it
         bucket.ready[i] = True
         # Launch strictly in bucket order, even if hooks fire in another order: every rank
         # must issue its collectives in the same sequence or they would pair up wrongly

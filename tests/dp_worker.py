@@ -123,6 +123,7 @@ def check_train(grid, dp, allreduce, cap, accum):
         for bucket in getattr(strategy, "buckets", []):  # .grad must be views, not copies
             for p, view in zip(bucket.params, bucket.views):
                 out["grads_in_buckets"] &= p.grad is not None and p.grad.data_ptr() == view.data_ptr()
+        out["grads_in_buckets"] &= getattr(strategy, "grads_copied", 0) == 0  # accumulated in place
         ref_loss = ref.forward_backward([(x, y)])
         for p, rp in zip(strategy.module.parameters(), ref.module.parameters()):
             scale = rp.grad.abs().max().item() or 1.0
