@@ -114,6 +114,13 @@ def check_train(grid, dp, allreduce, cap, accum):
            "grads_in_buckets": True, "broadcast": comm.get("comm_broadcast_calls", 0),
            "all_reduce_calls": [], "send_calls": [],
            "buckets": len(getattr(strategy, "buckets", []))}
+    if hasattr(strategy, "buckets"):  # spy: how many buckets start while backward still runs?
+        out["early_launches"], start = 0, strategy.start_all_reduce
+
+        def spy(flat):
+            out["early_launches"] += not all(all(b.ready) for b in strategy.buckets)
+            return start(flat)
+        strategy.start_all_reduce = spy
     per_rank = BATCH // grid.dp_size
     for step in range(STEPS):
         x, y = global_batch(step)
