@@ -119,6 +119,9 @@ def validate(cfg: Config, world_size: int):
         (cfg.wandb.mode in ("offline", "online", "disabled"),
          f"wandb.mode must be offline, online or disabled, got {cfg.wandb.mode!r}"),
         (p.timeout_s > 0, "parallel.timeout_s must be > 0"),
+        (p.allreduce in ("native", "ring"),
+         f"parallel.allreduce must be native or ring, got {p.allreduce!r}"),
+        (p.bucket_cap_mb > 0, f"parallel.bucket_cap_mb must be > 0, got {p.bucket_cap_mb}"),
     ]
     for ok, message in checks:
         if not ok:

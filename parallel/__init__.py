@@ -4,12 +4,16 @@ A new strategy is one new file with a `parallel.strategy.Strategy` subclass
 plus one line here. `build_strategy` is the only place that looks at the name.
 """
 
+from parallel.ddp_bucket import DDPBucket
+from parallel.ddp_naive import DDPNaive
 from parallel.single import Single
 from parallel.torch_ddp import TorchDDP
 
 STRATEGIES = {
     "single": Single,        # one process; the parity reference
     "torch_ddp": TorchDDP,   # PyTorch DDP; the speed reference for ddp_*
+    "ddp_naive": DDPNaive,   # own DP: one all-reduce per parameter after backward
+    "ddp_bucket": DDPBucket,  # own DP: bucketed all-reduces overlapping backward
 }
 
 

@@ -12,4 +12,5 @@ class ParallelConfig:
     pp_schedule: str = "1f1b"   # gpipe | 1f1b, for pp > 1
     microbatches: int = 1       # pipeline micro-batches per step, for pp > 1
     bucket_cap_mb: float = 25.0  # gradient bucket size for ddp_bucket / torch_ddp
+    allreduce: str = "native"   # native (dist.all_reduce) | ring (parallel/ring.py), for ddp_naive / ddp_bucket
     timeout_s: float = 600.0    # a collective that waits longer than this fails instead of hanging
