@@ -167,13 +167,14 @@ class Trainer:
                 raise UserError(f"training loss became {loss} at step {self.step + 1}: "
                                 "lower trainer.lr or raise trainer.warmup_steps")
             lr = lr_at(self.step, t)
-            if t.grad_clip > 0:
-                self.strategy.clip_grad_norm_(t.grad_clip)
+            # the pre-clip global norm, logged: it exposes summed-instead-of-averaged
+            # gradients, which AdamW's scale invariance hides from the loss
+            grad_norm = self.strategy.clip_grad_norm_(t.grad_clip if t.grad_clip > 0 else math.inf)
             self.strategy.optimizer_step(lr)
             self.step += 1
             elapsed = time.perf_counter() - started
 
-            record = {"step": self.step, "loss": loss, "lr": lr,
+            record = {"step": self.step, "loss": loss, "grad_norm": grad_norm, "lr": lr,
                       "tokens_per_s": t.batch_size * self.train_set.block_size / elapsed,
                       "step_ms": 1000 * elapsed, "peak_mem_mb": peak_memory_mb(g.device),
                       "state_bytes": self.strategy.state_bytes(),

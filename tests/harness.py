@@ -69,7 +69,9 @@ def run_metrics(tmp_path, nproc, overrides, **kw):
 
 
 def run_losses(tmp_path, nproc, overrides, **kw):
-    return [r["loss"] for r in run_metrics(tmp_path, nproc, overrides, **kw)]
+    """Per-step records (loss, grad_norm, ...) of a job that must succeed: what
+    assert_parity compares."""
+    return run_metrics(tmp_path, nproc, overrides, **kw)
 
 
 def max_rel_diff(ref, got):
@@ -77,9 +79,21 @@ def max_rel_diff(ref, got):
 
 
 def assert_parity(ref, got, rtol=1e-5):
-    """Per-step losses equal within rtol; returns the max relative difference."""
+    """Per-step losses -- and pre-clip gradient norms, where both sides are metrics
+    records -- equal within rtol. Returns the max relative loss difference.
+
+    The gradient norm matters: AdamW is invariant to the gradient's scale, so a
+    strategy that sums gradients instead of averaging them trains identical losses;
+    its gradient norm is dp times too large."""
     assert len(ref) == len(got) and ref, f"different step counts: {len(ref)} vs {len(got)}"
-    diff = max_rel_diff(ref, got)
-    assert diff <= rtol, f"max relative loss difference {diff:.3g} > {rtol}\n{ref}\n{got}"
-    print(f"parity: max relative loss difference {diff:.3g} over {len(ref)} steps")
+    loss = lambda rs: [r["loss"] if isinstance(r, dict) else r for r in rs]
+    diff = max_rel_diff(loss(ref), loss(got))
+    assert diff <= rtol, f"max relative loss difference {diff:.3g} > {rtol}\n{loss(ref)}\n{loss(got)}"
+    message = f"parity: max relative loss difference {diff:.3g}"
+    if all(isinstance(r, dict) and "grad_norm" in r for r in list(ref) + list(got)):
+        norms = [[r["grad_norm"] for r in rs] for rs in (ref, got)]
+        norm_diff = max_rel_diff(*norms)
+        assert norm_diff <= rtol, f"max relative grad-norm difference {norm_diff:.3g} > {rtol}\n{norms}"
+        message += f", grad norm {norm_diff:.3g}"
+    print(f"{message} over {len(ref)} steps")
     return diff
