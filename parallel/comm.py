@@ -39,11 +39,11 @@ class CommCounter:
 
     def reduce_scatter(self, output, input, group=None, op=dist.ReduceOp.SUM, async_op=False):
         self.record("reduce_scatter", input)
-        return dist.reduce_scatter_tensor(output, input, op=op, group=group, async_op=async_op)
+        return dist.reduce_scatter_single(output, input, op=op, group=group, async_op=async_op)
 
     def all_gather(self, output, input, group=None, async_op=False):
         self.record("all_gather", output)
-        return dist.all_gather_into_tensor(output, input, group=group, async_op=async_op)
+        return dist.all_gather_single(output, input, group=group, async_op=async_op)
 
     def broadcast(self, tensor, src, group=None, async_op=False):
         self.record("broadcast", tensor)
