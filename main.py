@@ -26,7 +26,7 @@ from model import GPT, GPTConfig
 from parallel import build_strategy
 from parallel.grid import ProcessGrid
 from parallel.strategy import load_named_parameters
-from snapshot import check_model_shape, load_snapshot, snapshot_exists
+from snapshot import check_model_shape, open_snapshot
 from trainer import Trainer, snapshot_location
 
 
@@ -58,15 +58,15 @@ def init_process_group(device, timeout_s, rank, world_size):
 def prepare_data(cfg):
     """Everything each rank can check alone: snapshot, text, tokenizer, shapes."""
     path = snapshot_location(cfg.trainer)
-    snapshot = load_snapshot(path) if snapshot_exists(path) else None
+    snapshot = open_snapshot(path)
     text = load_text(cfg.data.path)
     tokenizer = build_tokenizer(cfg.data.tokenizer, text,
-                                saved=snapshot["tokenizer"] if snapshot else None)
+                                saved=snapshot.meta["tokenizer"] if snapshot else None)
     train_set, val_set = split_tokens(text, tokenizer, cfg.data, cfg.data.path)
     gpt_config = GPTConfig(**asdict(cfg.model), vocab_size=tokenizer.vocab_size,
                            block_size=cfg.data.block_size)
     if snapshot:
-        check_model_shape(path, snapshot["gpt_config"], asdict(gpt_config))
+        check_model_shape(path, snapshot.meta["gpt_config"], asdict(gpt_config))
     return snapshot, tokenizer, train_set, val_set, gpt_config
 
 
@@ -104,12 +104,13 @@ def train(cfg, grid):
 
 def sample(cfg):
     path = snapshot_location(cfg.trainer)
-    if not snapshot_exists(path):
+    snap = open_snapshot(path)
+    if snap is None:
         raise UserError(f"no snapshot at {path}: train first, or set trainer.snapshot_path")
-    snap = load_snapshot(path)
-    tokenizer = build_tokenizer(None, saved=snap["tokenizer"])
-    model = GPT(GPTConfig(**snap["gpt_config"]))
-    load_named_parameters(model, snap["model"], f"snapshot {path}")
+    tokenizer = build_tokenizer(None, saved=snap.meta["tokenizer"])
+    model = GPT(GPTConfig(**snap.meta["gpt_config"]))
+    load_named_parameters(model, {n: snap.read_full(f"model/{n}") for n, _ in model.named_parameters()},
+                          f"snapshot {path}")
     print(generate_text(model, tokenizer, cfg.sample), flush=True)
 
 

@@ -21,7 +21,7 @@ import torch
 
 from char_dataset import GlobalBatches, eval_starts
 from errors import UserError
-from snapshot import save_snapshot
+from snapshot import save_sharded
 
 
 @dataclass
@@ -43,7 +43,7 @@ class TrainerConfig:
     save_every: int = 50        # 0 = only at the end
     seed: int = 1337
     run_dir: str = "runs/default"
-    snapshot_path: str = ""     # any fsspec URL; "" = <run_dir>/snapshot.pt
+    snapshot_path: str = ""     # a directory, any fsspec URL; "" = <run_dir>/snapshot
     device: str = "auto"        # auto (cuda if available) | cpu | cuda
 
 
@@ -64,7 +64,7 @@ def peak_memory_mb(device) -> float:
 
 
 def snapshot_location(t: TrainerConfig) -> str:
-    return t.snapshot_path or os.path.join(t.run_dir, "snapshot.pt")
+    return t.snapshot_path or os.path.join(t.run_dir, "snapshot")
 
 
 class MetricsLog:
@@ -123,7 +123,7 @@ class MetricsLog:
 class Trainer:
     def __init__(self, cfg, strategy, grid, train_set, val_set, snapshot_meta, snapshot=None):
         """snapshot_meta: what the snapshot carries beyond the training state
-        (GPT shape, tokenizer vocabulary); snapshot: a loaded one to resume."""
+        (GPT shape, tokenizer vocabulary); snapshot: a SnapshotReader to resume from."""
         self.cfg, self.t = cfg, cfg.trainer
         self.strategy, self.grid = strategy, grid
         self.train_set, self.val_set = train_set, val_set
@@ -136,17 +136,16 @@ class Trainer:
             self._restore(snapshot)
         self.metrics = MetricsLog(cfg, grid.is_main, self.step, self.wandb_id)
 
-    def _restore(self, snap):
-        saved = snap["config"]["trainer"]
+    def _restore(self, reader):
+        saved = reader.meta["config"]["trainer"]
         for key in ("batch_size", "seed"):
             if saved[key] != getattr(self.t, key):
                 raise UserError(
                     f"snapshot {self.snapshot_path} was trained with trainer.{key}={saved[key]}, "
                     f"this run asks for {getattr(self.t, key)}: resuming would change the data "
                     f"order. Use the snapshot's value or a new trainer.snapshot_path")
-        self.strategy.load_state_dict(snap["model"])
-        self.strategy.load_optimizer_state_dict(snap["optimizer"])
-        self.step, self.wandb_id = snap["step"], snap["wandb_id"]
+        self.strategy.load_shards(reader)
+        self.step, self.wandb_id = reader.meta["step"], reader.meta["wandb_id"]
         if self.grid.is_main:
             print(f"resuming from snapshot {self.snapshot_path} at step {self.step}", flush=True)
 
@@ -198,26 +197,19 @@ class Trainer:
         return sum(losses) / len(losses)
 
     def save(self):
-        """Every rank helps gather canonical state; only the main rank writes."""
-        model, optim = self.strategy.state_dict(), self.strategy.optimizer_state_dict()
-        ok, error = True, None
-        if self.grid.is_main:
-            from config import to_dict
-            try:
-                save_snapshot(self.snapshot_path, {
-                    "step": self.step, "samples_seen": self.step * self.t.batch_size,
-                    "model": model, "optimizer": optim, "wandb_id": self.wandb_id,
-                    "config": to_dict(self.cfg), **self.snapshot_meta,
-                    "lr_schedule": {"warmup_steps": self.t.warmup_steps, "max_steps": self.t.max_steps,
-                                    "lr": self.t.lr, "min_lr": self.t.min_lr},
-                    "rng": {"scheme": "torch.manual_seed((seed*1000003 + step)*1009 + dp_rank) "
-                                      "at the start of each step", "seed": self.t.seed},
-                })
-            except OSError as e:
-                ok, error = False, e
-        if not self.grid.all_ok(ok):  # nobody trains on past a snapshot that was not written
-            raise UserError(f"could not write snapshot {self.snapshot_path}: {error}"
-                            if error else "the main rank could not write the snapshot")
+        """Collective: every rank writes the part of the state it owns."""
+        from config import to_dict
+        g, t = self.grid, self.t
+        save_sharded(self.snapshot_path, g, self.step, self.strategy.shard_pieces(), {
+            "samples_seen": self.step * t.batch_size, "wandb_id": self.wandb_id,
+            "config": to_dict(self.cfg), **self.snapshot_meta,
+            "layout": {"world_size": g.world_size, "dp": g.dp_size, "pp": g.pp_size,
+                       "tp": g.tp_size, "strategy": self.cfg.parallel.dp},
+            "lr_schedule": {"warmup_steps": t.warmup_steps, "max_steps": t.max_steps,
+                            "lr": t.lr, "min_lr": t.min_lr},
+            "rng": {"scheme": "torch.manual_seed((seed*1000003 + step)*1009 + dp_rank) "
+                              "at the start of each step", "seed": t.seed},
+        })
 
     def close(self):
         self.metrics.close()

@@ -50,9 +50,10 @@ def load_ring(where):
 
 
 def call_ring(ring, tensor, group):
-    """Assumed contract: in-place SUM over `group`, like dist.all_reduce(tensor, group=group).
-    A function that returns its result instead is handled too."""
-    out = ring(tensor, group=group)
+    """parallel.ring.ring_all_reduce(tensor, comm, group): in-place SUM over `group`, like
+    dist.all_reduce, sending through a CommCounter. A returned result is handled too."""
+    from parallel.comm import CommCounter
+    out = ring(tensor, CommCounter(), group=group)
     if torch.is_tensor(out) and out is not tensor:
         tensor.copy_(out)
 

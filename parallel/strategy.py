@@ -72,6 +72,17 @@ class Strategy:
     def load_optimizer_state_dict(self, state):
         raise NotImplementedError
 
+    def shard_pieces(self) -> list:
+        """What this rank writes into a sharded snapshot: [(canonical key, full shape,
+        flat start, 1-D tensor)], keys "model/<name>" and "optim/<name>/<state>".
+        Across ranks every element of every key is covered exactly once."""
+        raise NotImplementedError
+
+    def load_shards(self, reader):
+        """Take what this rank holds from a snapshot.SnapshotReader (ranged reads
+        of canonical keys), whatever layout wrote it."""
+        raise NotImplementedError
+
     def comm_stats(self) -> dict:
         """Collective calls/bytes since the last call (see parallel/comm.py)."""
         return self.comm.pop()
@@ -114,6 +125,15 @@ def load_named_parameters(module, state, what="snapshot model state"):
     check_state_names(params, state, what)
     for name, p in params.items():
         p.copy_(state[name])
+
+
+def canonical_tensors(model_state, optimizer_state):
+    """Flat {key: tensor} of a canonical model + optimizer state, as snapshots store them."""
+    out = {f"model/{name}": t for name, t in model_state.items()}
+    for name, fields in optimizer_state["state"].items():
+        for field, t in fields.items():
+            out[f"optim/{name}/{field}"] = t
+    return out
 
 
 def resident_bytes(params, optimizer):
@@ -228,6 +248,24 @@ class ReplicatedStrategy(Strategy):
 
     def optimizer_state_dict(self):
         return optimizer_state_by_name(self.optimizer, self.group_names)
+
+    def shard_pieces(self):
+        """Every rank holds everything: rank r writes every world-th key, so each
+        tensor is written once and the writing is spread over all ranks."""
+        tensors = canonical_tensors(self.state_dict(), self.optimizer_state_dict())
+        mine = sorted(tensors)[self.grid.rank::self.grid.world_size]
+        return [(k, tuple(tensors[k].shape), 0, tensors[k].reshape(-1)) for k in mine]
+
+    def load_shards(self, reader):
+        self.load_state_dict({n: reader.read_full(f"model/{n}") for n in self.named})
+        state = {}
+        for key in reader.keys():
+            if key.startswith("optim/"):
+                name, field = key[len("optim/"):].rsplit("/", 1)
+                state.setdefault(name, {})[field] = reader.read_full(key)
+        groups = [{**g, "params": names}
+                  for g, names in zip(self.optimizer.state_dict()["param_groups"], self.group_names)]
+        self.load_optimizer_state_dict({"state": state, "param_groups": groups})
 
     def load_optimizer_state_dict(self, state):
         self.optimizer.load_state_dict(

@@ -74,6 +74,16 @@ def run_losses(tmp_path, nproc, overrides, **kw):
     return run_metrics(tmp_path, nproc, overrides, **kw)
 
 
+def snapshot_model(snapshot_dir):
+    """The canonical model parameters of the snapshot in `snapshot_dir`, in the
+    model's own parameter order."""
+    from model import GPT, GPTConfig
+    from snapshot import open_snapshot
+    reader = open_snapshot(str(snapshot_dir))
+    names = [n for n, _ in GPT(GPTConfig(**reader.meta["gpt_config"])).named_parameters()]
+    return {n: reader.read_full(f"model/{n}") for n in names}
+
+
 def max_rel_diff(ref, got):
     return max(abs(a - b) / max(abs(a), 1e-12) for a, b in zip(ref, got))
 

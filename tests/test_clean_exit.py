@@ -14,5 +14,5 @@ def test_twenty_short_jobs_all_exit_zero(tmp_path):
         result = run_job(tmp_path / f"run{i}", 2, ["trainer.max_steps=1"], timeout=120)
         codes.append(result.returncode)
         assert result.returncode == 0, f"run {i} exited {result.returncode}:\n{result.stderr[-3000:]}"
-        assert os.path.exists(tmp_path / f"run{i}" / "runs" / "default" / "snapshot.pt")
+        assert os.path.exists(tmp_path / f"run{i}" / "runs" / "default" / "snapshot" / "latest.json")
     assert codes == [0] * RUNS

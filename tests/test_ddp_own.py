@@ -26,7 +26,8 @@ import uuid
 import pytest
 import torch
 
-from harness import REPO, assert_parity, job_env, read_metrics, run_job, run_losses
+from harness import (REPO, assert_parity, job_env, read_metrics, run_job, run_losses,
+                     snapshot_model)
 
 from config import load_config
 from errors import UserError
@@ -50,8 +51,7 @@ def run_with_snapshot(tmp_path, nproc, overrides):
     assert result.returncode == 0, f"job failed ({result.returncode}): {overrides}\n" \
                                    f"{result.stdout[-3000:]}\n{result.stderr[-5000:]}"
     run_dir = os.path.join(workdir, "runs", "default")
-    snapshot = torch.load(os.path.join(run_dir, "snapshot.pt"), weights_only=True)
-    return read_metrics(run_dir), snapshot["model"]
+    return read_metrics(run_dir), snapshot_model(os.path.join(run_dir, "snapshot"))
 
 
 def expected_traffic(params, nproc, dp, allreduce, cap_mb):

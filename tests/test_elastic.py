@@ -93,17 +93,19 @@ def test_sigkill_during_snapshot_write_keeps_previous_snapshot(tmp_path):
     args = ARGS + ["model.n_embd=256", "model.n_layer=4"]
     reference = run_metrics(tmp_path, 2, args)
     workdir = str(tmp_path / "elastic")
-    run_dir = os.path.join(workdir, "runs", "default")
+    snap_dir = os.path.join(workdir, "runs", "default", "snapshot")
 
     def while_writing(workers):
-        # a later write, so there is a previous snapshot to keep
-        if len(workers) == 2 and os.path.exists(os.path.join(run_dir, "snapshot.pt")) \
-                and glob.glob(os.path.join(run_dir, "*.tmp-*")):
-            return next(pid for pid in workers if rank_of(pid) == 0)  # rank 0 writes
+        # a later write (so there is a previous snapshot to keep) caught in the act:
+        # a step directory that has no manifest yet
+        if len(workers) == 2 and os.path.exists(os.path.join(snap_dir, "latest.json")) and any(
+                not os.path.exists(os.path.join(d, "manifest.json"))
+                for d in glob.glob(os.path.join(snap_dir, "step-*"))):
+            return next(pid for pid in workers if rank_of(pid) == 0)  # rank 0 commits
 
     code, killed, output = run_and_kill(workdir, args, while_writing)
     assert killed, "never caught a snapshot write in progress"
     assert code == 0, output[-4000:]
     assert "resuming from snapshot" in output
     assert_same_losses(reference, workdir)
-    assert not glob.glob(os.path.join(run_dir, "*.tmp-*")), "the dead writer's temp file is cleaned"
+    assert len(glob.glob(os.path.join(snap_dir, "step-*"))) == 1, "the dead writer's leftovers are cleaned"

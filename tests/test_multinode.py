@@ -8,8 +8,20 @@ import subprocess
 import sys
 
 from harness import MAIN, TINY, job_env, read_metrics, run_metrics
+from snapshot import open_snapshot
 
 ARGS = ["parallel.dp=torch_ddp", "trainer.max_steps=6", "trainer.save_every=3"]
+
+
+def written_once(snapshot_dir):
+    """Every element of every tensor in the snapshot comes from exactly one part."""
+    reader = open_snapshot(str(snapshot_dir))
+    for key, entries in reader.index.items():
+        covered = sorted((e["start"], e["start"] + e["length"]) for e in entries)
+        numel = reader.read(key).numel()
+        assert covered[0][0] == 0 and covered[-1][1] == numel, key
+        assert all(a[1] == b[0] for a, b in zip(covered, covered[1:])), f"{key} overlaps: {covered}"
+    return {e["file"] for es in reader.index.values() for e in es}
 
 
 def free_port():
@@ -22,19 +34,22 @@ def test_two_nodes_match_one_node(tmp_path):
     reference = [r["loss"] for r in run_metrics(tmp_path, 2, ARGS)]
     port = free_port()
     nodes = [tmp_path / "node0", tmp_path / "node1"]
+    shared = tmp_path / "shared" / "snapshot"  # snapshots live where every node sees them
     procs = []
     for node in nodes:  # each "node" runs in its own directory: relative run_dirs differ
         os.makedirs(node)
         procs.append(subprocess.Popen(
             [sys.executable, "-m", "torch.distributed.run", "--nnodes=2", "--nproc_per_node=1",
              "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{port}", "--rdzv-id=multinode",
-             MAIN, *TINY, *ARGS],
+             MAIN, *TINY, *ARGS, f"trainer.snapshot_path={shared}"],
             cwd=node, env=job_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
     outputs = [p.communicate(timeout=180)[0] for p in procs]
     assert [p.returncode for p in procs] == [0, 0], "\n".join(o[-3000:] for o in outputs)
 
-    # global rank 0 alone writes snapshot and metrics; the other node's directory stays empty
-    writers = [n for n in nodes if os.path.exists(n / "runs" / "default" / "snapshot.pt")]
+    # one part per rank, each tensor written once (not once per node); global rank 0
+    # alone writes the manifest and metrics, so the other node's directory stays empty
+    assert written_once(shared) == {"part-00000.bin", "part-00001.bin"}
+    writers = [n for n in nodes if os.path.exists(n / "runs" / "default" / "metrics.jsonl")]
     assert len(writers) == 1, writers
     assert not os.path.exists(next(n for n in nodes if n not in writers) / "runs")
     losses = [r["loss"] for r in read_metrics(writers[0] / "runs" / "default")]

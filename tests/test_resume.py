@@ -7,11 +7,15 @@ import signal
 import subprocess
 import time
 
+import pytest
 import torch
+import torch.distributed as dist
 
 from char_dataset import embedded_corpus
 from harness import TINY, command, job_env, read_metrics, run_job, run_metrics
-from snapshot import load_snapshot, save_snapshot
+from errors import UserError
+from parallel.grid import ProcessGrid
+from snapshot import open_snapshot, save_sharded
 
 # a short corpus makes an epoch 10 steps long, so the run crosses epoch boundaries
 # and the kill lands mid-epoch; a wider model makes steps slow enough to kill mid-run
@@ -57,8 +61,8 @@ def test_killed_job_resumes_with_identical_losses(tmp_path):
     before_kill = kill_after_step(workdir, args, step=13)
     assert 13 <= len(before_kill) < 30, "the kill must land mid-run"
     print(f"killed after step {len(before_kill)}")
-    snap = load_snapshot(str(workdir / "runs" / "default" / "snapshot.pt"))
-    assert snap["step"] % 4 == 0 and 0 < snap["step"] < 30
+    step = open_snapshot(str(workdir / "runs" / "default" / "snapshot")).meta["step"]
+    assert step % 4 == 0 and 0 < step < 30
 
     result = run_job(workdir, 2, args)
     assert result.returncode == 0, result.stderr
@@ -75,18 +79,30 @@ def test_killed_job_resumes_with_identical_losses(tmp_path):
 def test_snapshot_holds_what_resume_needs(tmp_path):
     run_metrics(tmp_path, 1, ["parallel.dp=single", "trainer.max_steps=3"])
     job = next(p for p in tmp_path.iterdir() if p.name.startswith("job-"))
-    snap = load_snapshot(str(job / "runs" / "default" / "snapshot.pt"))
-    assert snap["step"] == 3 and snap["samples_seen"] == 36
-    assert set(snap) >= {"model", "optimizer", "lr_schedule", "rng", "config", "tokenizer",
-                         "wandb_id", "gpt_config"}
-    assert "transformer.wte.weight" in snap["model"]  # canonical single-device names
-    assert set(snap["optimizer"]["state"]) == set(snap["model"])
+    snap = open_snapshot(str(job / "runs" / "default" / "snapshot"))
+    assert snap.meta["step"] == 3 and snap.meta["samples_seen"] == 36
+    assert set(snap.meta) >= {"lr_schedule", "rng", "config", "tokenizer", "wandb_id",
+                              "gpt_config", "layout", "format_version"}
+    model = {k for k in snap.keys() if k.startswith("model/")}
+    assert "model/transformer.wte.weight" in model  # canonical single-device names
+    for field in ("exp_avg", "exp_avg_sq", "step"):  # AdamW state for every parameter
+        assert {k for k in snap.keys() if k.endswith("/" + field)} == \
+               {k.replace("model/", "optim/") + "/" + field for k in model}
 
 
-def test_failed_write_keeps_previous_snapshot(tmp_path, monkeypatch):
-    """A write that dies half way leaves the old snapshot loadable and no temp file."""
-    path = str(tmp_path / "snap.pt")
-    save_snapshot(path, {"step": 1, "w": torch.ones(3)})
+@pytest.fixture
+def one_rank_grid():
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    yield ProcessGrid(1, 1, 1, torch.device("cpu"))
+    dist.destroy_process_group()
+
+
+def test_failed_write_keeps_previous_snapshot(tmp_path, monkeypatch, one_rank_grid):
+    """A write that dies half way leaves the previous snapshot loadable, and every
+    rank gets one clear error."""
+    path = str(tmp_path / "snap")
+    meta = {"gpt_config": {}}
+    save_sharded(path, one_rank_grid, 1, [("model/w", (3,), 0, torch.ones(3))], meta)
     import fsspec.implementations.local as local
 
     real_open = local.LocalFileSystem._open
@@ -101,11 +117,11 @@ def test_failed_write_keeps_previous_snapshot(tmp_path, monkeypatch):
         return f
 
     monkeypatch.setattr(local.LocalFileSystem, "_open", dying_open)
-    try:
-        save_snapshot(path, {"step": 2, "w": torch.zeros(3)})
-    except OSError:
-        pass
+    with pytest.raises(UserError, match="could not write snapshot .*disk died"):
+        save_sharded(path, one_rank_grid, 2, [("model/w", (3,), 0, torch.zeros(3))], meta)
     monkeypatch.undo()
-    snap = load_snapshot(path)
-    assert snap["step"] == 1 and torch.equal(snap["w"], torch.ones(3))
-    assert os.listdir(tmp_path) == ["snap.pt"]
+    snap = open_snapshot(path)
+    assert snap.meta["step"] == 1 and torch.equal(snap.read_full("model/w"), torch.ones(3))
+    # the next successful write cleans up the dead one's leftovers
+    save_sharded(path, one_rank_grid, 3, [("model/w", (3,), 0, torch.full((3,), 3.0))], meta)
+    assert sorted(os.listdir(path)) == ["latest.json", "step-00000003"]

@@ -4,7 +4,7 @@ import glob
 import os
 
 from harness import run_job
-from snapshot import load_snapshot
+from snapshot import open_snapshot
 
 
 def test_wandb_offline_run_continues_after_resume(tmp_path):
@@ -13,10 +13,10 @@ def test_wandb_offline_run_continues_after_resume(tmp_path):
     assert first.returncode == 0, first.stderr
     assert "---- sample ----" in first.stdout  # a sample after training
     run_dir = tmp_path / "runs" / "default"
-    wandb_id = load_snapshot(str(run_dir / "snapshot.pt"))["wandb_id"]
+    wandb_id = open_snapshot(str(run_dir / "snapshot")).meta["wandb_id"]
     second = run_job(tmp_path, 2, ["wandb.mode=offline", "trainer.max_steps=4", "sample.length=0"])
     assert second.returncode == 0, second.stderr
-    assert load_snapshot(str(run_dir / "snapshot.pt"))["wandb_id"] == wandb_id
+    assert open_snapshot(str(run_dir / "snapshot")).meta["wandb_id"] == wandb_id
     runs = glob.glob(str(run_dir / "wandb" / "offline-run-*"))
     assert len(runs) == 2 and all(r.endswith("-" + wandb_id) for r in runs), runs
 
