@@ -106,6 +106,7 @@ def validate(cfg: Config, world_size: int):
         (cfg.wandb.mode in ("offline", "online", "disabled"),
          f"wandb.mode must be offline, online or disabled, got {cfg.wandb.mode!r}"),
         (p.timeout_s > 0, "parallel.timeout_s must be > 0"),
+        (p.zero_stage in (1, 2, 3), f"parallel.zero_stage must be 1, 2 or 3, got {p.zero_stage}"),
     ]
     for ok, message in checks:
         if not ok:

@@ -4,12 +4,16 @@ A new strategy is one new file with a `parallel.strategy.Strategy` subclass
 plus one line here. `build_strategy` is the only place that looks at the name.
 """
 
+from parallel.fsdp import FSDP
 from parallel.single import Single
 from parallel.torch_ddp import TorchDDP
+from parallel.torch_fsdp import TorchFSDP
 
 STRATEGIES = {
     "single": Single,        # one process; the parity reference
     "torch_ddp": TorchDDP,   # PyTorch DDP; the speed reference for ddp_*
+    "fsdp": FSDP,            # ZeRO stage 1/2/3 (parallel.zero_stage) on flat sharding units
+    "torch_fsdp": TorchFSDP,  # PyTorch FSDP2 fully_shard; the reference for fsdp
 }
 
 
