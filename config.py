@@ -122,6 +122,7 @@ def validate(cfg: Config, world_size: int):
         (p.allreduce in ("native", "ring"),
          f"parallel.allreduce must be native or ring, got {p.allreduce!r}"),
         (p.bucket_cap_mb > 0, f"parallel.bucket_cap_mb must be > 0, got {p.bucket_cap_mb}"),
+        (p.zero_stage in (1, 2, 3), f"parallel.zero_stage must be 1, 2 or 3, got {p.zero_stage}"),
     ]
     for ok, message in checks:
         if not ok:

@@ -9,6 +9,8 @@ class ParallelConfig:
     tp: int = 1                 # tensor-parallel degree
     pp: int = 1                 # pipeline-parallel degree; dp degree = world / (tp * pp)
     zero_stage: int = 3         # 1, 2 or 3, for dp=fsdp
+    prefetch: bool = True       # fsdp stage 3 / torch_fsdp: all-gather the next unit while this one computes
+    reshard_after_forward: bool = True  # fsdp stage 3 / torch_fsdp: free a unit after its forward
     pp_schedule: str = "1f1b"   # gpipe | 1f1b, for pp > 1
     microbatches: int = 1       # pipeline micro-batches per step, for pp > 1
     bucket_cap_mb: float = 25.0  # gradient bucket size for ddp_bucket / torch_ddp

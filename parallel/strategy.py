@@ -6,9 +6,9 @@ The trainer never asks which strategy it runs. Per optimizer step it calls
     norm = strategy.clip_grad_norm_(max_norm)         # global norm, across shards
     strategy.optimizer_step(lr)                       # update, then zero grads
 
-and for evaluation and snapshots `eval_loss`, `state_dict` /
-`load_state_dict` and `optimizer_state_dict` / `load_optimizer_state_dict`,
-all in *canonical* form: the names and full shapes of the single-device model
+and for evaluation and snapshots `eval_loss`, `shard_pieces` / `load_shards`
+(each rank writes and reads only what it holds) and `state_dict`, all in
+*canonical* form: the names and full shapes of the single-device model
 (`GPT.named_parameters()`, which names the tied embedding/LM-head weight once
 as `transformer.wte.weight`). That is what lets a snapshot written under one
 layout resume under another.
@@ -59,17 +59,8 @@ class Strategy:
         raise NotImplementedError
 
     def state_dict(self) -> dict:
-        """Canonical model state (CPU tensors); complete at least on grid.is_main.
-        Collective: every rank must call it."""
-        raise NotImplementedError
-
-    def load_state_dict(self, state):
-        raise NotImplementedError
-
-    def optimizer_state_dict(self) -> dict:
-        raise NotImplementedError
-
-    def load_optimizer_state_dict(self, state):
+        """Canonical model parameters (CPU tensors, full shapes), complete at least on
+        grid.is_main (for the sample printed after training). Collective."""
         raise NotImplementedError
 
     def shard_pieces(self) -> list:

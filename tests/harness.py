@@ -84,6 +84,19 @@ def snapshot_model(snapshot_dir):
     return {n: reader.read_full(f"model/{n}") for n in names}
 
 
+def snapshot_state(snapshot_dir):
+    """{"model": {name: tensor}, "optimizer": {"state": {name: {field: tensor}}}} of a
+    snapshot, in canonical names, for comparing final states across layouts."""
+    from snapshot import open_snapshot
+    reader = open_snapshot(str(snapshot_dir))
+    state = {"model": snapshot_model(snapshot_dir), "optimizer": {"state": {}}}
+    for key in reader.keys():
+        if key.startswith("optim/"):
+            name, field = key[len("optim/"):].rsplit("/", 1)
+            state["optimizer"]["state"].setdefault(name, {})[field] = reader.read_full(key)
+    return state
+
+
 def max_rel_diff(ref, got):
     return max(abs(a - b) / max(abs(a), 1e-12) for a, b in zip(ref, got))
 

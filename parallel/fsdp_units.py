@@ -1,0 +1,155 @@
+"""Sharding units for `fsdp`: one flat, padded fp32 buffer per unit, 1/N of it per rank.
+
+A unit (a transformer block, or the root: embeddings, final LayerNorm and the
+tied LM head) lays its parameters end to end in `full`, a flat buffer padded
+to N * S elements (N = dp size, S = shard size). Rank r owns full[r*S:(r+1)*S].
+The module's parameters are views into `full`, so the model code runs
+unchanged on whatever `full` holds:
+
+- stages 1-2: `full` stays allocated; `shard` is a view of this rank's slice,
+  so the optimizer updates the model in place and an all-gather refreshes it;
+- stage 3: `shard` is the only persistent copy. `gather` re-allocates the
+  storage of `full` and all-gathers into it; `free` resizes that storage to 0.
+  Resizing the *storage* (not rebinding tensors) also empties every view
+  autograd saved for backward, so memory really goes, and a re-gather before
+  backward refills all of them at once (FSDP2 does the same).
+
+Parameters are ordered by optimizer group (decayed matrices first), so this
+rank's shard intersects each group in one contiguous `piece`: the optimizer
+steps on those pieces with torch's own AdamW, element by element the same
+math as one process, and padding is never part of any piece.
+"""
+
+import torch
+
+FREED, GATHERING, GATHERED = "freed", "gathering", "gathered"
+
+
+class FlatUnit:
+    def __init__(self, named_params, group_of, rank, world, stage, dp_group):
+        """named_params: [(canonical name, nn.Parameter)]; group_of: name -> optimizer
+        group index (from GPT.optim_groups)."""
+        order = sorted(named_params, key=lambda np_: group_of[np_[0]])  # stable within a group
+        self.names = [n for n, _ in order]
+        self.params = [p for _, p in order]
+        self.shapes = [p.shape for p in self.params]
+        numels = [p.numel() for p in self.params]
+        self.offsets = [sum(numels[:i]) for i in range(len(numels) + 1)]
+        self.numel, self.world, self.stage, self.group = self.offsets[-1], world, stage, dp_group
+        self.shard_size = -(-self.numel // world)  # ceil: pad, never truncate
+        self.lo, self.hi = rank * self.shard_size, (rank + 1) * self.shard_size
+        ref = self.params[0]
+
+        with torch.no_grad():
+            self.full = self.flatten({n: p for n, p in zip(self.names, self.params)}, ref.device)
+        for p, off, shape in zip(self.params, self.offsets, self.shapes):
+            p.data = self.full[off:off + p.numel()].view(shape)  # tied weights: one param, one view
+
+        if stage < 3:
+            self.shard = self.full[self.lo:self.hi]
+        else:
+            self.shard = self.full[self.lo:self.hi].clone()
+        if stage == 1:  # full gradients stay resident; autograd accumulates into these views
+            self.full_grad = torch.zeros_like(self.full)
+            for p, off, shape in zip(self.params, self.offsets, self.shapes):
+                p.grad = self.full_grad[off:off + p.numel()].view(shape)
+            self.grad_shard = self.full_grad[self.lo:self.hi]
+        else:
+            self.full_grad = None
+            self.grad_shard = torch.zeros_like(self.shard)
+        self.state, self.work = GATHERED, None
+        if stage == 3:
+            self.free()
+
+        # this rank's intersection with each optimizer group's range, in shard coordinates
+        self.pieces = []  # (group index, start, end, tensor view of shard)
+        for g in sorted(set(group_of[n] for n in self.names)):
+            idx = [i for i, n in enumerate(self.names) if group_of[n] == g]
+            a = max(self.offsets[idx[0]], self.lo) - self.lo
+            b = min(self.offsets[idx[-1] + 1], self.hi) - self.lo
+            if a < b:
+                piece = self.shard[a:b]
+                piece.grad = self.grad_shard[a:b]  # clipping and AdamW read it here
+                self.pieces.append((g, a, b, piece))
+
+    # ------------------------------------------------ canonical <-> flat
+
+    def flatten(self, by_name, device):
+        """Canonical tensors -> one padded flat buffer (N * S) on `device`."""
+        flat = torch.zeros(self.world * self.shard_size, dtype=self.params[0].dtype, device=device)
+        for n, off, i in zip(self.names, self.offsets, range(len(self.names))):
+            flat[off:self.offsets[i + 1]] = by_name[n].reshape(-1)
+        return flat
+
+    def unflatten(self, flat):
+        """Padded flat buffer -> {canonical name: CPU tensor of the parameter's shape}."""
+        return {n: flat[off:off + s.numel()].view(s).detach().cpu().clone()
+                for n, off, s in zip(self.names, self.offsets, self.shapes)}
+
+    # ------------------------------------------------ stage 3: gather / free the parameters
+
+    def start_gather(self, comm):
+        if self.state != FREED:
+            return
+        storage = self.full.untyped_storage()
+        storage.resize_(self.full.numel() * self.full.element_size())
+        self.work = comm.all_gather(self.full, self.shard, group=self.group, async_op=True)
+        self.state = GATHERING
+
+    def wait_gather(self, comm):
+        """Make sure the parameters are here (gathering now if nobody prefetched them)."""
+        self.start_gather(comm)
+        if self.state == GATHERING:
+            self.work.wait()
+            self.work, self.state = None, GATHERED
+
+    def free(self):
+        if self.state == GATHERING:  # a prefetch nobody used: let it land first
+            self.work.wait()
+            self.work = None
+        self.full.untyped_storage().resize_(0)
+        self.state = FREED
+
+    def refresh_full(self, comm):
+        """Stages 1-2 after the optimizer step: everyone's updated shard into `full`.
+        The input is a copy because it is a view of the output."""
+        return comm.all_gather(self.full, self.shard.clone(), group=self.group, async_op=True)
+
+    # ------------------------------------------------ gradients
+
+    def reduce_scatter_grads(self, comm):
+        """Stages 2-3: this unit's grads (zeros where a param got none) -> async
+        reduce-scatter. Returns (work, finish): finish() adds the averaged shard
+        into grad_shard once the work is done."""
+        grads = [p.grad.reshape(-1) if p.grad is not None else torch.zeros(p.numel(), device=p.device)
+                 for p in self.params]
+        pad = self.world * self.shard_size - self.numel
+        flat = torch.cat(grads + [grads[0].new_zeros(pad)])
+        for p in self.params:
+            p.grad = None  # the full gradient lives on only until the reduce-scatter is done
+        out = torch.empty_like(self.grad_shard)
+        work = comm.reduce_scatter(out, flat, group=self.group, async_op=True)
+
+        def finish(flat=flat):  # keeps `flat` alive until the collective is done
+            self.grad_shard.add_(out.div_(self.world))
+        return work, finish
+
+    def all_reduce_grads(self, comm):
+        """Stage 1, last micro-step: average the full flat gradient on every rank."""
+        work = comm.all_reduce(self.full_grad, group=self.group, async_op=True)
+        return work, lambda: self.full_grad.div_(self.world)
+
+    def zero_grads(self):
+        (self.full_grad if self.stage == 1 else self.grad_shard).zero_()
+
+    def resident_bytes(self):
+        """Parameters (full or shard + whatever is gathered now) and gradients on this rank."""
+        total = self.full.untyped_storage().nbytes()
+        if self.stage == 3:
+            total += self.shard.numel() * self.shard.element_size()
+        grad = self.full_grad if self.stage == 1 else self.grad_shard
+        total += grad.numel() * grad.element_size()
+        if self.stage > 1:  # stray full gradients (there should be none at the end of a step)
+            total += sum(p.grad.numel() * p.grad.element_size() for p in self.params
+                         if p.grad is not None)
+        return total

@@ -1,0 +1,83 @@
+"""`torch_fsdp`: PyTorch's FSDP2 (`fully_shard`), kept as the reference for `fsdp`.
+
+Not one of our strategies: it is what `fsdp` (ZeRO-3) is measured against,
+parity and speed, in the same run. Each transformer block is one FSDP unit,
+then the root (embeddings, final LayerNorm, tied LM head). Parameters are
+DTensors sharded on dim 0; per micro-step FSDP2 all-gathers a unit before its
+forward and (after resharding) before its backward, and reduce-scatters its
+gradients after. `parallel.reshard_after_forward` and `parallel.prefetch`
+are passed through, so both implementations run the same schedule. Its
+traffic goes through torch, so comm_* metrics do not count it.
+"""
+
+import torch
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.fsdp import fully_shard
+from torch.distributed.tensor import DTensor, distribute_tensor
+
+from parallel.strategy import (ReplicatedStrategy, check_state_names, optimizer_state_by_name,
+                               optimizer_state_from_names)
+
+
+def _local(t):
+    return t.to_local() if isinstance(t, DTensor) else t
+
+
+def _full(t):
+    return t.full_tensor() if isinstance(t, DTensor) else t
+
+
+class TorchFSDP(ReplicatedStrategy):
+    def __init__(self, model, grid, cfg):
+        super().__init__(model, grid, cfg)
+        mesh = DeviceMesh.from_group(grid.dp_group, self.device.type)
+        blocks = list(self.module.transformer.h)
+        for block in blocks:
+            fully_shard(block, mesh=mesh, reshard_after_forward=cfg.reshard_after_forward)
+        fully_shard(self.module, mesh=mesh, reshard_after_forward=cfg.reshard_after_forward)
+        if cfg.prefetch:  # explicit one-unit-ahead prefetch, as in our fsdp
+            for i, block in enumerate(blocks):
+                block.set_modules_to_forward_prefetch(blocks[i + 1:i + 2])
+                block.set_modules_to_backward_prefetch(blocks[max(i - 1, 0):i])
+
+    def clip_grad_norm_(self, max_norm):
+        norm = torch.nn.utils.clip_grad_norm_(self.module.parameters(), max_norm)
+        return _full(norm).item()
+
+    def optimizer_step(self, lr):
+        for group in self.optimizer.param_groups:
+            group["lr"] = lr
+        self.optimizer.step()
+        tensors = [t for p in self.module.parameters() for t in (p, p.grad) if t is not None]
+        tensors += [v for s in self.optimizer.state.values() for v in s.values() if torch.is_tensor(v)]
+        self.last_state_bytes = sum(_local(t).numel() * _local(t).element_size() for t in tensors)
+        self.optimizer.zero_grad(set_to_none=True)
+
+    # snapshots: full (canonical) tensors out, this rank's DTensor shards in
+
+    def state_dict(self):
+        return {n: _full(p.detach()).cpu().clone() for n, p in self.module.named_parameters()}
+
+    @torch.no_grad()
+    def load_state_dict(self, state):
+        params = dict(self.module.named_parameters())
+        check_state_names(params, state, "snapshot model state")
+        for name, p in params.items():
+            p.copy_(distribute_tensor(state[name].to(self.device), p.device_mesh, p.placements))
+
+    def optimizer_state_dict(self):
+        canonical = optimizer_state_by_name(self.optimizer, self.group_names)
+        for entry in canonical["state"].values():
+            for k, v in entry.items():
+                entry[k] = _full(v).cpu()
+        return canonical
+
+    def load_optimizer_state_dict(self, state):
+        sd = optimizer_state_from_names(state, self.group_names, self.device)
+        params = [self.named[n] for names in self.group_names for n in names]
+        for idx, entry in sd["state"].items():
+            p = params[idx]
+            for k, v in entry.items():
+                if k != "step":
+                    entry[k] = distribute_tensor(v, p.device_mesh, p.placements)
+        self.optimizer.load_state_dict(sd)
