@@ -119,6 +119,8 @@ def validate(cfg: Config, world_size: int):
         (cfg.wandb.mode in ("offline", "online", "disabled"),
          f"wandb.mode must be offline, online or disabled, got {cfg.wandb.mode!r}"),
         (p.timeout_s > 0, "parallel.timeout_s must be > 0"),
+        (p.pp_schedule in ("gpipe", "1f1b"), f"parallel.pp_schedule must be gpipe or 1f1b, got {p.pp_schedule!r}"),
+        (p.microbatches >= 1, f"parallel.microbatches must be >= 1, got {p.microbatches}"),
         (p.allreduce in ("native", "ring"),
          f"parallel.allreduce must be native or ring, got {p.allreduce!r}"),
         (p.bucket_cap_mb > 0, f"parallel.bucket_cap_mb must be > 0, got {p.bucket_cap_mb}"),

@@ -5,7 +5,7 @@ from dataclasses import dataclass
 
 @dataclass
 class ParallelConfig:
-    dp: str = "torch_ddp"       # how the data-parallel dimension works (see parallel/__init__.py)
+    dp: str = "ddp_bucket"      # how the data-parallel dimension works (see parallel/__init__.py)
     tp: int = 1                 # tensor-parallel degree
     pp: int = 1                 # pipeline-parallel degree; dp degree = world / (tp * pp)
     zero_stage: int = 3         # 1, 2 or 3, for dp=fsdp
