@@ -20,7 +20,7 @@ import torch
 import torch.distributed as dist
 
 from char_dataset import build_tokenizer, load_text, split_tokens
-from config import load_config, resolved_yaml
+from config import load_config, resolved_yaml, to_dict
 from errors import UserError
 from model import GPT, GPTConfig
 from parallel import build_strategy
@@ -89,7 +89,7 @@ def train(cfg, grid):
         print(f"{grid}; {model.num_params() / 1e6:.2f}M parameters, vocab {gpt_config.vocab_size}, "
               f"{len(train_set)} train windows", flush=True)
     strategy = build_strategy(model, grid, cfg.parallel)
-    meta = {"gpt_config": asdict(gpt_config), "tokenizer": tokenizer.state()}
+    meta = {"config": to_dict(cfg), "gpt_config": asdict(gpt_config), "tokenizer": tokenizer.state()}
     trainer = Trainer(cfg, strategy, grid, train_set, val_set, meta, snapshot)
     try:
         trainer.train()

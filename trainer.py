@@ -70,7 +70,7 @@ def snapshot_location(t: TrainerConfig) -> str:
 class MetricsLog:
     """metrics.jsonl, the console and wandb; active on the main rank only."""
 
-    def __init__(self, cfg, active, resumed_step, wandb_id):
+    def __init__(self, cfg, config_dict, active, resumed_step, wandb_id):
         self.active, self.run = active, None
         self.tty = active and sys.stdout.isatty()
         if not active:
@@ -80,11 +80,10 @@ class MetricsLog:
         self._keep_steps_up_to(resumed_step)  # a fresh run starts an empty file
         if cfg.wandb.mode != "disabled":
             import wandb
-            from config import to_dict
             self.run = wandb.init(
                 project=cfg.wandb.project, id=wandb_id, resume="allow", mode=cfg.wandb.mode,
                 name=cfg.wandb.name or os.path.basename(os.path.normpath(cfg.trainer.run_dir)),
-                dir=cfg.trainer.run_dir, config=to_dict(cfg))
+                dir=cfg.trainer.run_dir, config=config_dict)
 
     def _keep_steps_up_to(self, step):
         """Drop records past the snapshot: the resumed run writes those steps again."""
@@ -122,8 +121,8 @@ class MetricsLog:
 
 class Trainer:
     def __init__(self, cfg, strategy, grid, train_set, val_set, snapshot_meta, snapshot=None):
-        """snapshot_meta: what the snapshot carries beyond the training state
-        (GPT shape, tokenizer vocabulary); snapshot: a SnapshotReader to resume from."""
+        """snapshot_meta: what the snapshot carries beyond the training state (the
+        config as a dict, GPT shape, tokenizer); snapshot: a SnapshotReader to resume from."""
         self.cfg, self.t = cfg, cfg.trainer
         self.strategy, self.grid = strategy, grid
         self.train_set, self.val_set = train_set, val_set
@@ -134,7 +133,8 @@ class Trainer:
         strategy.configure_optimizer(self.t)
         if snapshot is not None:
             self._restore(snapshot)
-        self.metrics = MetricsLog(cfg, grid.is_main, self.step, self.wandb_id)
+        self.metrics = MetricsLog(cfg, snapshot_meta["config"], grid.is_main, self.step,
+                                  self.wandb_id)
 
     def _restore(self, reader):
         saved = reader.meta["config"]["trainer"]
@@ -198,11 +198,10 @@ class Trainer:
 
     def save(self):
         """Collective: every rank writes the part of the state it owns."""
-        from config import to_dict
         g, t = self.grid, self.t
         save_sharded(self.snapshot_path, g, self.step, self.strategy.shard_pieces(), {
             "samples_seen": self.step * t.batch_size, "wandb_id": self.wandb_id,
-            "config": to_dict(self.cfg), **self.snapshot_meta,
+            **self.snapshot_meta,
             "layout": {"world_size": g.world_size, "dp": g.dp_size, "pp": g.pp_size,
                        "tp": g.tp_size, "strategy": self.cfg.parallel.dp},
             "lr_schedule": {"warmup_steps": t.warmup_steps, "max_steps": t.max_steps,
