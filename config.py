@@ -70,6 +70,8 @@ def load_config(overrides, world_size: int, yaml_path: str = DEFAULT_YAML) -> Co
         raise UserError(f"config file not found: {yaml_path}") from None
     except OmegaConfBaseException as e:
         raise UserError(f"bad config: {_first_line(e)}") from None
+    except Exception as e:  # a YAML syntax error, a directory instead of a file, ...
+        raise UserError(f"cannot read config file {yaml_path}: {_first_line(e)}") from None
     validate(cfg, world_size)
     return cfg
 
@@ -113,12 +115,20 @@ def validate(cfg: Config, world_size: int):
         (t.max_steps >= 1, f"trainer.max_steps must be >= 1, got {t.max_steps}"),
         (t.batch_size >= 1 and t.grad_accum >= 1, "trainer.batch_size and grad_accum must be >= 1"),
         (t.lr > 0 and 0 <= t.min_lr <= t.lr, "need 0 < trainer.lr and 0 <= trainer.min_lr <= lr"),
-        (min(t.log_every, t.eval_every, t.save_every, t.eval_batches, t.warmup_steps) >= 0,
-         "trainer.log_every/eval_every/save_every/eval_batches/warmup_steps must be >= 0"),
+        (min(t.log_every, t.eval_every, t.save_every, t.warmup_steps) >= 0,
+         "trainer.log_every/eval_every/save_every/warmup_steps must be >= 0"),
+        (t.eval_batches >= 1 or t.eval_every == 0,
+         f"trainer.eval_batches must be >= 1 when evaluating, got {t.eval_batches}"),
+        (0 <= t.beta1 < 1 and 0 <= t.beta2 < 1, "trainer.beta1 and beta2 must be in [0, 1)"),
+        (t.weight_decay >= 0 and t.grad_clip >= 0, "trainer.weight_decay and grad_clip must be >= 0"),
+        (0 <= t.seed < 2**31, f"trainer.seed must be in [0, 2**31), got {t.seed}"),
+        (bool(t.run_dir), "trainer.run_dir must not be empty"),
+        (cfg.sample.length >= 0 and cfg.sample.top_k >= 0 and cfg.sample.temperature > 0,
+         "sample.length and sample.top_k must be >= 0 and sample.temperature > 0"),
         (t.device in ("auto", "cpu", "cuda"), f"trainer.device must be auto, cpu or cuda, got {t.device!r}"),
         (cfg.wandb.mode in ("offline", "online", "disabled"),
          f"wandb.mode must be offline, online or disabled, got {cfg.wandb.mode!r}"),
-        (p.timeout_s > 0, "parallel.timeout_s must be > 0"),
+        (0 < p.timeout_s < 10**7, "parallel.timeout_s must be > 0 and finite"),
         (p.pp_schedule in ("gpipe", "1f1b"), f"parallel.pp_schedule must be gpipe or 1f1b, got {p.pp_schedule!r}"),
         (p.microbatches >= 1, f"parallel.microbatches must be >= 1, got {p.microbatches}"),
         (p.allreduce in ("native", "ring"),
@@ -129,6 +139,8 @@ def validate(cfg: Config, world_size: int):
     for ok, message in checks:
         if not ok:
             raise UserError(message)
+    if cfg.mode == "sample":  # one process reads the snapshot: the layout does not matter
+        return
 
     dp = world_size // (p.tp * p.pp)
     if p.dp == "single" and world_size != 1:

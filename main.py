@@ -27,7 +27,7 @@ from parallel import build_strategy
 from parallel.grid import ProcessGrid
 from parallel.strategy import load_named_parameters
 from snapshot import check_model_shape, open_snapshot
-from trainer import Trainer, snapshot_location
+from trainer import Trainer, check_resumable, snapshot_location
 
 
 def pick_device(choice, local_rank):
@@ -55,10 +55,26 @@ def init_process_group(device, timeout_s, rank, world_size):
                                 timeout=timeout)
 
 
-def prepare_data(cfg):
-    """Everything each rank can check alone: snapshot, text, tokenizer, shapes."""
+def together(grid, what, fn):
+    """Run fn on every rank; if it fails on any rank, every rank raises, so none is left
+    waiting in the next collective for a rank that has gone."""
+    try:
+        result, error = fn(), None
+    except UserError as e:
+        result, error = None, e
+    except Exception as e:  # s3 errors, a full disk, wandb refusing to start, ...
+        result, error = None, UserError(f"{what} failed: {type(e).__name__}: {e}")
+    if not grid.all_ok(error is None):
+        raise error or UserError(f"stopping: another rank failed while {what} (see its error)")
+    return result
+
+
+def prepare(cfg, is_main):
+    """Everything each rank can check alone: snapshot, text, tokenizer, shapes,
+    the prompt of the final sample; the main rank also creates the run directory."""
     path = snapshot_location(cfg.trainer)
     snapshot = open_snapshot(path)
+    notes = check_resumable(path, snapshot.meta["config"], cfg) if snapshot else []
     text = load_text(cfg.data.path)
     tokenizer = build_tokenizer(cfg.data.tokenizer, text,
                                 saved=snapshot.meta["tokenizer"] if snapshot else None)
@@ -67,22 +83,21 @@ def prepare_data(cfg):
                            block_size=cfg.data.block_size)
     if snapshot:
         check_model_shape(path, snapshot.meta["gpt_config"], asdict(gpt_config))
+    if cfg.sample.length > 0:
+        tokenizer.encode(cfg.sample.prompt)  # fail now, not after the whole run
+    if is_main:
+        os.makedirs(cfg.trainer.run_dir, exist_ok=True)
+        with open(os.path.join(cfg.trainer.run_dir, "config.yaml"), "w") as f:
+            f.write(resolved_yaml(cfg))
+        for note in notes:
+            print(note, flush=True)
     return snapshot, tokenizer, train_set, val_set, gpt_config
 
 
 def train(cfg, grid):
-    try:
-        prepared, error = prepare_data(cfg), None
-    except UserError as e:
-        prepared, error = None, e
-    if not grid.all_ok(error is None):
-        raise error or UserError("stopping: another rank reported an error (see above)")
-    snapshot, tokenizer, train_set, val_set, gpt_config = prepared
-
-    if grid.is_main:
-        os.makedirs(cfg.trainer.run_dir, exist_ok=True)
-        with open(os.path.join(cfg.trainer.run_dir, "config.yaml"), "w") as f:
-            f.write(resolved_yaml(cfg))
+    """Returns what the main rank needs to print a sample once the group is gone."""
+    snapshot, tokenizer, train_set, val_set, gpt_config = together(
+        grid, "reading the config, data and snapshot", lambda: prepare(cfg, grid.is_main))
     torch.manual_seed(cfg.trainer.seed)  # identical initial weights on every rank
     model = GPT(gpt_config)
     if grid.is_main:
@@ -90,16 +105,16 @@ def train(cfg, grid):
               f"{len(train_set)} train windows", flush=True)
     strategy = build_strategy(model, grid, cfg.parallel)
     meta = {"config": to_dict(cfg), "gpt_config": asdict(gpt_config), "tokenizer": tokenizer.state()}
-    trainer = Trainer(cfg, strategy, grid, train_set, val_set, meta, snapshot)
+    trainer = Trainer(cfg, strategy, grid, train_set, val_set, meta)
     try:
+        if snapshot:
+            together(grid, "loading the snapshot", lambda: trainer.restore(snapshot))
+        together(grid, "opening metrics.jsonl and wandb", trainer.open_metrics)
         trainer.train()
     finally:
         trainer.close()
     state = strategy.state_dict()  # collective: gathers shards where there are any
-    if grid.is_main and cfg.sample.length > 0:
-        model = GPT(gpt_config)
-        load_named_parameters(model, state)
-        print("---- sample ----\n" + generate_text(model, tokenizer, cfg.sample), flush=True)
+    return state, tokenizer, gpt_config
 
 
 def sample(cfg):
@@ -134,9 +149,13 @@ def main(argv, rank, world_size, local_rank):
     init_process_group(device, cfg.parallel.timeout_s, rank, world_size)
     p = cfg.parallel
     grid = ProcessGrid(world_size // (p.tp * p.pp), p.pp, p.tp, device)
-    train(cfg, grid)
+    state, tokenizer, gpt_config = train(cfg, grid)
     dist.barrier()  # nobody leaves while another rank may still need it
     dist.destroy_process_group()
+    if grid.is_main and cfg.sample.length > 0:  # alone now: a failure here blocks nobody
+        model = GPT(gpt_config)
+        load_named_parameters(model, state)
+        print("---- sample ----\n" + generate_text(model, tokenizer, cfg.sample), flush=True)
 
 
 def run_and_exit():

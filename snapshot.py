@@ -26,6 +26,8 @@ a complete snapshot. Safe: JSON and raw bytes only, nothing executes on load.
 """
 
 import json
+import math
+import re
 import uuid
 
 import fsspec
@@ -70,13 +72,15 @@ def save_sharded(path, grid, step, pieces, meta):
             raise UserError(f"could not write snapshot {path}: {error}" if error
                             else f"another rank could not write its part of snapshot {path}")
 
+    # any exception (s3 credentials, a read-only filesystem, ...) must reach agree(),
+    # or the other ranks would wait for this one in all_ok
     error, ids = None, [uuid.uuid4().hex]
     if grid.is_main:
         try:
             if fs.exists(step_dir):  # left by a job killed while writing this very step
                 fs.rm(step_dir, recursive=True)
             fs.makedirs(step_dir, exist_ok=True)
-        except OSError as e:
+        except Exception as e:
             error = e
     agree(error)
     dist.broadcast_object_list(ids, src=0)  # one id ties parts to their manifest
@@ -84,7 +88,7 @@ def save_sharded(path, grid, step, pieces, meta):
     index = []
     try:
         index = _write_part(fs, step_dir, grid.rank, ids[0], pieces)
-    except OSError as e:
+    except Exception as e:
         error = e
     agree(error)
     indexes = [None] * grid.world_size
@@ -97,12 +101,26 @@ def save_sharded(path, grid, step, pieces, meta):
             _write_json(fs, _join(step_dir, "manifest.json"), manifest)
             _write_json(fs, _join(root, "latest.json"),  # the commit point
                         {"step_dir": step_name, "snapshot_id": ids[0]}, atomic=True)
-            for old in fs.glob(_join(root, "step-*")):
-                if not old.rstrip("/").endswith(step_name):
-                    fs.rm(old, recursive=True)
-        except OSError as e:
+        except Exception as e:
             error = e
     agree(error)
+    if grid.is_main:
+        _remove_stale(fs, root, keep=step_name)
+
+
+STALE = re.compile(r"^(step-\d{8,}|latest\.json\.tmp-.*)$")
+
+
+def _remove_stale(fs, root, keep):
+    """Older step directories and temp files of writers killed mid-write. Best effort:
+    the snapshot is committed already, so a failure here only costs disk space."""
+    try:
+        for entry in fs.ls(root, detail=False):
+            name = entry.rstrip("/").rsplit("/", 1)[-1]
+            if STALE.match(name) and name != keep:
+                fs.rm(entry, recursive=True)
+    except Exception as e:
+        print(f"warning: could not remove old snapshot files under {root}: {e}", flush=True)
 
 
 def _write_part(fs, step_dir, rank, snapshot_id, pieces):
@@ -115,11 +133,12 @@ def _write_part(fs, step_dir, rank, snapshot_id, pieces):
         f.write(header.ljust(HEADER_BYTES, b" "))
         for key, shape, start, data in pieces:
             raw = data.detach().contiguous().cpu().view(-1)
+            dtype = str(raw.dtype).removeprefix("torch.")
+            assert dtype in DTYPES, f"{key}: dtype {dtype} has no snapshot encoding"
             nbytes = raw.numel() * raw.element_size()
             f.write(raw.view(torch.uint8).numpy().tobytes())
             index.append({"key": key, "shape": list(shape), "start": start, "length": raw.numel(),
-                          "dtype": str(raw.dtype).removeprefix("torch."), "file": name,
-                          "offset": offset})
+                          "dtype": dtype, "file": name, "offset": offset})
             offset += nbytes
     return index
 
@@ -130,57 +149,89 @@ def _write_json(fs, path, obj, atomic=False):
         json.dump(obj, f)
     if atomic:
         fs.mv(target, path)
-        for stale in fs.glob(f"{path}.tmp-*"):  # left by a writer killed mid-write
-            fs.rm(stale)
 
 
 # ---------------------------------------------------------------- reading
 
 class SnapshotReader:
-    """A checked snapshot: `meta` (the manifest) and ranged reads of canonical tensors."""
+    """A checked snapshot: `meta` (the manifest) and ranged reads of canonical tensors.
+
+    Opening it checks everything that can be checked without reading the tensors:
+    format versions, that every part exists with its header and exact size, and
+    that each key's ranges tile the whole tensor once. So a damaged snapshot fails
+    on every rank, before any training state is touched."""
 
     def __init__(self, path):
         self.path = path
         self.fs, root = _fs(path)
         latest = self._json(_join(root, "latest.json"))
         self.dir = _join(root, str(latest.get("step_dir")))
-        self.meta = self._json(_join(self.dir, "manifest.json"))
+        manifest = _join(self.dir, "manifest.json")
+        self.meta = self._json(manifest)
         if self.meta.get("format_version") != FORMAT_VERSION:
             raise UserError(f"snapshot {path} has format version {self.meta.get('format_version')!r}; "
                             f"this code reads version {FORMAT_VERSION}")
         if latest.get("snapshot_id") != self.meta.get("snapshot_id"):
-            raise UserError(f"snapshot {path}: latest.json and {self.dir}/manifest.json disagree")
-        self.index = {}
-        sizes = {}
-        for e in self.meta["parts"]:
-            self.index.setdefault(e["key"], []).append(e)
-            end = e["offset"] + e["length"] * DTYPES[e["dtype"]].itemsize
-            sizes[e["file"]] = max(sizes.get(e["file"], HEADER_BYTES), end)
+            raise UserError(f"snapshot {path}: latest.json and {manifest} disagree")
+        try:
+            self.index, sizes = self._index(self.meta["parts"])
+        except (KeyError, TypeError, ValueError) as e:
+            raise UserError(f"snapshot {path}: {manifest} is damaged ({type(e).__name__}: {e})") from None
         for name, size in sizes.items():
             self._check_part(name, size)
+
+    def _index(self, parts):
+        """key -> its entries sorted by start, checked to tile [0, numel) exactly once."""
+        index, sizes = {}, {}
+        for e in parts:
+            if e["dtype"] not in DTYPES:
+                raise ValueError(f"{e['key']} has unknown dtype {e['dtype']!r}")
+            index.setdefault(e["key"], []).append(e)
+            end = e["offset"] + e["length"] * DTYPES[e["dtype"]].itemsize
+            sizes[e["file"]] = max(sizes.get(e["file"], HEADER_BYTES), end)
+        for key, entries in index.items():
+            entries.sort(key=lambda e: e["start"])
+            numel = math.prod(entries[0]["shape"])
+            at = 0
+            for e in entries:
+                if e["start"] != at or e["shape"] != entries[0]["shape"] \
+                        or e["dtype"] != entries[0]["dtype"]:
+                    raise ValueError(f"the ranges of {key} overlap, leave a gap or disagree")
+                at += e["length"]
+            if at != numel:
+                raise ValueError(f"the ranges of {key} cover {at} of {numel} elements")
+        return index, sizes
 
     def _json(self, path):
         try:
             with self.fs.open(path, "r") as f:
-                return json.load(f)
+                obj = json.load(f)
         except FileNotFoundError:
             raise UserError(f"snapshot {self.path}: {path} is missing") from None
         except (ValueError, UnicodeDecodeError) as e:
             raise UserError(f"snapshot {self.path}: {path} is corrupt or truncated ({e})") from None
+        if not isinstance(obj, dict):
+            raise UserError(f"snapshot {self.path}: {path} is not a JSON object")
+        return obj
+
+    def _bytes(self, name, start, end):
+        """One ranged read (no read-ahead: object stores fetch only these bytes)."""
+        return self.fs.cat_file(_join(self.dir, name), start=start, end=end)
 
     def _check_part(self, name, size):
         path = _join(self.dir, name)
         try:
             actual = self.fs.size(path)
-            with self.fs.open(path, "rb") as f:
-                header = json.loads(f.read(HEADER_BYTES).decode())
+            header = json.loads(self._bytes(name, 0, HEADER_BYTES).decode())
         except FileNotFoundError:
             raise UserError(f"snapshot {self.path}: part {path} is missing") from None
         except (ValueError, UnicodeDecodeError):
             raise UserError(f"snapshot {self.path}: part {path} has no valid header") from None
-        if header.get("magic") != MAGIC or header.get("format_version") != FORMAT_VERSION:
+        if not isinstance(header, dict) or header.get("magic") != MAGIC \
+                or header.get("format_version") != FORMAT_VERSION:
+            found = header.get("format_version") if isinstance(header, dict) else None
             raise UserError(f"snapshot {self.path}: part {path} was written by another version "
-                            f"(format {header.get('format_version')!r}, expected {FORMAT_VERSION})")
+                            f"(format {found!r}, expected {FORMAT_VERSION})")
         if header.get("snapshot_id") != self.meta["snapshot_id"]:
             raise UserError(f"snapshot {self.path}: part {path} belongs to another snapshot")
         if actual != size:
@@ -198,25 +249,19 @@ class SnapshotReader:
         if key not in self.index:
             raise UserError(f"snapshot {self.path} has no {key!r}: it does not fit this model")
         entries = self.index[key]
-        numel = 1
-        for d in entries[0]["shape"]:
-            numel *= d
+        numel = math.prod(entries[0]["shape"])
         length = numel - start if length is None else length
+        if start < 0 or start + length > numel:
+            raise UserError(f"snapshot {self.path}: {key!r} has {numel} elements, "
+                            f"not [{start}, {start + length})")
         out = torch.empty(length, dtype=DTYPES[entries[0]["dtype"]])
-        filled = 0
-        for e in entries:
+        item = out.element_size()
+        for e in entries:  # they tile the tensor (checked on opening)
             lo, hi = max(start, e["start"]), min(start + length, e["start"] + e["length"])
-            if lo >= hi:
-                continue
-            item = out.element_size()
-            with self.fs.open(_join(self.dir, e["file"]), "rb") as f:
-                f.seek(e["offset"] + (lo - e["start"]) * item)
-                raw = f.read((hi - lo) * item)
-            out[lo - start:hi - start] = torch.frombuffer(bytearray(raw), dtype=out.dtype)
-            filled += hi - lo
-        if filled != length:
-            raise UserError(f"snapshot {self.path}: {key!r} is incomplete "
-                            f"({filled} of {length} elements found)")
+            if lo < hi:
+                first = e["offset"] + (lo - e["start"]) * item
+                raw = self._bytes(e["file"], first, first + (hi - lo) * item)
+                out[lo - start:hi - start] = torch.frombuffer(bytearray(raw), dtype=out.dtype)
         return out
 
     def read_full(self, key):

@@ -67,6 +67,23 @@ def snapshot_location(t: TrainerConfig) -> str:
     return t.snapshot_path or os.path.join(t.run_dir, "snapshot")
 
 
+def check_resumable(path, saved_config, cfg):
+    """Refuse a snapshot whose data order differs from this run's; return notes on
+    settings that legitimately change on resume (the LR schedule, when extending)."""
+    saved_t, saved_d = saved_config["trainer"], saved_config["data"]
+    for section, key, saved in (("trainer", "batch_size", saved_t), ("trainer", "seed", saved_t),
+                                ("data", "path", saved_d), ("data", "val_fraction", saved_d)):
+        now = getattr(getattr(cfg, section), key)
+        if saved[key] != now:
+            raise UserError(
+                f"snapshot {path} was trained with {section}.{key}={saved[key]!r}, this run asks "
+                f"for {now!r}: resuming would change the data order. Use the snapshot's value "
+                "or a new trainer.snapshot_path")
+    return [f"note: trainer.{k} is {getattr(cfg.trainer, k)} now, {saved_t[k]} when the snapshot "
+            f"was written: the LR schedule changes from here on"
+            for k in ("max_steps", "warmup_steps", "lr", "min_lr") if saved_t[k] != getattr(cfg.trainer, k)]
+
+
 class MetricsLog:
     """metrics.jsonl, the console and wandb; active on the main rank only."""
 
@@ -86,13 +103,21 @@ class MetricsLog:
                 dir=cfg.trainer.run_dir, config=config_dict)
 
     def _keep_steps_up_to(self, step):
-        """Drop records past the snapshot: the resumed run writes those steps again."""
+        """Drop records past the snapshot (the resumed run writes those steps again) and
+        any line a crash left half-written; replace the file atomically."""
         lines = []
         if os.path.exists(self.path):
             with open(self.path) as f:
-                lines = [ln for ln in f if ln.strip() and json.loads(ln)["step"] <= step]
-        with open(self.path, "w") as f:
+                for line in f:
+                    try:
+                        if json.loads(line)["step"] <= step:
+                            lines.append(line if line.endswith("\n") else line + "\n")
+                    except (ValueError, KeyError, TypeError):
+                        pass
+        tmp = f"{self.path}.tmp"
+        with open(tmp, "w") as f:
             f.writelines(lines)
+        os.replace(tmp, self.path)
 
     def write(self, record, total_steps, console):
         if not self.active:
@@ -120,9 +145,10 @@ class MetricsLog:
 
 
 class Trainer:
-    def __init__(self, cfg, strategy, grid, train_set, val_set, snapshot_meta, snapshot=None):
+    def __init__(self, cfg, strategy, grid, train_set, val_set, snapshot_meta):
         """snapshot_meta: what the snapshot carries beyond the training state (the
-        config as a dict, GPT shape, tokenizer); snapshot: a SnapshotReader to resume from."""
+        config as a dict, GPT shape, tokenizer). Then restore() (optional) and
+        open_metrics() before train()."""
         self.cfg, self.t = cfg, cfg.trainer
         self.strategy, self.grid = strategy, grid
         self.train_set, self.val_set = train_set, val_set
@@ -131,23 +157,18 @@ class Trainer:
         self.batches = GlobalBatches(len(train_set), self.t.batch_size, self.t.seed)
         self.step, self.wandb_id = 0, uuid.uuid4().hex[:12]
         strategy.configure_optimizer(self.t)
-        if snapshot is not None:
-            self._restore(snapshot)
-        self.metrics = MetricsLog(cfg, snapshot_meta["config"], grid.is_main, self.step,
-                                  self.wandb_id)
+        self.metrics = None
 
-    def _restore(self, reader):
-        saved = reader.meta["config"]["trainer"]
-        for key in ("batch_size", "seed"):
-            if saved[key] != getattr(self.t, key):
-                raise UserError(
-                    f"snapshot {self.snapshot_path} was trained with trainer.{key}={saved[key]}, "
-                    f"this run asks for {getattr(self.t, key)}: resuming would change the data "
-                    f"order. Use the snapshot's value or a new trainer.snapshot_path")
+    def restore(self, reader):
+        """Take model, optimizer and step from a snapshot (checked by check_resumable)."""
         self.strategy.load_shards(reader)
         self.step, self.wandb_id = reader.meta["step"], reader.meta["wandb_id"]
         if self.grid.is_main:
             print(f"resuming from snapshot {self.snapshot_path} at step {self.step}", flush=True)
+
+    def open_metrics(self):
+        self.metrics = MetricsLog(self.cfg, self.snapshot_meta["config"], self.grid.is_main,
+                                  self.step, self.wandb_id)
 
     def _reseed(self, step):
         """Dropout etc. draw from a stream fixed by (seed, step, dp rank): resumable."""
@@ -211,4 +232,5 @@ class Trainer:
         })
 
     def close(self):
-        self.metrics.close()
+        if self.metrics is not None:
+            self.metrics.close()

@@ -49,10 +49,15 @@ class CommCounter:
         self.record("broadcast", tensor)
         return dist.broadcast(tensor, src=src, group=group, async_op=async_op)
 
-    def isend(self, tensor, dst, group=None):
-        self.record("send", tensor)
-        return dist.isend(tensor, dst=dst, group=group)
-
-    def irecv(self, tensor, src, group=None):
-        self.calls["recv"] += 1  # bytes received are the peer's send: count calls only
-        return dist.irecv(tensor, src=src, group=group)
+    def exchange(self, send, dst, recv, src, group=None):
+        """Send `send` to dst while receiving `recv` from src, as one batch: on NCCL two
+        separate calls to the same peer could each wait behind the other. Either
+        tensor may be None. Returns the works to wait on."""
+        ops = []
+        if recv is not None:
+            self.calls["recv"] += 1
+            ops.append(dist.P2POp(dist.irecv, recv, peer=src, group=group))
+        if send is not None:
+            self.record("send", send)
+            ops.append(dist.P2POp(dist.isend, send, peer=dst, group=group))
+        return dist.batch_isend_irecv(ops) if ops else []

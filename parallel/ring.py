@@ -43,12 +43,9 @@ def ring_all_reduce(tensor, comm, group=None):
     def exchange(send_idx, recv_into):
         """Send chunks[send_idx] right while receiving into `recv_into` from the left.
         Both sides know every chunk's size, so empty chunks are skipped on both."""
-        works = []
-        if recv_into.numel():
-            works.append(comm.irecv(recv_into, src=left, group=group))
-        if chunks[send_idx].numel():
-            works.append(comm.isend(chunks[send_idx], dst=right, group=group))
-        for w in works:
+        send = chunks[send_idx] if chunks[send_idx].numel() else None
+        recv = recv_into if recv_into.numel() else None
+        for w in comm.exchange(send, right, recv, left, group=group):
             w.wait()
 
     for s in range(world - 1):  # reduce-scatter

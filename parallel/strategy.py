@@ -240,10 +240,18 @@ class ReplicatedStrategy(Strategy):
     def optimizer_state_dict(self):
         return optimizer_state_by_name(self.optimizer, self.group_names)
 
+    def canonical_tensors(self):
+        """{snapshot key: tensor} of parameters and AdamW state: views, no copies."""
+        out = {f"model/{n}": p.detach() for n, p in self.named.items()}
+        for n, p in self.named.items():
+            for field, v in self.optimizer.state.get(p, {}).items():
+                out[f"optim/{n}/{field}"] = v
+        return out
+
     def shard_pieces(self):
         """Every rank holds everything: rank r writes every world-th key, so each
         tensor is written once and the writing is spread over all ranks."""
-        tensors = canonical_tensors(self.state_dict(), self.optimizer_state_dict())
+        tensors = self.canonical_tensors()
         mine = sorted(tensors)[self.grid.rank::self.grid.world_size]
         return [(k, tuple(tensors[k].shape), 0, tensors[k].reshape(-1)) for k in mine]
 

@@ -15,8 +15,8 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DTensor, distribute_tensor
 
-from parallel.strategy import (ReplicatedStrategy, check_state_names, optimizer_state_by_name,
-                               optimizer_state_from_names)
+from parallel.strategy import (ReplicatedStrategy, canonical_tensors, check_state_names,
+                               optimizer_state_by_name, optimizer_state_from_names)
 
 
 def _local(t):
@@ -53,7 +53,11 @@ class TorchFSDP(ReplicatedStrategy):
         self.last_state_bytes = sum(_local(t).numel() * _local(t).element_size() for t in tensors)
         self.optimizer.zero_grad(set_to_none=True)
 
-    # snapshots: full (canonical) tensors out, this rank's DTensor shards in
+    # snapshots: full (canonical) tensors out, this rank's DTensor shards in. A reference
+    # only, so it simply gathers (unlike our fsdp, which writes and reads its own ranges)
+
+    def canonical_tensors(self):
+        return canonical_tensors(self.state_dict(), self.optimizer_state_dict())
 
     def state_dict(self):
         return {n: _full(p.detach()).cpu().clone() for n, p in self.module.named_parameters()}

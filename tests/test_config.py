@@ -26,6 +26,14 @@ def test_defaults_and_overrides():
     (["wandb.mode=loud"], 1, "wandb.mode"),
     (["data.tokenizer=bytes"], 1, "tokenizer"),
     (["config=/nonexistent.yaml"], 1, "config file not found"),
+    (["config=/"], 1, "cannot read config file"),
+    (["trainer.eval_batches=0"], 1, "eval_batches"),
+    (["trainer.beta2=1.5"], 1, "beta"),
+    (["trainer.seed=-1"], 1, "seed"),
+    (["trainer.run_dir="], 1, "run_dir"),
+    (["sample.top_k=-3"], 1, "top_k"),
+    (["parallel.timeout_s=inf"], 1, "timeout_s"),
+    (["parallel.zero_stage=4"], 1, "zero_stage"),
 ])
 def test_bad_config_is_one_clear_error(overrides, world, message):
     with pytest.raises(UserError, match=message):
