@@ -118,13 +118,23 @@ def load_named_parameters(module, state, what="snapshot model state"):
         p.copy_(state[name])
 
 
-def canonical_tensors(model_state, optimizer_state):
-    """Flat {key: tensor} of a canonical model + optimizer state, as snapshots store them."""
+def keyed_tensors(model_state, optimizer_state):
+    """Flat {snapshot key: tensor} of a canonical model + optimizer state."""
     out = {f"model/{name}": t for name, t in model_state.items()}
     for name, fields in optimizer_state["state"].items():
         for field, t in fields.items():
             out[f"optim/{name}/{field}"] = t
     return out
+
+
+def optimizer_state_from(reader):
+    """{name: {field: tensor}} from a snapshot's "optim/<name>/<field>" keys (full tensors)."""
+    state = {}
+    for key in reader.keys():
+        if key.startswith("optim/"):
+            name, field = key[len("optim/"):].rsplit("/", 1)
+            state.setdefault(name, {})[field] = reader.read_full(key)
+    return state
 
 
 def resident_bytes(params, optimizer):
@@ -257,11 +267,7 @@ class ReplicatedStrategy(Strategy):
 
     def load_shards(self, reader):
         self.load_state_dict({n: reader.read_full(f"model/{n}") for n in self.named})
-        state = {}
-        for key in reader.keys():
-            if key.startswith("optim/"):
-                name, field = key[len("optim/"):].rsplit("/", 1)
-                state.setdefault(name, {})[field] = reader.read_full(key)
+        state = optimizer_state_from(reader)
         groups = [{**g, "params": names}
                   for g, names in zip(self.optimizer.state_dict()["param_groups"], self.group_names)]
         self.load_optimizer_state_dict({"state": state, "param_groups": groups})

@@ -15,7 +15,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DTensor, distribute_tensor
 
-from parallel.strategy import (ReplicatedStrategy, canonical_tensors, check_state_names,
+from parallel.strategy import (ReplicatedStrategy, check_state_names, keyed_tensors,
                                optimizer_state_by_name, optimizer_state_from_names)
 
 
@@ -57,7 +57,7 @@ class TorchFSDP(ReplicatedStrategy):
     # only, so it simply gathers (unlike our fsdp, which writes and reads its own ranges)
 
     def canonical_tensors(self):
-        return canonical_tensors(self.state_dict(), self.optimizer_state_dict())
+        return keyed_tensors(self.state_dict(), self.optimizer_state_dict())
 
     def state_dict(self):
         return {n: _full(p.detach()).cpu().clone() for n, p in self.module.named_parameters()}

@@ -2,8 +2,8 @@
 
 The parity harness every strategy's tests use:
 
-    ref = run_losses(tmp_path, 1, ["parallel.dp=single"])
-    got = run_losses(tmp_path, 2, ["parallel.dp=torch_ddp"])
+    ref = run_metrics(tmp_path, 1, ["parallel.dp=single"])
+    got = run_metrics(tmp_path, 2, ["parallel.dp=torch_ddp"])
     assert_parity(ref, got)            # rtol 1e-5 per step; returns the max diff
 
 Jobs run main.py in a fresh directory under tmp_path with a tiny model
@@ -60,18 +60,13 @@ def read_metrics(run_dir):
 
 
 def run_metrics(tmp_path, nproc, overrides, **kw):
-    """Run a job that must succeed; return its metrics.jsonl records."""
+    """Run a job that must succeed; return its metrics.jsonl records (loss,
+    grad_norm, ...: what assert_parity compares)."""
     workdir = os.path.join(str(tmp_path), f"job-{uuid.uuid4().hex[:8]}")
     result = run_job(workdir, nproc, overrides, **kw)
     assert result.returncode == 0, f"job failed ({result.returncode}): {overrides}\n" \
                                    f"{result.stdout[-3000:]}\n{result.stderr[-5000:]}"
     return read_metrics(os.path.join(workdir, "runs", "default"))
-
-
-def run_losses(tmp_path, nproc, overrides, **kw):
-    """Per-step records (loss, grad_norm, ...) of a job that must succeed: what
-    assert_parity compares."""
-    return run_metrics(tmp_path, nproc, overrides, **kw)
 
 
 def snapshot_model(snapshot_dir):
@@ -87,14 +82,10 @@ def snapshot_model(snapshot_dir):
 def snapshot_state(snapshot_dir):
     """{"model": {name: tensor}, "optimizer": {"state": {name: {field: tensor}}}} of a
     snapshot, in canonical names, for comparing final states across layouts."""
+    from parallel.strategy import optimizer_state_from
     from snapshot import open_snapshot
-    reader = open_snapshot(str(snapshot_dir))
-    state = {"model": snapshot_model(snapshot_dir), "optimizer": {"state": {}}}
-    for key in reader.keys():
-        if key.startswith("optim/"):
-            name, field = key[len("optim/"):].rsplit("/", 1)
-            state["optimizer"]["state"].setdefault(name, {})[field] = reader.read_full(key)
-    return state
+    return {"model": snapshot_model(snapshot_dir),
+            "optimizer": {"state": optimizer_state_from(open_snapshot(str(snapshot_dir)))}}
 
 
 def max_rel_diff(ref, got):

@@ -2,7 +2,6 @@
 rank, a non-zero exit, no hang (run_job's timeout), and no snapshot touched."""
 
 import json
-import os
 import shutil
 
 import pytest

@@ -24,9 +24,8 @@ import sys
 import uuid
 
 import pytest
-import torch
 
-from harness import (REPO, assert_parity, job_env, read_metrics, run_job, run_losses,
+from harness import (REPO, assert_parity, job_env, read_metrics, run_job, run_metrics,
                      snapshot_model)
 
 from config import load_config
@@ -41,7 +40,7 @@ TINY_CAP = "parallel.bucket_cap_mb=0.001"  # ~262 floats: nearly one bucket per 
 
 @pytest.fixture(scope="module")
 def single_losses(tmp_path_factory):
-    return run_losses(tmp_path_factory.mktemp("single"), 1, ["parallel.dp=single"])
+    return run_metrics(tmp_path_factory.mktemp("single"), 1, ["parallel.dp=single"])
 
 
 def run_with_snapshot(tmp_path, nproc, overrides):

@@ -10,7 +10,7 @@ import os
 
 import pytest
 
-from harness import assert_parity, read_metrics, run_job, run_losses
+from harness import assert_parity, read_metrics, run_job, run_metrics
 
 CONSTANT_LR = ["trainer.lr=0.002", "trainer.min_lr=0.002"]
 SINGLE = (1, ["parallel.dp=single"])
@@ -23,7 +23,7 @@ TORCH_FSDP_2 = (2, ["parallel.dp=torch_fsdp"])
 
 @pytest.fixture(scope="module")
 def uninterrupted(tmp_path_factory):
-    return run_losses(tmp_path_factory.mktemp("ref"), 1,
+    return run_metrics(tmp_path_factory.mktemp("ref"), 1,
                       ["parallel.dp=single", "trainer.max_steps=6"] + CONSTANT_LR)
 
 

@@ -16,7 +16,6 @@ import os
 import uuid
 
 import pytest
-import torch
 
 from harness import assert_parity, max_rel_diff, read_metrics, run_job, snapshot_state
 

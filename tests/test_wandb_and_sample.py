@@ -1,7 +1,6 @@
 """wandb offline logging continues the same run after a resume; mode=sample prints text."""
 
 import glob
-import os
 
 from harness import run_job
 from snapshot import open_snapshot
