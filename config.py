@@ -101,13 +101,28 @@ def validate(cfg: Config, world_size: int):
     checks = [
         (cfg.mode in ("train", "sample"), f"mode must be train or sample, got {cfg.mode!r}"),
         (p.dp in STRATEGIES, f"parallel.dp={p.dp!r} is not one of {sorted(STRATEGIES)}"),
-        (p.tp == 1, "parallel.tp: tensor parallelism is not implemented yet; only 1 is accepted"),
+        (p.tp >= 1, f"parallel.tp must be >= 1, got {p.tp}"),
         (p.pp == 1, "parallel.pp: pipeline parallelism is not implemented yet; only 1 is accepted"),
-        (world_size % (p.tp * p.pp) == 0,
-         f"world size {world_size} is not divisible by parallel.tp * parallel.pp = {p.tp * p.pp}"),
         (m.n_layer >= 1 and m.n_head >= 1 and m.n_embd >= 1, "model sizes must be positive"),
         (m.n_embd % m.n_head == 0,
          f"model.n_embd={m.n_embd} is not divisible by model.n_head={m.n_head}"),
+        (m.n_head % p.tp == 0,
+         f"model.n_head={m.n_head} is not divisible by parallel.tp={p.tp}: tensor parallelism "
+         "splits attention by whole heads"),
+        (not p.sequence_parallel or p.tp > 1,
+         "parallel.sequence_parallel=true needs parallel.tp > 1"),
+        (not p.sequence_parallel or d.block_size % p.tp == 0,
+         f"data.block_size={d.block_size} is not divisible by parallel.tp={p.tp}: sequence "
+         "parallelism splits every sequence into tp equal shards"),
+        (p.dp != "torch_tp" or p.tp > 1,
+         "parallel.dp=torch_tp is PyTorch's tensor parallelism, the reference for parallel.tp: "
+         "set parallel.tp > 1"),
+        (p.dp != "torch_tp" or not p.sequence_parallel,
+         "parallel.dp=torch_tp runs without sequence parallelism (the reference for plain TP)"),
+        (p.tp == 1 or p.dp != "torch_fsdp",
+         "parallel.dp=torch_fsdp with parallel.tp > 1 is not supported: it is the reference for "
+         "our ZeRO, and PyTorch composes FSDP2 with its own DTensor tensor parallelism, not with "
+         "ours (use parallel.dp=fsdp)"),
         (0.0 <= m.dropout < 1.0, f"model.dropout must be in [0, 1), got {m.dropout}"),
         (d.block_size >= 1, f"data.block_size must be >= 1, got {d.block_size}"),
         (d.tokenizer in ("char", "gpt2"), f"data.tokenizer must be char or gpt2, got {d.tokenizer!r}"),
@@ -142,10 +157,14 @@ def validate(cfg: Config, world_size: int):
     if cfg.mode == "sample":  # one process reads the snapshot: the layout does not matter
         return
 
+    if world_size % (p.tp * p.pp):
+        raise UserError(f"world size {world_size} is not divisible by parallel.tp * parallel.pp = "
+                        f"{p.tp} * {p.pp}: the grid is dp x pp x tp")
     dp = world_size // (p.tp * p.pp)
-    if p.dp == "single" and world_size != 1:
-        raise UserError(f"parallel.dp=single runs on one process, but the world size is "
-                        f"{world_size}: use torchrun --nproc_per_node=1 or a data-parallel strategy")
+    if p.dp in ("single", "torch_tp") and dp != 1:
+        raise UserError(f"parallel.dp={p.dp} has no data-parallel dimension, but world size "
+                        f"{world_size} / (tp {p.tp} * pp {p.pp}) = {dp}: use "
+                        "torchrun --nproc_per_node=1 or a data-parallel strategy")
     per_rank = dp * t.grad_accum
     if t.batch_size % per_rank:
         raise UserError(

@@ -4,13 +4,17 @@ Parallel strategies in `parallel/` transform this model from the outside
 (wrap it, shard its parameters, swap its linears, split its blocks), so the
 model stays the single source of truth for what one step computes.
 
-Two details matter to the parallel code:
-- attention derives its head count from the width of its projection output,
-  so tensor parallelism can hand it a column-split `c_attn` holding only the
-  local heads;
+A few details matter to the parallel code:
+- attention derives its head count and sequence length from its projection's
+  output, so tensor parallelism can hand it a column-split `c_attn` holding
+  only the local heads (and, under sequence parallelism, a sequence shard
+  that c_attn gathers);
 - the token embedding and the LM head share one weight (`lm_head.weight is
   transformer.wte.weight`), so the canonical state dict names it once, as
-  `transformer.wte.weight`.
+  `transformer.wte.weight`;
+- the loss is a module (`cross_entropy`) that tensor parallelism can swap for
+  its vocabulary-parallel one, and forward is `embed`, the blocks, `head`:
+  pipeline stages run those pieces on different ranks.
 """
 
 import math
@@ -50,8 +54,9 @@ class CausalSelfAttention(nn.Module):
         self.dropout = config.dropout
 
     def forward(self, x):
-        B, T, _ = x.size()
-        q, k, v = self.c_attn(x).chunk(3, dim=-1)
+        qkv = self.c_attn(x)
+        B, T, _ = qkv.size()  # T: the whole sequence, even if x is a sequence shard
+        q, k, v = qkv.chunk(3, dim=-1)
         n_head = q.size(-1) // self.head_dim  # local heads under tensor parallelism
         q, k, v = (t.view(B, T, n_head, self.head_dim).transpose(1, 2) for t in (q, k, v))
         # is_causal applies the mask; a float mask would be *added* (the tutorial's bug)
@@ -102,6 +107,7 @@ class GPT(nn.Module):
         ))
         self.lm_head = nn.Linear(config.n_embd, config.vocab_size, bias=False)
         self.lm_head.weight = self.transformer.wte.weight  # weight tying
+        self.cross_entropy = nn.CrossEntropyLoss()  # mean over tokens
 
         # GPT-2 init: N(0, 0.02), residual projections scaled by 1/sqrt(2 * n_layer)
         self.apply(self._init_weights)
@@ -122,17 +128,23 @@ class GPT(nn.Module):
         return sum(p.numel() for p in self.parameters())
 
     def forward(self, idx, targets=None):
+        x = self.embed(idx)
+        for block in self.transformer.h:
+            x = block(x)
+        return self.head(x, targets)
+
+    def embed(self, idx):
         _, T = idx.size()
         assert T <= self.config.block_size, f"sequence of {T} > block_size {self.config.block_size}"
         pos = torch.arange(T, dtype=torch.long, device=idx.device)
-        x = self.transformer.drop(self.transformer.wte(idx) + self.transformer.wpe(pos))
-        for block in self.transformer.h:
-            x = block(x)
+        return self.transformer.drop(self.transformer.wte(idx) + self.transformer.wpe(pos))
+
+    def head(self, x, targets=None):
+        """(logits, mean loss over tokens or None)."""
         logits = self.lm_head(self.transformer.ln_f(x))
         if targets is None:
             return logits, None
-        loss = F.cross_entropy(logits.view(-1, logits.size(-1)), targets.reshape(-1))
-        return logits, loss
+        return logits, self.cross_entropy(logits.view(-1, logits.size(-1)), targets.reshape(-1))
 
     def optim_groups(self, weight_decay):
         """AdamW parameter groups by name: matrices decay, biases and norms don't."""

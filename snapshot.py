@@ -9,13 +9,16 @@ Layout under `trainer.snapshot_path` (a directory; any fsspec URL):
     step-00000120/part-00000.bin one per rank: a 256-byte JSON header, then raw tensors
 
 A canonical tensor is a model parameter or an AdamW state in single-device
-names and shapes ("model/transformer.wte.weight", "optim/<name>/exp_avg"),
-seen flat; a rank writes the flat ranges it owns (a whole tensor for a
-replicated strategy, its slice of a sharding unit for fsdp). Every range is
-written by exactly one rank, so replicated state is written once.
+names and shapes ("model/transformer.wte.weight", "optim/<name>/exp_avg").
+A rank writes the boxes of it that it owns (parallel/boxes.py: a (start,
+stop) range per dimension): a whole tensor for a replicated strategy, the
+rows or columns of a tensor-parallel shard, the pieces of an fsdp flat
+shard. Every element is written by exactly one rank, so replicated state is
+written once. Format 2 stored flat ranges; it still loads, each range read
+as the boxes it covers.
 
-Reading is by range: `SnapshotReader.read(key, start, length)` fetches only
-the bytes it needs (ranged reads also work on object stores), so a rank
+Reading is by box: `SnapshotReader.read_box(key, box)` fetches only the byte
+spans it needs (ranged reads also work on object stores), so a rank
 resuming under another layout reads its own shard without materialising
 the rest.
 
@@ -35,8 +38,11 @@ import torch
 import torch.distributed as dist
 
 from errors import UserError
+from parallel.boxes import (as_jsonable, box_numel, box_shape, first_and_end, flat_range_boxes,
+                            from_jsonable, intersect, shift, strides, whole)
 
-FORMAT_VERSION = 2
+FORMAT_VERSION = 3
+READABLE_VERSIONS = (2, 3)  # 2: flat ranges instead of boxes
 HEADER_BYTES = 256
 MAGIC = "mingpt-parallel-part"
 DTYPES = {"float32": torch.float32, "float64": torch.float64, "float16": torch.float16,
@@ -59,8 +65,9 @@ def snapshot_exists(path: str) -> bool:
 # ---------------------------------------------------------------- writing
 
 def save_sharded(path, grid, step, pieces, meta):
-    """Collective. pieces: [(key, full_shape, flat_start, 1-D tensor)] this rank owns;
-    meta: JSON-able facts for the manifest (config, tokenizer, ...). Every rank
+    """Collective. pieces: [(key, full_shape, box, tensor of the box's shape)] this rank
+    owns (an int instead of a box: a flat start, the tensor 1-D); meta: JSON-able facts
+    for the manifest (config, tokenizer, ...). Every rank
     raises the same UserError if any rank fails, so nobody trains on past a
     snapshot that was not written."""
     fs, root = _fs(path)
@@ -131,16 +138,30 @@ def _write_part(fs, step_dir, rank, snapshot_id, pieces):
     index, offset = [], HEADER_BYTES
     with fs.open(_join(step_dir, name), "wb") as f:
         f.write(header.ljust(HEADER_BYTES, b" "))
-        for key, shape, start, data in pieces:
+        for key, shape, box, data in _as_boxes(pieces):
             raw = data.detach().contiguous().cpu().view(-1)
+            assert raw.numel() == box_numel(box), f"{key}: {raw.numel()} elements for box {box}"
             dtype = str(raw.dtype).removeprefix("torch.")
             assert dtype in DTYPES, f"{key}: dtype {dtype} has no snapshot encoding"
             nbytes = raw.numel() * raw.element_size()
             f.write(raw.view(torch.uint8).numpy().tobytes())
-            index.append({"key": key, "shape": list(shape), "start": start, "length": raw.numel(),
+            index.append({"key": key, "shape": list(shape), "box": as_jsonable(box),
                           "dtype": dtype, "file": name, "offset": offset})
             offset += nbytes
     return index
+
+
+def _as_boxes(pieces):
+    """Pieces given as (key, shape, flat start, 1-D tensor) become boxes."""
+    for key, shape, where, data in pieces:
+        if isinstance(where, int):
+            flat, at = data.reshape(-1), 0
+            for box in flat_range_boxes(tuple(shape), where, where + flat.numel()):
+                n = box_numel(box)
+                yield key, shape, box, flat[at:at + n]
+                at += n
+        else:
+            yield key, shape, tuple(where), data
 
 
 def _write_json(fs, path, obj, atomic=False):
@@ -158,7 +179,7 @@ class SnapshotReader:
 
     Opening it checks everything that can be checked without reading the tensors:
     format versions, that every part exists with its header and exact size, and
-    that each key's ranges tile the whole tensor once. So a damaged snapshot fails
+    that each key's boxes tile the whole tensor once. So a damaged snapshot fails
     on every rank, before any training state is touched."""
 
     def __init__(self, path):
@@ -168,9 +189,10 @@ class SnapshotReader:
         self.dir = _join(root, str(latest.get("step_dir")))
         manifest = _join(self.dir, "manifest.json")
         self.meta = self._json(manifest)
-        if self.meta.get("format_version") != FORMAT_VERSION:
-            raise UserError(f"snapshot {path} has format version {self.meta.get('format_version')!r}; "
-                            f"this code reads version {FORMAT_VERSION}")
+        self.version = self.meta.get("format_version")
+        if self.version not in READABLE_VERSIONS:
+            raise UserError(f"snapshot {path} has format version {self.version!r}; "
+                            f"this code reads versions {', '.join(map(str, READABLE_VERSIONS))}")
         if latest.get("snapshot_id") != self.meta.get("snapshot_id"):
             raise UserError(f"snapshot {path}: latest.json and {manifest} disagree")
         try:
@@ -180,26 +202,43 @@ class SnapshotReader:
         for name, size in sizes.items():
             self._check_part(name, size)
 
+    def _entries(self, e):
+        """A manifest entry as boxes: (key, shape, box, dtype, file, byte offset)."""
+        shape, dtype = tuple(int(n) for n in e["shape"]), e["dtype"]
+        if dtype not in DTYPES:
+            raise ValueError(f"{e['key']} has unknown dtype {dtype!r}")
+        if self.version >= 3:
+            box = from_jsonable(e["box"])
+            if len(box) != len(shape) or any(not 0 <= a < b <= n for (a, b), n in zip(box, shape)):
+                raise ValueError(f"box {box} of {e['key']} is not inside its shape {shape}")
+            return [(e["key"], shape, box, dtype, e["file"], e["offset"])]
+        out, offset, item = [], e["offset"], DTYPES[dtype].itemsize  # version 2: a flat range
+        if not 0 <= e["start"] < e["start"] + e["length"] <= math.prod(shape):
+            raise ValueError(f"range of {e['key']} is not inside its shape {shape}")
+        for box in flat_range_boxes(shape, e["start"], e["start"] + e["length"]):
+            out.append((e["key"], shape, box, dtype, e["file"], offset))
+            offset += box_numel(box) * item
+        return out
+
     def _index(self, parts):
-        """key -> its entries sorted by start, checked to tile [0, numel) exactly once."""
+        """key -> its entries, checked to tile the whole tensor exactly once."""
         index, sizes = {}, {}
-        for e in parts:
-            if e["dtype"] not in DTYPES:
-                raise ValueError(f"{e['key']} has unknown dtype {e['dtype']!r}")
-            index.setdefault(e["key"], []).append(e)
-            end = e["offset"] + e["length"] * DTYPES[e["dtype"]].itemsize
-            sizes[e["file"]] = max(sizes.get(e["file"], HEADER_BYTES), end)
+        for part in parts:
+            for key, shape, box, dtype, file, offset in self._entries(part):
+                index.setdefault(key, []).append((shape, box, dtype, file, offset))
+                end = offset + box_numel(box) * DTYPES[dtype].itemsize
+                sizes[file] = max(sizes.get(file, HEADER_BYTES), end)
         for key, entries in index.items():
-            entries.sort(key=lambda e: e["start"])
-            numel = math.prod(entries[0]["shape"])
-            at = 0
-            for e in entries:
-                if e["start"] != at or e["shape"] != entries[0]["shape"] \
-                        or e["dtype"] != entries[0]["dtype"]:
-                    raise ValueError(f"the ranges of {key} overlap, leave a gap or disagree")
-                at += e["length"]
-            if at != numel:
-                raise ValueError(f"the ranges of {key} cover {at} of {numel} elements")
+            shape, _, dtype, _, _ = entries[0]
+            if any(e[0] != shape or e[2] != dtype for e in entries):
+                raise ValueError(f"the pieces of {key} disagree on shape or dtype")
+            for i, a in enumerate(entries):
+                for b in entries[i + 1:]:
+                    if intersect(a[1], b[1]) is not None:
+                        raise ValueError(f"the pieces of {key} overlap")
+            covered = sum(box_numel(e[1]) for e in entries)
+            if covered != math.prod(shape):
+                raise ValueError(f"the pieces of {key} cover {covered} of {math.prod(shape)} elements")
         return index, sizes
 
     def _json(self, path):
@@ -228,10 +267,10 @@ class SnapshotReader:
         except (ValueError, UnicodeDecodeError):
             raise UserError(f"snapshot {self.path}: part {path} has no valid header") from None
         if not isinstance(header, dict) or header.get("magic") != MAGIC \
-                or header.get("format_version") != FORMAT_VERSION:
+                or header.get("format_version") != self.version:
             found = header.get("format_version") if isinstance(header, dict) else None
             raise UserError(f"snapshot {self.path}: part {path} was written by another version "
-                            f"(format {found!r}, expected {FORMAT_VERSION})")
+                            f"(format {found!r}, expected {self.version})")
         if header.get("snapshot_id") != self.meta["snapshot_id"]:
             raise UserError(f"snapshot {self.path}: part {path} belongs to another snapshot")
         if actual != size:
@@ -241,31 +280,51 @@ class SnapshotReader:
     def keys(self):
         return self.index.keys()
 
-    def shape(self, key):
-        return tuple(self.index[key][0]["shape"])
+    def part_files(self):
+        """Names of the part files that hold tensor data."""
+        return {file for entries in self.index.values() for _, _, _, file, _ in entries}
 
-    def read(self, key, start=0, length=None):
-        """Elements [start, start + length) of the flattened canonical tensor `key`."""
+    def shape(self, key):
+        return self.index[key][0][0]
+
+    def read_box(self, key, box):
+        """The box `box` of canonical tensor `key`, as a tensor of the box's shape. Each
+        stored piece it overlaps costs one ranged read: of exactly the overlap when that
+        is contiguous in the piece, else of the span from its first to its last byte."""
         if key not in self.index:
             raise UserError(f"snapshot {self.path} has no {key!r}: it does not fit this model")
         entries = self.index[key]
-        numel = math.prod(entries[0]["shape"])
-        length = numel - start if length is None else length
-        if start < 0 or start + length > numel:
-            raise UserError(f"snapshot {self.path}: {key!r} has {numel} elements, "
-                            f"not [{start}, {start + length})")
-        out = torch.empty(length, dtype=DTYPES[entries[0]["dtype"]])
+        shape, dtype = entries[0][0], DTYPES[entries[0][2]]
+        box = tuple(box)
+        if len(box) != len(shape) or any(not 0 <= a < b <= n for (a, b), n in zip(box, shape)):
+            raise UserError(f"snapshot {self.path}: {key!r} has shape {shape}, no box {box}")
+        out = torch.empty(box_shape(box), dtype=dtype)
         item = out.element_size()
-        for e in entries:  # they tile the tensor (checked on opening)
-            lo, hi = max(start, e["start"]), min(start + length, e["start"] + e["length"])
-            if lo < hi:
-                first = e["offset"] + (lo - e["start"]) * item
-                raw = self._bytes(e["file"], first, first + (hi - lo) * item)
-                out[lo - start:hi - start] = torch.frombuffer(bytearray(raw), dtype=out.dtype)
+        for _, piece, _, file, offset in entries:  # they tile the tensor (checked on opening)
+            common = intersect(box, piece)
+            if common is None:
+                continue
+            piece_shape = box_shape(piece)
+            first, end = first_and_end(piece_shape, shift(common, piece))
+            raw = self._bytes(file, offset + first * item, offset + end * item)
+            flat = torch.frombuffer(bytearray(raw), dtype=dtype)
+            where = tuple(slice(a, b) for a, b in shift(common, box))
+            out[where] = flat.as_strided(box_shape(common), strides(piece_shape))
         return out
 
+    def read(self, key, start=0, length=None):
+        """Elements [start, start + length) of the flattened canonical tensor `key`."""
+        shape = self.shape(key) if key in self.index else ()
+        numel = math.prod(shape)
+        length = numel - start if length is None else length
+        boxes = flat_range_boxes(shape, start, start + length)
+        return torch.cat([self.read_box(key, b).reshape(-1) for b in boxes]) if boxes else \
+            torch.empty(0)
+
     def read_full(self, key):
-        return self.read(key).view(self.shape(key))
+        if key not in self.index:
+            raise UserError(f"snapshot {self.path} has no {key!r}: it does not fit this model")
+        return self.read_box(key, whole(self.shape(key)))
 
 
 def open_snapshot(path):

@@ -171,9 +171,9 @@ class Trainer:
                                   self.step, self.wandb_id)
 
     def _reseed(self, step):
-        """Dropout etc. draw from a stream fixed by (seed, step, dp rank): resumable."""
-        seed = (self.t.seed * 1_000_003 + step) * 1_009 + self.grid.dp_rank
-        torch.manual_seed(seed)
+        """Dropout etc. draw from streams fixed by (seed, step) and the rank's place in
+        the grid (Strategy.reseed): resumable, under any layout."""
+        self.strategy.reseed((self.t.seed * 1_000_003 + step) * 1_009)
 
     def train(self):
         t, g = self.t, self.grid
@@ -228,7 +228,8 @@ class Trainer:
             "lr_schedule": {"warmup_steps": t.warmup_steps, "max_steps": t.max_steps,
                             "lr": t.lr, "min_lr": t.min_lr},
             "rng": {"scheme": "torch.manual_seed((seed*1000003 + step)*1009 + dp_rank) "
-                              "at the start of each step", "seed": t.seed},
+                              "at the start of each step; TP ranks derive their own streams "
+                              "from it (parallel/tensor_parallel.py)", "seed": t.seed},
         })
 
     def close(self):

@@ -114,6 +114,24 @@ def markdown(cmd, settings, summary, skipped, jobs, chart):
         "(fp32 Adam: 16 bytes/param, /N for what a ZeRO stage shards). Peak RSS: max resident "
         "memory of rank 0's process (Python and torch included), max over the logged steps.",
     ]
+    tp = {n: v for n, v in summary.items() if v.get("tp_parameters")}
+    if tp:
+        lines += ["", "## Tensor parallelism: parameters per rank", "",
+                  "| variant | split tensors: this rank / whole | share | replicated tensors "
+                  "(every rank) | which |", "|---|---:|---:|---:|---|"]
+        for name, v in tp.items():
+            t = v["tp_parameters"]
+            lines.append(f"| {name} | {t['split']:,} / {t['split_canonical']:,} | "
+                         f"{t['split'] / t['split_canonical']:.4f} (1/{v['ranks']} = "
+                         f"{1 / v['ranks']:.4f}) | {t['replicated']:,} | "
+                         f"{', '.join(t['replicated_names'])} |")
+        lines += ["", "- split: elements of the weights TP cuts (attention and MLP matrices, "
+                  "their column-parallel biases, the vocabulary-padded embedding) held by one "
+                  "rank; replicated: elements every rank holds in full. For TP variants the "
+                  "textbook traffic is Megatron's: per layer and micro-batch four all-reduces of "
+                  "one activation (batch x tokens x width x 4 bytes), plus the embedding, the LM "
+                  "head input and the loss's scalars per token; textbook state: 16 bytes per "
+                  "local parameter."]
     if skipped:
         lines += ["", "## Skipped", ""] + [f"- {n}: {why}" for n, why in skipped.items()]
     failed = [j for j in jobs if not j["ok"]]

@@ -114,7 +114,7 @@ def main(argv=None):
     plan, skipped, cfg = [], {}, None
     for v in pick(args.variants, args.preset):
         ranks, threads = v.ranks or args.nproc, v.threads or args.nproc
-        overrides = common + list(v.overrides) + args.set
+        overrides = common + [o.format(nproc=ranks) for o in v.overrides] + args.set
         why, got = check(overrides, ranks)
         if why:
             skipped[v.name] = why
@@ -151,7 +151,7 @@ def main(argv=None):
                 "nproc": args.nproc, "rounds": args.rounds, "steps": args.steps,
                 "warmup": args.warmup, **report.environment(load_before)}
     variants = [(v, ranks, threads) for v, ranks, threads, _ in plan]
-    summary = stats.summarize(jobs, variants, params, args.warmup)
+    summary = stats.summarize(jobs, variants, params, args.warmup, cfg)
     paths = report.write_all(args.out, command_line(argv), settings, summary, skipped, jobs)
     print("\n" + open(paths["md"]).read())
     print("wrote " + ", ".join(paths.values()))

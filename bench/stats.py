@@ -7,6 +7,7 @@ are rank 0's, which is representative when ranks do the same work.
 """
 
 import json
+import math
 import os
 from dataclasses import asdict
 from statistics import median
@@ -30,8 +31,9 @@ def read_metrics(path):
         return [json.loads(line) for line in f if line.strip()]
 
 
-def count_params(cfg):
-    """Unique parameters of the GPT these jobs train (tied embedding counted once)."""
+def meta_gpt(cfg):
+    """The GPT these jobs train, on the meta device (shapes only: no memory, no init
+    cost), or None when the vocabulary cannot be known here."""
     import torch
     from char_dataset import build_tokenizer, load_text
     from model import GPT, GPTConfig
@@ -40,9 +42,54 @@ def count_params(cfg):
     except Exception as e:  # e.g. gpt2 tokenizer files missing: report without textbook figures
         print(f"note: cannot count parameters ({e}); textbook columns stay empty")
         return None
-    with torch.device("meta"):  # shapes only: no memory, no init cost
-        model = GPT(GPTConfig(**asdict(cfg.model), vocab_size=vocab, block_size=cfg.data.block_size))
-    return model.num_params()
+    with torch.device("meta"):
+        return GPT(GPTConfig(**asdict(cfg.model), vocab_size=vocab, block_size=cfg.data.block_size))
+
+
+def count_params(cfg):
+    """Unique parameters of the GPT these jobs train (tied embedding counted once)."""
+    model = meta_gpt(cfg)
+    return model.num_params() if model is not None else None
+
+
+def tp_parameters(cfg, tp):
+    """Parameters on each rank under our tensor parallelism of degree tp, from the
+    placements parallel/tensor_parallel.py gives rank 0: {"split": elements of
+    the tensors TP cuts (this rank's slice, vocabulary padding included),
+    "replicated": elements of those every rank holds, "replicated_names": which}."""
+    from types import SimpleNamespace
+
+    import torch
+    from parallel.comm import CommCounter
+    from parallel.tensor_parallel import apply_tensor_parallel
+    model = meta_gpt(cfg)
+    if model is None:
+        return None
+    grid = SimpleNamespace(tp_group=None, tp_size=tp, tp_rank=0, device=torch.device("cpu"))
+    placements, _ = apply_tensor_parallel(model, grid, SimpleNamespace(sequence_parallel=False),
+                                          CommCounter())
+    out = {"split": 0, "split_canonical": 0, "replicated": 0, "replicated_names": set()}
+    for p in placements.values():
+        out["replicated" if p.tp_replicated else "split"] += math.prod(p.local_shape)
+        if not p.tp_replicated:
+            out["split_canonical"] += math.prod(p.shape)
+        if p.tp_replicated:  # "transformer.h.0.ln_1.weight" -> "ln_1.weight"
+            out["replicated_names"].add(".".join(p.name.split(".")[-2:]))
+    out["replicated_names"] = sorted(out["replicated_names"])
+    return out
+
+
+def tp_textbook(cfg, n):
+    """Megatron's traffic for pure TP on n ranks, per rank and optimizer step: per layer
+    and micro-batch four all-reduces of one activation (two forward, two backward),
+    plus one each for the embedding and the LM head input and the loss's two
+    scalar-per-token all-reduces; a ring sends 2(n-1)/n of each."""
+    L, C, T = cfg.model.n_layer, cfg.model.n_embd, cfg.data.block_size
+    M = cfg.trainer.grad_accum
+    rows = cfg.trainer.batch_size // M
+    per_micro = (4 * L + 2) * rows * T * C * 4 + 3 * rows * T * 4
+    payload = M * per_micro + 4  # + the gradient norm
+    return {"payload_bytes": payload, "wire_bytes": 2 * (n - 1) / n * payload}
 
 
 def textbook(params, n, zero_stage):
@@ -107,8 +154,9 @@ def loss_diff(jobs, a, b):
     return max(abs(x - y) / max(abs(y), 1e-12) for x, y in zip(la, lb))
 
 
-def summarize(jobs, variants, params, warmup):
-    """variants: [(Variant, ranks, threads)]; failed jobs are left out of every figure."""
+def summarize(jobs, variants, params, warmup, cfg=None):
+    """variants: [(Variant, ranks, threads)]; failed jobs are left out of every figure.
+    cfg: the jobs' config (model, data, batch), for the tensor-parallel figures."""
     ok = [j for j in jobs if j["ok"]]
     by_round = {(j["variant"], j["round"]): job_median_ms(j, warmup) for j in ok}
     out = {}
@@ -131,4 +179,11 @@ def summarize(jobs, variants, params, warmup):
             "loss_rel_diff_vs_single": loss_diff(ok, v.name, "single"),
             "textbook": textbook(params, ranks, v.zero_stage),
         }
+        if v.tensor_parallel and cfg is not None and params:
+            layout = tp_parameters(cfg, ranks)
+            book = out[v.name]["textbook"] = {**tp_textbook(cfg, ranks),
+                                             "grad_bytes": 4 * params}
+            if layout:
+                book["state_bytes"] = 16 * (layout["split"] + layout["replicated"])
+                out[v.name]["tp_parameters"] = layout
     return out

@@ -5,7 +5,8 @@ that pick its strategy. Variants of strategies that are not merged yet stay
 listed: run.py skips them with a note when the config rejects their keys, so
 the same command picks them up the day they land.
 
-`ranks=0` means "the --nproc of this invocation" (2 by default). The single
+`ranks=0` means "the --nproc of this invocation" (2 by default), and `{nproc}`
+in an override is replaced by it (a TP degree spanning every rank). The single
 process gets as many threads as the others have ranks (DESIGN.md section 5
 compares 2 ranks x 1 thread with one process x 2 threads: same cores).
 """
@@ -21,6 +22,7 @@ class Variant:
     threads: int = 1         # OMP threads per process; 0 = --nproc (the single process)
     reference: str = ""      # the PyTorch implementation its time is compared with
     zero_stage: int = 0      # textbook figures: 0 = replicated (DDP), 1/2/3 = ZeRO stage
+    tensor_parallel: bool = False  # textbook figures: pure TP over all ranks (activation traffic)
     note: str = ""
 
 
@@ -47,6 +49,13 @@ VARIANTS = [
     Variant("fsdp3_noprefetch", ("parallel.dp=fsdp", "parallel.zero_stage=3",
                                  "parallel.prefetch=false"), reference="torch_fsdp",
             zero_stage=3, note="ZeRO-3 without prefetching the next unit"),
+    Variant("torch_tp", ("parallel.dp=torch_tp", "parallel.tp={nproc}"), tensor_parallel=True,
+            note="PyTorch DTensor TP: parallelize_module, colwise/rowwise, loss_parallel (reference)"),
+    Variant("tp", ("parallel.dp=single", "parallel.tp={nproc}"), reference="torch_tp",
+            tensor_parallel=True, note="own TP: Megatron f/g, vocabulary-parallel embedding and loss"),
+    Variant("tp_sp", ("parallel.dp=single", "parallel.tp={nproc}", "parallel.sequence_parallel=true"),
+            reference="torch_tp", tensor_parallel=True,
+            note="own TP + sequence parallelism (all-gather / reduce-scatter)"),
 ]
 BY_NAME = {v.name: v for v in VARIANTS}
 
@@ -54,6 +63,7 @@ BY_NAME = {v.name: v for v in VARIANTS}
 PRESETS = {
     "ddp": ["single", "torch_ddp", "ddp_naive", "ddp_bucket", "ddp_bucket_ring"],
     "fsdp": ["single", "torch_ddp", "torch_fsdp", "fsdp1", "fsdp2", "fsdp3", "fsdp3_noprefetch"],
+    "tp": ["single", "torch_tp", "tp", "tp_sp"],
     "all": [v.name for v in VARIANTS if v.name != "single_1t"],
 }
 

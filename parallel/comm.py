@@ -9,6 +9,7 @@ it with the textbook volumes.
 """
 
 from collections import Counter
+from contextlib import contextmanager
 
 import torch.distributed as dist
 
@@ -16,10 +17,21 @@ import torch.distributed as dist
 class CommCounter:
     def __init__(self):
         self.calls, self.bytes = Counter(), Counter()
+        self.counting = True
 
     def record(self, kind, tensor):
-        self.calls[kind] += 1
-        self.bytes[kind] += tensor.numel() * tensor.element_size()
+        if self.counting:
+            self.calls[kind] += 1
+            self.bytes[kind] += tensor.numel() * tensor.element_size()
+
+    @contextmanager
+    def uncounted(self):
+        """Collectives that are not training traffic (evaluation, snapshots) go uncounted."""
+        before, self.counting = self.counting, False
+        try:
+            yield
+        finally:
+            self.counting = before
 
     def pop(self) -> dict:
         """Totals and per-kind figures since the last pop, then start again."""
@@ -55,7 +67,8 @@ class CommCounter:
         tensor may be None. Returns the works to wait on."""
         ops = []
         if recv is not None:
-            self.calls["recv"] += 1
+            if self.counting:
+                self.calls["recv"] += 1
             ops.append(dist.P2POp(dist.irecv, recv, peer=src, group=group))
         if send is not None:
             self.record("send", send)

@@ -6,7 +6,8 @@ from dataclasses import dataclass
 @dataclass
 class ParallelConfig:
     dp: str = "ddp_bucket"      # how the data-parallel dimension works (see parallel/__init__.py)
-    tp: int = 1                 # tensor-parallel degree
+    tp: int = 1                 # tensor-parallel degree (adjacent ranks form a TP group)
+    sequence_parallel: bool = False  # with tp > 1: LayerNorm/dropout regions on sequence shards
     pp: int = 1                 # pipeline-parallel degree; dp degree = world / (tp * pp)
     zero_stage: int = 3         # 1, 2 or 3, for dp=fsdp
     prefetch: bool = True       # fsdp stage 3 / torch_fsdp: all-gather the next unit while this one computes

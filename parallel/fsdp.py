@@ -3,6 +3,8 @@
 Units are the transformer blocks plus a root unit (embeddings, final LayerNorm,
 tied LM head), each one flat padded buffer of which every rank owns 1/N
 (parallel/fsdp_units.py). Each rank's AdamW steps only on its own shard.
+Under tensor parallelism the units hold this rank's TP-local parameters and
+are sharded over its dp group only.
 
 Per optimizer step each rank communicates (Φ = parameters, k = grad_accum):
 - stage 1: one all-reduce of every unit's full gradient, launched from the
@@ -17,14 +19,15 @@ Per optimizer step each rank communicates (Φ = parameters, k = grad_accum):
   are ready. With `prefetch`, the next unit's all-gather is launched before
   the current unit computes, in forward and in backward. Per micro-step about
   1.5x a DDP all-reduce's bytes.
-- all stages: one scalar all-reduce for the global gradient norm.
+- all stages: one scalar all-reduce for the global gradient norm (over dp,
+  and TP when tp > 1).
 """
 
 import torch
 import torch.distributed as dist
 
-from parallel.comm import CommCounter
 from parallel.fsdp_units import FlatUnit
+from parallel.placement import Region, writer_among
 from parallel.strategy import Strategy
 
 
@@ -34,7 +37,7 @@ class FSDP(Strategy):
         self.stage, self.prefetch = cfg.zero_stage, cfg.prefetch
         self.reshard_after_forward = cfg.reshard_after_forward
         self.module = model.to(self.device)
-        self.canonical = dict(self.module.named_parameters())  # the tied weight once
+        self.canonical = dict(self.module.named_parameters())  # TP-local; the tied weight once
         groups = self.module.optim_groups(0.0)
         group_of = {n: g for g, grp in enumerate(groups) for n in grp["params"]}
         N, r = grid.dp_size, grid.dp_rank
@@ -49,7 +52,9 @@ class FSDP(Strategy):
                                self.stage, grid.dp_group)
                       for names in names_per_block + [root]]
         self.blocks, self.root = self.units[:-1], self.units[-1]
-        self._comm = self.comm  # eval switches to an uncounted one
+        self._regions = None
+        # gradient elements differ across dp (shards) and, with tp > 1, across TP ranks
+        self._norm_group = grid.group_over("dp", "tp") if grid.tp_size > 1 else grid.dp_group
         self._pending = []      # (work, finish) of launched gradient collectives
         self._register_grad_hooks()
         if self.stage == 3:
@@ -71,9 +76,9 @@ class FSDP(Strategy):
         self._ready[unit] = -1  # done for this micro-step
         if self.stage == 1:
             if self._last_micro:  # earlier micro-steps accumulate locally (no_sync)
-                self._pending.append(unit.all_reduce_grads(self._comm))
+                self._pending.append(unit.all_reduce_grads(self.comm))
             return
-        self._pending.append(unit.reduce_scatter_grads(self._comm))
+        self._pending.append(unit.reduce_scatter_grads(self.comm))
         if self.stage == 3:
             unit.free()  # its backward is over
         while self._pending and self._pending[0][0].is_completed():  # free full grads early
@@ -102,10 +107,10 @@ class FSDP(Strategy):
             block.register_forward_hook(lambda m, a, out, i=i: self._post_forward_block(i, out))
 
     def _pre_forward(self, unit, next_block):
-        unit.start_gather(self._comm)  # no-op if prefetched
+        unit.start_gather(self.comm)  # no-op if prefetched
         if self.prefetch and next_block < len(self.blocks):
-            self.blocks[next_block].start_gather(self._comm)  # overlaps this unit's compute
-        unit.wait_gather(self._comm)
+            self.blocks[next_block].start_gather(self.comm)  # overlaps this unit's compute
+        unit.wait_gather(self.comm)
 
     def _post_forward_block(self, i, out):
         if torch.is_grad_enabled() and out.requires_grad:
@@ -121,15 +126,15 @@ class FSDP(Strategy):
             # the root stays gathered: the LM head's backward comes first, the
             # embedding's last; prefetch the last block behind the LM head
             if self.prefetch and self.blocks:
-                logits.register_hook(lambda grad: self.blocks[-1].start_gather(self._comm))
+                logits.register_hook(lambda grad: self.blocks[-1].start_gather(self.comm))
         else:
             self.root.free()
 
     def _pre_backward(self, i):
-        self.blocks[i].start_gather(self._comm)  # no-op if prefetched or never freed
+        self.blocks[i].start_gather(self.comm)  # no-op if prefetched or never freed
         if self.prefetch and i > 0:
-            self.blocks[i - 1].start_gather(self._comm)
-        self.blocks[i].wait_gather(self._comm)
+            self.blocks[i - 1].start_gather(self.comm)
+        self.blocks[i].wait_gather(self.comm)
 
     # ------------------------------------------------ the step
 
@@ -154,33 +159,24 @@ class FSDP(Strategy):
             (loss / len(micro_batches)).backward()
             self._finish_backward()
             total += loss.detach()
+        self.sum_partial_grads()
         return self.dp_mean(total / len(micro_batches))
 
     @torch.no_grad()
     def eval_loss(self, x, y):
-        self._comm = CommCounter()  # evaluation's gathers are not training traffic
         self.module.eval()
         try:
-            _, loss = self.module(x.to(self.device), y.to(self.device))
+            with self.comm.uncounted():  # evaluation's gathers are not training traffic
+                _, loss = self.module(x.to(self.device), y.to(self.device))
         finally:
             self.module.train()
-            self._comm = self.comm
         return self.dp_mean(loss)
 
-    def _grads(self):
+    def grads(self):
         return [t.grad for ps in self.pieces for *_, t in ps]  # shards only: no padding
 
-    def clip_grad_norm_(self, max_norm):
-        grads = self._grads()
-        sq = torch.zeros((), device=self.device)
-        for g in grads:
-            sq += g.pow(2).sum()
-        self.comm.all_reduce(sq, group=self.grid.dp_group)  # sum of squares over all shards
-        norm = sq.sqrt()
-        coef = (max_norm / (norm + 1e-6)).clamp(max=1.0)  # as torch.nn.utils.clip_grad_norm_
-        for g in grads:
-            g.mul_(coef)
-        return norm.item()
+    def norm_group(self):
+        return self._norm_group
 
     def optimizer_step(self, lr):
         for group in self.optimizer.param_groups:
@@ -203,73 +199,40 @@ class FSDP(Strategy):
             dist.all_reduce(value, op=dist.ReduceOp.MAX, group=self.grid.dp_group)
         return int(value.item())
 
-    # ------------------------------------------------ canonical snapshots
-
-    def _gather(self, unit, shard):
-        """A flat buffer from every rank's shard (snapshots only: not counted)."""
-        out = torch.empty(unit.world * unit.shard_size, dtype=shard.dtype, device=shard.device)
-        dist.all_gather_into_tensor(out, shard.contiguous(), group=self.grid.dp_group)
-        return out
-
-    @torch.no_grad()
-    def state_dict(self):
-        state = {}
-        for u in self.units:
-            state.update(u.unflatten(u.full if self.stage < 3 else self._gather(u, u.shard)))
-        return {n: state[n] for n in self.canonical}
-
-    # ------------------------------------------------ sharded snapshots
+    # ------------------------------------------------ what this rank holds, canonically
 
     def _owned_ranges(self):
-        """(unit, name, shape, a, b): this rank's shard covers elements [a, b) of the
-        flattened canonical parameter `name` (never padding)."""
+        """(unit, name, a, b): this rank's shard covers elements [a, b) of the flattened
+        local parameter `name` (never padding)."""
         for u in self.units:
-            for i, (name, shape) in enumerate(zip(u.names, u.shapes)):
+            for i, name in enumerate(u.names):
                 lo, hi = max(u.offsets[i], u.lo), min(u.offsets[i + 1], u.hi)
                 if lo < hi:
-                    yield u, name, tuple(shape), lo - u.offsets[i], hi - u.offsets[i]
+                    yield u, name, lo - u.offsets[i], hi - u.offsets[i]
 
-    def _optim_slice(self, u, name, a, b):
-        """The AdamW state tensors of the piece holding [a, b) of `name`, sliced to it."""
-        start = u.offsets[u.names.index(name)] + a - u.lo  # shard coordinates
-        for _, pa, pb, t in u.pieces:
-            if pa <= start and start + (b - a) <= pb:
-                return self.optimizer.state[t], start - pa
-        raise AssertionError(f"{name}[{a}:{b}] lies in no optimizer piece")
-
-    @torch.no_grad()
-    def shard_pieces(self):
-        """Each rank writes the ranges its shard owns: parameters and AdamW state.
-        The step counter is per parameter; the owner of element 0 writes it."""
-        out = []
-        for u, name, shape, a, b in self._owned_ranges():
-            start = u.offsets[u.names.index(name)] + a - u.lo
-            out.append((f"model/{name}", shape, a, u.shard[start:start + b - a]))
-            state, at = self._optim_slice(u, name, a, b)
-            for field in ("exp_avg", "exp_avg_sq"):
-                if field in state:
-                    out.append((f"optim/{name}/{field}", shape, a, state[field][at:at + b - a]))
-            if a == 0 and "step" in state:
-                out.append((f"optim/{name}/step", (), 0, state["step"].reshape(1)))
-        return out
+    def regions(self):
+        """The parts of this rank's shard, one per parameter it touches, each inside one
+        optimizer piece. A tensor TP does not split is the same on every TP rank (same
+        unit layout): one TP rank, spread by name, writes it."""
+        if self._regions is None:
+            g, self._regions = self.grid, []
+            for u, name, a, b in self._owned_ranges():
+                start = u.offsets[u.names.index(name)] + a - u.lo  # shard coordinates
+                _, pa, _, piece = next(p for p in u.pieces if p[1] <= start < p[2])
+                placement = self.placements[name]
+                writes = (not placement.tp_replicated
+                          or writer_among(name, g.tp_size) == g.tp_rank)
+                self._regions.append(Region(
+                    placement, a, b, piece, start - pa, writes=writes,
+                    in_norm=not placement.tp_replicated or g.tp_rank == 0))
+        return self._regions
 
     @torch.no_grad()
     def load_shards(self, reader):
-        """Read only this rank's ranges (stages 1-2 also need the replicated parameters)."""
-        for u in self.units:
-            if self.stage < 3:
-                u.full.copy_(u.flatten({n: reader.read_full(f"model/{n}") for n in u.names},
-                                       self.device))
-        for u, name, shape, a, b in self._owned_ranges():
-            start = u.offsets[u.names.index(name)] + a - u.lo
-            if self.stage == 3:
-                u.shard[start:start + b - a] = reader.read(f"model/{name}", a, b - a)
-            piece = next(t for _, pa, pb, t in u.pieces if pa <= start < pb)
-            state = self.optimizer.state[piece]
-            if not state:  # a fresh piece: full-size buffers, filled range by range
-                state["step"] = reader.read(f"optim/{name}/step").reshape(()).clone()
-                for field in ("exp_avg", "exp_avg_sq"):
-                    state[field] = torch.zeros_like(piece)
-            _, at = self._optim_slice(u, name, a, b)
-            for field in ("exp_avg", "exp_avg_sq"):
-                state[field][at:at + b - a] = reader.read(f"optim/{name}/{field}", a, b - a)
+        """Read only this rank's ranges; stages 1-2 then all-gather the replicated
+        parameters from everyone's shard (not training traffic: uncounted)."""
+        super().load_shards(reader)
+        if self.stage < 3:
+            with self.comm.uncounted():
+                for work in [u.refresh_full(self.comm) for u in self.units]:
+                    work.wait()

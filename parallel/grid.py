@@ -9,6 +9,8 @@ ranks of one TP group are neighbours (same node), as Megatron arranges them.
 import torch
 import torch.distributed as dist
 
+DIMS = ("dp", "pp", "tp")  # the grid's axes, slowest- to fastest-varying
+
 
 class ProcessGrid:
     def __init__(self, dp: int, pp: int, tp: int, device: torch.device):
@@ -20,19 +22,29 @@ class ProcessGrid:
         self.dp_rank, self.pp_rank, self.tp_rank = (
             int(c) for c in (self.ranks == self.rank).nonzero()[0])
         # every rank must create every group, in the same order
-        self.dp_group = self._groups_along(0)
-        self.pp_group = self._groups_along(1)
-        self.tp_group = self._groups_along(2)
+        self._groups = {}
+        self.dp_group = self.group_over("dp")
+        self.pp_group = self.group_over("pp")
+        self.tp_group = self.group_over("tp")
 
-    def _groups_along(self, dim):
-        """The group of ranks that differ only in coordinate `dim`, holding this rank."""
-        lines = self.ranks.movedim(dim, -1).reshape(-1, self.ranks.size(dim))
-        mine = None
-        for line in lines.tolist():
-            group = dist.new_group(line) if len(line) < self.world_size else dist.group.WORLD
-            if self.rank in line:
-                mine = group
-        return mine
+    def group_over(self, *dims):
+        """The group of ranks that differ only in the coordinates `dims` (names among
+        dp, pp, tp), holding this rank. Collective the first time: every rank must ask
+        for the same groups in the same order."""
+        axes = tuple(sorted(DIMS.index(d) for d in dims))
+        if axes not in self._groups:
+            rest = [a for a in range(3) if a not in axes]
+            size = 1
+            for a in axes:
+                size *= self.ranks.size(a)
+            lines = self.ranks.permute(*rest, *axes).reshape(-1, size)
+            mine = None
+            for line in lines.tolist():
+                group = dist.new_group(line) if len(line) < self.world_size else dist.group.WORLD
+                if self.rank in line:
+                    mine = group
+            self._groups[axes] = mine
+        return self._groups[axes]
 
     @property
     def is_main(self):

@@ -2,6 +2,7 @@
 
 The trainer never asks which strategy it runs. Per optimizer step it calls
 
+    strategy.reseed(seed)                             # random state of this step
     loss = strategy.forward_backward(micro_batches)  # grads ready and synced
     norm = strategy.clip_grad_norm_(max_norm)         # global norm, across shards
     strategy.optimizer_step(lr)                       # update, then zero grads
@@ -17,9 +18,16 @@ The strategy, not the trainer, owns forward, backward and gradient sync of a
 step, because tensor parallelism rewrites layers and pipeline parallelism
 runs its own micro-batch schedule inside the step.
 
-`ReplicatedStrategy` is the shared base for strategies where every rank
-holds the whole model (single, torch_ddp, ddp_naive, ddp_bucket): they differ
-only in how gradients get averaged.
+Tensor parallelism is applied here, for every data-parallel strategy, before
+the strategy sees the model (parallel/tensor_parallel.py): the strategy then
+works on TP-local parameters over the dp group. Each strategy describes what
+it holds as Regions of those parameters (parallel/placement.py); snapshots,
+state_dict(), the global gradient norm and the sequence-parallel gradient
+sums below are written once, against that description.
+
+`ReplicatedStrategy` is the shared base for strategies where every dp rank
+holds the whole (TP-local) model (single, torch_ddp, ddp_naive, ddp_bucket):
+they differ only in how gradients get averaged.
 """
 
 from contextlib import nullcontext
@@ -29,15 +37,25 @@ import torch.distributed as dist
 
 from errors import UserError
 from parallel.comm import CommCounter
+from parallel.placement import (Placement, Region, grad_norm_squared, load_regions,
+                                snapshot_pieces, writer_among)
+from parallel.tensor_parallel import apply_tensor_parallel
 
 
 class Strategy:
-    """One instance per rank. Subclasses implement every method below."""
+    """One instance per rank. Subclasses implement the methods that raise below."""
+
+    own_tensor_parallel = True  # False: a reference that parallelizes the model itself
 
     def __init__(self, model, grid, cfg):
         self.grid, self.cfg, self.device = grid, cfg, grid.device
         self.comm = CommCounter()  # training traffic goes through it, so it is counted
         self.last_state_bytes = 0  # set by optimizer_step, see state_bytes()
+        if grid.tp_size > 1 and self.own_tensor_parallel:
+            self.placements, self.tp = apply_tensor_parallel(model, grid, cfg, self.comm)
+        else:
+            self.placements = {n: Placement.whole(n, p.shape) for n, p in model.named_parameters()}
+            self.tp = None
 
     def configure_optimizer(self, tcfg):
         raise NotImplementedError
@@ -52,27 +70,89 @@ class Strategy:
         """Mean loss over the global eval batch (x, y is this rank's share)."""
         raise NotImplementedError
 
-    def clip_grad_norm_(self, max_norm) -> float:
-        raise NotImplementedError
-
     def optimizer_step(self, lr):
         raise NotImplementedError
 
-    def state_dict(self) -> dict:
-        """Canonical model parameters (CPU tensors, full shapes), complete at least on
-        grid.is_main (for the sample printed after training). Collective."""
+    def regions(self) -> list:
+        """The Regions of TP-local parameters this rank holds (see parallel/placement.py)."""
         raise NotImplementedError
+
+    def norm_group(self):
+        """The group over which ranks hold different gradient elements (None: every rank
+        holds them all). The squared norm is summed over it."""
+        raise NotImplementedError
+
+    def grads(self) -> list:
+        """The gradient tensors clipping scales (each once)."""
+        raise NotImplementedError
+
+    # ------------------------------------------------ written once, for every strategy
+
+    def reseed(self, seed):
+        """Random state for one step: `seed` depends on (trainer.seed, step) only, so a
+        resumed run draws what an uninterrupted one would. dp ranks differ (their
+        batches do); TP ranks share the stream where their activations are the same."""
+        torch.manual_seed(seed + self.grid.dp_rank)
+        if self.tp is not None:
+            self.tp.reseed(seed + self.grid.dp_rank)
+
+    def clip_grad_norm_(self, max_norm) -> float:
+        """Scale gradients so their global norm is at most max_norm; return the norm before.
+        Sharded elements are summed over the ranks holding them, replicated ones counted
+        on one replica (Region.in_norm)."""
+        sq = grad_norm_squared(self.regions(), self.device)
+        group = self.norm_group()
+        if group is not None:
+            self.comm.all_reduce(sq, group=group)
+        norm = sq.sqrt()
+        coef = (max_norm / (norm + 1e-6)).clamp(max=1.0)  # as torch.nn.utils.clip_grad_norm_
+        for g in self.grads():
+            g.mul_(coef)
+        return norm.item()
+
+    def sum_partial_grads(self):
+        """Sequence parallelism leaves each TP rank a partial gradient of replicated
+        parameters used on sequence shards: sum them over TP, in one all-reduce."""
+        views = [r.values(r.opt_param.grad) for r in self.regions()
+                 if r.placement.partial_grad and r.opt_param.grad is not None]
+        if not views:
+            return
+        flat = torch.cat(views)
+        self.comm.all_reduce(flat, group=self.tp.group)
+        at = 0
+        for v in views:
+            v.copy_(flat[at:at + v.numel()])
+            at += v.numel()
 
     def shard_pieces(self) -> list:
         """What this rank writes into a sharded snapshot: [(canonical key, full shape,
-        flat start, 1-D tensor)], keys "model/<name>" and "optim/<name>/<state>".
-        Across ranks every element of every key is covered exactly once."""
-        raise NotImplementedError
+        box, tensor)], keys "model/<name>" and "optim/<name>/<state>". Across ranks
+        every element of every key is covered exactly once."""
+        return snapshot_pieces(self.regions(), self.optimizer)
 
     def load_shards(self, reader):
-        """Take what this rank holds from a snapshot.SnapshotReader (ranged reads
-        of canonical keys), whatever layout wrote it."""
-        raise NotImplementedError
+        """Take what this rank holds from a snapshot.SnapshotReader, whatever layout wrote it."""
+        load_regions(self.regions(), self.optimizer, reader)
+
+    @torch.no_grad()
+    def state_dict(self) -> dict:
+        """Canonical model parameters (CPU tensors, full shapes) on grid.is_main (empty
+        elsewhere), assembled from what each rank writes to snapshots. Collective."""
+        mine = [(key[len("model/"):], shape, box, t.cpu().clone())
+                for key, shape, box, t in snapshot_pieces(self.regions(), self.optimizer,
+                                                          with_optimizer=False)]
+        everyone = [mine]
+        if self.grid.world_size > 1:
+            everyone = [None] * self.grid.world_size if self.grid.is_main else None
+            dist.gather_object(mine, everyone, dst=0)
+        if not self.grid.is_main:
+            return {}
+        state = {}
+        for pieces in everyone:
+            for name, shape, box, t in pieces:
+                full = state.setdefault(name, torch.empty(shape, dtype=t.dtype))
+                full[tuple(slice(a, b) for a, b in box)] = t
+        return {n: state[n] for n in self.placements}
 
     def comm_stats(self) -> dict:
         """Collective calls/bytes since the last call (see parallel/comm.py)."""
@@ -118,15 +198,6 @@ def load_named_parameters(module, state, what="snapshot model state"):
         p.copy_(state[name])
 
 
-def keyed_tensors(model_state, optimizer_state):
-    """Flat {snapshot key: tensor} of a canonical model + optimizer state."""
-    out = {f"model/{name}": t for name, t in model_state.items()}
-    for name, fields in optimizer_state["state"].items():
-        for field, t in fields.items():
-            out[f"optim/{name}/{field}"] = t
-    return out
-
-
 def optimizer_state_from(reader):
     """{name: {field: tensor}} from a snapshot's "optim/<name>/<field>" keys (full tensors)."""
     state = {}
@@ -160,37 +231,10 @@ def build_adamw(named_params: dict, groups, tcfg, **kwargs):
         lr=tcfg.lr, betas=(tcfg.beta1, tcfg.beta2), weight_decay=tcfg.weight_decay, **kwargs)
 
 
-def optimizer_state_by_name(optimizer, names_by_group):
-    """torch's optimizer state_dict (params as ints) -> keyed by parameter name."""
-    sd = optimizer.state_dict()
-    state, groups = {}, []
-    for group, names in zip(sd["param_groups"], names_by_group):
-        for idx, name in zip(group["params"], names):
-            if idx in sd["state"]:
-                state[name] = {k: v.detach().cpu().clone() for k, v in sd["state"][idx].items()}
-        groups.append({**group, "params": list(names)})
-    return {"state": state, "param_groups": groups}
-
-
-def optimizer_state_from_names(canonical, names_by_group, device):
-    """Inverse of optimizer_state_by_name, for optimizer.load_state_dict."""
-    state, groups, idx = {}, [], 0
-    for group, names in zip(canonical["param_groups"], names_by_group):
-        ids = []
-        for name in names:
-            if name in canonical["state"]:
-                state[idx] = {k: v.to(device) if k != "step" else v
-                              for k, v in canonical["state"][name].items()}
-            ids.append(idx)
-            idx += 1
-        groups.append({**group, "params": ids})
-    return {"state": state, "param_groups": groups}
-
-
 # ---------------------------------------------------------------- full replicas
 
 class ReplicatedStrategy(Strategy):
-    """Every rank holds the whole GPT; subclasses say how gradients are averaged.
+    """Every dp rank holds the whole (TP-local) GPT; subclasses say how gradients are averaged.
 
     Hooks for subclasses: `self.model` is what forward runs through (the GPT
     or a wrapper), `no_sync(last)` is a context for each micro-step, and
@@ -201,6 +245,7 @@ class ReplicatedStrategy(Strategy):
         super().__init__(model, grid, cfg)
         self.module = model.to(self.device)
         self.model = self.module
+        self._regions = None
 
     def no_sync(self, last_micro_step):
         return nullcontext()
@@ -222,17 +267,39 @@ class ReplicatedStrategy(Strategy):
                 (loss / len(micro_batches)).backward()
             total += loss.detach()
         self.sync_gradients()
+        self.sum_partial_grads()
         return self.dp_mean(total / len(micro_batches))
 
     @torch.no_grad()
     def eval_loss(self, x, y):
         self.module.eval()
-        _, loss = self.module(x.to(self.device), y.to(self.device))
-        self.module.train()
+        try:
+            with self.comm.uncounted():  # TP's collectives here are not training traffic
+                _, loss = self.module(x.to(self.device), y.to(self.device))
+        finally:
+            self.module.train()
         return self.dp_mean(loss)
 
-    def clip_grad_norm_(self, max_norm):
-        return torch.nn.utils.clip_grad_norm_(self.module.parameters(), max_norm).item()
+    def regions(self):
+        """One region per parameter. Replicas: every dp rank, and every TP rank for a
+        tensor TP does not split; one of them (spread by name) writes it."""
+        if self._regions is None:
+            g, self._regions = self.grid, []
+            for name, p in self.module.named_parameters():
+                placement = self.placements[name]
+                tp_copies = g.tp_size if placement.tp_replicated else 1
+                me = g.dp_rank * tp_copies + (g.tp_rank if placement.tp_replicated else 0)
+                self._regions.append(Region(
+                    placement, 0, p.numel(), p, 0,
+                    writes=writer_among(name, g.dp_size * tp_copies) == me,
+                    in_norm=not placement.tp_replicated or g.tp_rank == 0))
+        return self._regions
+
+    def norm_group(self):
+        return self.grid.tp_group if self.grid.tp_size > 1 else None
+
+    def grads(self):
+        return [p.grad for p in self.module.parameters() if p.grad is not None]
 
     def optimizer_step(self, lr):
         for group in self.optimizer.param_groups:
@@ -240,38 +307,3 @@ class ReplicatedStrategy(Strategy):
         self.optimizer.step()
         self.last_state_bytes = resident_bytes(self.module.parameters(), self.optimizer)
         self.optimizer.zero_grad(set_to_none=True)
-
-    def state_dict(self):
-        return {n: p.detach().cpu().clone() for n, p in self.module.named_parameters()}
-
-    def load_state_dict(self, state):
-        load_named_parameters(self.module, state)
-
-    def optimizer_state_dict(self):
-        return optimizer_state_by_name(self.optimizer, self.group_names)
-
-    def canonical_tensors(self):
-        """{snapshot key: tensor} of parameters and AdamW state: views, no copies."""
-        out = {f"model/{n}": p.detach() for n, p in self.named.items()}
-        for n, p in self.named.items():
-            for field, v in self.optimizer.state.get(p, {}).items():
-                out[f"optim/{n}/{field}"] = v
-        return out
-
-    def shard_pieces(self):
-        """Every rank holds everything: rank r writes every world-th key, so each
-        tensor is written once and the writing is spread over all ranks."""
-        tensors = self.canonical_tensors()
-        mine = sorted(tensors)[self.grid.rank::self.grid.world_size]
-        return [(k, tuple(tensors[k].shape), 0, tensors[k].reshape(-1)) for k in mine]
-
-    def load_shards(self, reader):
-        self.load_state_dict({n: reader.read_full(f"model/{n}") for n in self.named})
-        state = optimizer_state_from(reader)
-        groups = [{**g, "params": names}
-                  for g, names in zip(self.optimizer.state_dict()["param_groups"], self.group_names)]
-        self.load_optimizer_state_dict({"state": state, "param_groups": groups})
-
-    def load_optimizer_state_dict(self, state):
-        self.optimizer.load_state_dict(
-            optimizer_state_from_names(state, self.group_names, self.device))

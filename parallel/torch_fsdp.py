@@ -8,6 +8,11 @@ forward and (after resharding) before its backward, and reduce-scatters its
 gradients after. `parallel.reshard_after_forward` and `parallel.prefetch`
 are passed through, so both implementations run the same schedule. Its
 traffic goes through torch, so comm_* metrics do not count it.
+
+A reference only, so snapshots simply gather: full canonical tensors, each
+written by one rank (our fsdp writes and reads its own shard ranges instead).
+With tensor parallelism (parallel.tp > 1) it is refused by config.py: PyTorch
+composes FSDP2 with its own DTensor TP, not with ours.
 """
 
 import torch
@@ -15,8 +20,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DTensor, distribute_tensor
 
-from parallel.strategy import (ReplicatedStrategy, check_state_names, keyed_tensors,
-                               optimizer_state_by_name, optimizer_state_from_names)
+from parallel.strategy import ReplicatedStrategy, check_state_names, optimizer_state_from
 
 
 def _local(t):
@@ -53,35 +57,30 @@ class TorchFSDP(ReplicatedStrategy):
         self.last_state_bytes = sum(_local(t).numel() * _local(t).element_size() for t in tensors)
         self.optimizer.zero_grad(set_to_none=True)
 
-    # snapshots: full (canonical) tensors out, this rank's DTensor shards in. A reference
-    # only, so it simply gathers (unlike our fsdp, which writes and reads its own ranges)
-
-    def canonical_tensors(self):
-        return keyed_tensors(self.state_dict(), self.optimizer_state_dict())
+    # snapshots: full canonical tensors out (rank r writes every world-th key), this
+    # rank's DTensor shards in
 
     def state_dict(self):
         return {n: _full(p.detach()).cpu().clone() for n, p in self.module.named_parameters()}
 
+    def shard_pieces(self):
+        tensors = {f"model/{n}": t for n, t in self.state_dict().items()}
+        for name, p in self.named.items():
+            for field, v in self.optimizer.state.get(p, {}).items():
+                tensors[f"optim/{name}/{field}"] = _full(v).cpu()
+        mine = sorted(tensors)[self.grid.rank::self.grid.world_size]
+        return [(k, tuple(tensors[k].shape), 0, tensors[k].reshape(-1)) for k in mine]
+
     @torch.no_grad()
-    def load_state_dict(self, state):
-        params = dict(self.module.named_parameters())
+    def load_shards(self, reader):
+        params = self.named
+        state = {n: reader.read_full(f"model/{n}") for n in params}
         check_state_names(params, state, "snapshot model state")
         for name, p in params.items():
             p.copy_(distribute_tensor(state[name].to(self.device), p.device_mesh, p.placements))
-
-    def optimizer_state_dict(self):
-        canonical = optimizer_state_by_name(self.optimizer, self.group_names)
-        for entry in canonical["state"].values():
-            for k, v in entry.items():
-                entry[k] = _full(v).cpu()
-        return canonical
-
-    def load_optimizer_state_dict(self, state):
-        sd = optimizer_state_from_names(state, self.group_names, self.device)
-        params = [self.named[n] for names in self.group_names for n in names]
-        for idx, entry in sd["state"].items():
-            p = params[idx]
-            for k, v in entry.items():
-                if k != "step":
-                    entry[k] = distribute_tensor(v, p.device_mesh, p.placements)
-        self.optimizer.load_state_dict(sd)
+        for name, fields in optimizer_state_from(reader).items():
+            p = params[name]
+            self.optimizer.state[p] = {
+                k: v.reshape(()).clone() if k == "step" else
+                distribute_tensor(v.to(self.device), p.device_mesh, p.placements)
+                for k, v in fields.items()}

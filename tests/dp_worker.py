@@ -96,7 +96,8 @@ def global_batch(step):
 
 class OneRank:
     """Just enough of a ProcessGrid for a single-process reference replica."""
-    dp_size, dp_rank, device = 1, 0, torch.device("cpu")
+    dp_size, dp_rank, tp_size, tp_rank, rank, world_size, is_main = 1, 0, 1, 0, 0, 1, True
+    device = torch.device("cpu")
 
 
 def check_train(grid, dp, allreduce, cap, accum):

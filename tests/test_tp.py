@@ -1,0 +1,245 @@
+"""Tensor parallelism (parallel.tp, parallel.sequence_parallel) on every dp strategy.
+
+- tests/tp_worker.py, under torchrun on 2 and 4 ranks, trains every layout of
+  its CASES (tp 2 and 4, padded vocabularies, sequence parallelism, dp=2 x
+  tp=2 with ddp_naive, ddp_bucket, ring, fsdp 1/2/3, torch_ddp, accumulation)
+  against a single-process replica: per-step losses and pre-clip gradient
+  norms within rtol 1e-5, replicated tensors bitwise equal across TP ranks
+  after every step, the textbook collectives of pure TP, canonical final
+  parameters; and the random streams under dropout.
+- through main.py: tp=2 against `single` with the collectives in
+  metrics.jsonl; resume across layouts (tp=2 -> single, single -> tp=2,
+  dp=2 x tp=2 fsdp -> tp=4, and tp=2 with dropout -> tp=2); a snapshot of the
+  previous format (tests/data/snapshot-v2) resumed under tp=2; sampling from
+  a TP-trained snapshot.
+"""
+
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+
+import pytest
+
+from harness import REPO, assert_parity, job_env, read_metrics, run_job, run_metrics
+from snapshot import open_snapshot
+from tp_worker import BATCH, BLOCK, CASES, N_EMBD, N_LAYER
+
+# ---------------------------------------------------------------- torchrun workers
+
+_results = {}
+
+
+def worker_result(world):
+    if world not in _results:
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
+               f"--nproc_per_node={world}", os.path.join(REPO, "tests", "tp_worker.py")]
+        try:
+            out = subprocess.run(cmd, env=job_env(), capture_output=True, text=True, timeout=400)
+        except subprocess.TimeoutExpired as e:
+            raise AssertionError(f"tp_worker hung on {world} ranks\n{e.stdout}\n{e.stderr}") from None
+        found = re.search(r"^RESULT (.*)$", out.stdout, re.M)
+        assert out.returncode == 0 and found, f"tp_worker failed\n{out.stdout[-3000:]}\n{out.stderr[-5000:]}"
+        _results[world] = json.loads(found.group(1))
+    return _results[world]
+
+
+ALL_CASES = [(world, case[0]) for world in CASES for case in CASES[world]]
+
+
+@pytest.mark.parametrize("world,name", ALL_CASES, ids=[n for _, n in ALL_CASES])
+def test_tp_layout_matches_single_process(world, name):
+    r = worker_result(world)["cases"][name]
+    print(f"{name}: loss {r['loss_rel_diff']:.3g}, grad norm {r['norm_rel_diff']:.3g}, "
+          f"final parameters {r['param_max_abs_diff']:.3g}")
+    assert r["loss_rel_diff"] <= 1e-5, r
+    assert r["norm_rel_diff"] <= 1e-5, r
+    assert all(r["replicated_equal"]), f"replicated tensors differ across TP ranks: {r}"
+    assert r["shapes_canonical"], "state_dict() must hold single-device shapes (no padding)"
+    # AdamW's first steps move every element by about lr (3e-3) whatever its gradient's size,
+    # so elements whose gradient is ~1e-8 may differ by a fraction of that; a wrong slice
+    # or a lost update would differ by whole steps
+    assert r["param_max_abs_diff"] < 1e-3, r
+
+
+def textbook_tp_traffic(dp_rows, tokens, sequence_parallel, replicated_floats, accum, layers):
+    """What one optimizer step of pure TP hands to the collectives (parallel/comm.py's
+    convention: an all-reduce counts its tensor, an all-gather its output, a
+    reduce-scatter its input -- each the full activation here)."""
+    act = dp_rows * tokens * N_EMBD * 4  # one micro-batch's activation, fp32
+    n = dp_rows * tokens                 # tokens of one micro-batch
+    per_side = 2 * layers + 1            # forward: after attn, MLP, embedding; backward: the mirror
+    loss = {"calls": 2, "bytes": n * 4 + 2 * n * 4}  # max, then (sum of exp, target logit)
+    if not sequence_parallel:
+        return {"comm_all_reduce_calls": accum * (2 * per_side + loss["calls"]) + 1,
+                "comm_all_reduce_bytes": accum * (2 * per_side * act + loss["bytes"]) + 4}
+    return {"comm_all_gather_calls": accum * 2 * per_side,
+            "comm_all_gather_bytes": accum * 2 * per_side * act,
+            "comm_reduce_scatter_calls": accum * 2 * per_side,
+            "comm_reduce_scatter_bytes": accum * 2 * per_side * act,
+            # + the partial gradients of replicated tensors, + the gradient norm
+            "comm_all_reduce_calls": accum * loss["calls"] + 2,
+            "comm_all_reduce_bytes": accum * loss["bytes"] + 4 * replicated_floats + 4}
+
+
+def replicated_floats(layers, n_embd, block):
+    """LayerNorms (2 per block + final), row-parallel biases (2 per block), wpe."""
+    return layers * (4 * n_embd + 2 * n_embd) + 2 * n_embd + block * n_embd
+
+
+PURE_TP = [(world, case[0]) for world in CASES for case in CASES[world] if case[2] == 1]
+
+
+@pytest.mark.parametrize("world,name", PURE_TP, ids=[n for _, n in PURE_TP])
+def test_pure_tp_moves_the_textbook_collectives(world, name):
+    r = worker_result(world)["cases"][name]
+    expected = textbook_tp_traffic(BATCH // r["accum"], BLOCK, r["sequence_parallel"],
+                                   replicated_floats(N_LAYER, N_EMBD, BLOCK), r["accum"], N_LAYER)
+    for step, got in enumerate(r["comm"]):
+        for key, want in expected.items():
+            assert got.get(key) == want, f"step {step}: {key}={got.get(key)}, expected {want}: {got}"
+        assert got["comm_calls"] == sum(v for k, v in expected.items() if k.endswith("_calls"))
+
+
+@pytest.mark.parametrize("world", sorted(CASES))
+def test_dropout_masks_shared_where_replicated_and_own_where_split(world):
+    rnd = worker_result(world)["random"]
+    plain, seq = rnd["sp=False"], rnd["sp=True"]
+    # without sequence parallelism the dropout modules act on replicated activations,
+    # attention dropout on this rank's heads
+    assert plain["dropout_same_across_tp"] and all(plain["dropout_same_across_tp"])
+    assert plain["attention_same_across_tp"] and not any(plain["attention_same_across_tp"])
+    # with it, every activation outside attention is a sequence shard
+    assert seq["dropout_same_across_tp"] and not any(seq["dropout_same_across_tp"])
+    assert not any(seq["attention_same_across_tp"])
+    assert all(plain["replicated_equal"]) and all(seq["replicated_equal"])
+
+
+# ---------------------------------------------------------------- through main.py
+
+HEADS4 = ["model.n_head=4"]
+
+
+def test_tp2_through_main_matches_single_and_logs_its_collectives(tmp_path):
+    ref = run_metrics(tmp_path, 1, ["parallel.dp=single"])
+    got = run_metrics(tmp_path, 2, ["parallel.dp=single", "parallel.tp=2"])
+    assert_parity(ref, got)
+    # harness.TINY: 2 layers, width 32, 16 tokens, global batch 12, no accumulation
+    expected = textbook_tp_traffic(12, 16, False, 0, 1, 2)
+    for r in got:
+        assert {k: r[k] for k in expected} == expected, r
+
+
+def test_torch_tp_reference_matches_single_and_resumes_into_ours(tmp_path):
+    """PyTorch's DTensor TP, the benchmark's reference, trains the same run; its
+    snapshot (gathered, c_attn rows permuted back) resumes under our tp=2."""
+    ref = run_metrics(tmp_path, 1, ["parallel.dp=single"] + CONSTANT)
+    workdir = tmp_path / "torch_tp"
+    saved = run_job(workdir, 2, ["parallel.dp=torch_tp", "parallel.tp=2", "trainer.max_steps=3"]
+                    + CONSTANT)
+    assert saved.returncode == 0, saved.stderr[-3000:]
+    assert_parity(ref[:3], read_metrics(workdir / "runs" / "default"))
+    resumed = run_job(workdir, 2, ["parallel.dp=single", "parallel.tp=2"] + CONSTANT)
+    assert resumed.returncode == 0 and "at step 3" in resumed.stdout, resumed.stderr[-3000:]
+    assert_parity(ref, read_metrics(workdir / "runs" / "default"))
+
+
+@pytest.mark.parametrize("nproc,overrides,needle", [
+    (2, ["parallel.tp=2", "model.n_head=3", "model.n_embd=48"], "n_head=3 is not divisible"),
+    (2, ["parallel.tp=4", "model.n_head=4"], "not divisible by parallel.tp * parallel.pp"),
+    (2, ["parallel.tp=2", "parallel.sequence_parallel=true", "data.block_size=15"],
+     "block_size=15 is not divisible"),
+])
+def test_bad_tp_layout_stops_every_rank_with_one_line(tmp_path, nproc, overrides, needle):
+    from test_bad_input import assert_clean_failure
+    assert_clean_failure(run_job(tmp_path, nproc, overrides, timeout=120), needle)
+
+
+CONSTANT = ["trainer.warmup_steps=0", "trainer.lr=0.003", "trainer.min_lr=0.003",
+            "trainer.grad_clip=0"]
+LAYOUTS = {
+    "single": (1, ["parallel.dp=single"]),
+    "tp2": (2, ["parallel.dp=single", "parallel.tp=2"]),
+    "tp4": (4, ["parallel.dp=single", "parallel.tp=4"]),
+    "dp2tp2_fsdp3": (4, ["parallel.dp=fsdp", "parallel.zero_stage=3", "parallel.tp=2",
+                         "parallel.sequence_parallel=true"]),
+}
+
+
+@pytest.fixture(scope="module")
+def uninterrupted_single(tmp_path_factory):
+    return run_metrics(tmp_path_factory.mktemp("ref"), 1,
+                       LAYOUTS["single"][1] + HEADS4 + CONSTANT + ["trainer.max_steps=6"])
+
+
+def save_then_resume(tmp_path, saved_under, resumed_under, extra=(), sample=False):
+    """Train 3 steps under one layout, resume that snapshot under another to step 6;
+    returns (resumed metrics, workdir of the saving job, its result)."""
+    nproc, args = LAYOUTS[saved_under]
+    workdir = tmp_path / f"save-{saved_under}"
+    tail = [] if not sample else ["sample.length=40"]
+    saved = run_job(workdir, nproc, args + HEADS4 + CONSTANT + list(extra) + tail + ["trainer.max_steps=3"])
+    assert saved.returncode == 0, saved.stderr[-3000:]
+    snapshot = tmp_path / "snapshot"
+    shutil.copytree(workdir / "runs" / "default" / "snapshot", snapshot)
+    nproc, args = LAYOUTS[resumed_under]
+    resume = tmp_path / f"resume-{resumed_under}"
+    result = run_job(resume, nproc, args + HEADS4 + CONSTANT + list(extra) +
+                     ["trainer.max_steps=6", f"trainer.snapshot_path={snapshot}"])
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "at step 3" in result.stdout
+    resumed = read_metrics(resume / "runs" / "default")
+    assert [r["step"] for r in resumed] == [4, 5, 6]
+    return resumed, workdir, saved
+
+
+@pytest.mark.parametrize("saved_under,resumed_under", [
+    ("tp2", "single"), ("single", "tp2"), ("dp2tp2_fsdp3", "tp4")])
+def test_resume_across_tp_layouts(tmp_path, uninterrupted_single, saved_under, resumed_under):
+    resumed, _, _ = save_then_resume(tmp_path, saved_under, resumed_under)
+    assert_parity(uninterrupted_single[3:], resumed)
+
+
+def test_tp_snapshot_is_canonical_and_samples_like_the_run_that_wrote_it(tmp_path):
+    """The sample printed after a tp=2 run (gathered state_dict) and mode=sample on its
+    snapshot are the same text; the snapshot holds single-device shapes only."""
+    nproc, args = LAYOUTS["tp2"]
+    sample = ["sample.length=60", "sample.seed=3"]
+    # 50 characters: at tp=4 a padded vocabulary, whose padding must not reach the snapshot
+    train = run_job(tmp_path, 4, LAYOUTS["tp4"][1] + HEADS4 + ["trainer.max_steps=3"] + sample)
+    assert train.returncode == 0, train.stderr[-3000:]
+    after_training = train.stdout.split("---- sample ----\n", 1)[1]
+    snap = open_snapshot(str(tmp_path / "runs" / "default" / "snapshot"))
+    vocab = snap.meta["gpt_config"]["vocab_size"]
+    assert vocab % 4 != 0 and snap.shape("model/transformer.wte.weight") == (vocab, 32)
+    assert snap.shape("optim/transformer.wte.weight/exp_avg") == (vocab, 32)
+    sampled = run_job(tmp_path, 1, ["mode=sample"] + sample)
+    assert sampled.returncode == 0, sampled.stderr[-3000:]
+    assert sampled.stdout == after_training and len(after_training.strip()) > 0
+
+
+def test_dropout_under_tp_resumes_exactly(tmp_path):
+    dropout = ["model.dropout=0.1"]
+    reference = run_metrics(tmp_path, 2, LAYOUTS["tp2"][1] + HEADS4 + CONSTANT + dropout +
+                            ["trainer.max_steps=6"])
+    resumed, _, _ = save_then_resume(tmp_path, "tp2", "tp2", extra=dropout)
+    for ref, got in zip(reference[3:], resumed):
+        assert abs(ref["loss"] - got["loss"]) <= 1e-6 * ref["loss"], (ref, got)
+
+
+def test_previous_snapshot_format_resumes_under_tp(tmp_path):
+    """tests/data/snapshot-v2 (flat ranges, written by fsdp on 2 ranks before boxes
+    existed) resumes under tp=2 with the losses of an uninterrupted run."""
+    fixture = ["model.n_head=2", "model.n_embd=16"] + CONSTANT
+    reference = run_metrics(tmp_path, 1, ["parallel.dp=single", "trainer.max_steps=6"] + fixture)
+    snapshot = tmp_path / "snapshot"
+    shutil.copytree(os.path.join(REPO, "tests", "data", "snapshot-v2"), snapshot)
+    assert open_snapshot(str(snapshot)).meta["format_version"] == 2
+    result = run_job(tmp_path / "resume", 2, LAYOUTS["tp2"][1] + fixture +
+                     ["trainer.max_steps=6", f"trainer.snapshot_path={snapshot}"])
+    assert result.returncode == 0, result.stderr[-3000:]
+    resumed = read_metrics(tmp_path / "resume" / "runs" / "default")
+    assert [r["step"] for r in resumed] == [4, 5, 6]
+    assert_parity(reference[3:], resumed)
