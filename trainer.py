@@ -19,6 +19,7 @@ from dataclasses import dataclass
 
 import torch
 
+from activation_meter import ActivationMeter
 from char_dataset import GlobalBatches, eval_starts
 from errors import UserError
 from snapshot import save_sharded
@@ -45,6 +46,7 @@ class TrainerConfig:
     run_dir: str = "runs/default"
     snapshot_path: str = ""     # a directory, any fsspec URL; "" = <run_dir>/snapshot
     device: str = "auto"        # auto (cuda if available) | cpu | cuda
+    measure_activations: bool = False  # log activation_peak_mb (activation_meter.py); small overhead
 
 
 def lr_at(step: int, t: TrainerConfig) -> float:
@@ -158,6 +160,7 @@ class Trainer:
         self.step, self.wandb_id = 0, uuid.uuid4().hex[:12]
         strategy.configure_optimizer(self.t)
         self.metrics = None
+        self.activations = ActivationMeter() if self.t.measure_activations else None
 
     def restore(self, reader):
         """Take model, optimizer and step from a snapshot (checked by check_resumable)."""
@@ -182,7 +185,11 @@ class Trainer:
             self._reseed(self.step)
             micro = self.batches.local_micro_batches(
                 self.train_set, self.step, g.dp_rank, g.dp_size, t.grad_accum)
-            loss = self.strategy.forward_backward(micro)
+            if self.activations is not None:
+                with self.activations:
+                    loss = self.strategy.forward_backward(micro)
+            else:
+                loss = self.strategy.forward_backward(micro)
             if not math.isfinite(loss):
                 raise UserError(f"training loss became {loss} at step {self.step + 1}: "
                                 "lower trainer.lr or raise trainer.warmup_steps")
@@ -199,6 +206,8 @@ class Trainer:
                       "step_ms": 1000 * elapsed, "peak_mem_mb": peak_memory_mb(g.device),
                       "state_bytes": self.strategy.state_bytes(),
                       **self.strategy.comm_stats()}
+            if self.activations is not None:
+                record["activation_peak_mb"] = self.activations.peak_bytes / 2**20
             last = self.step == t.max_steps
             if t.eval_every and (self.step % t.eval_every == 0 or last):
                 record["val_loss"] = self.evaluate()

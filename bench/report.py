@@ -114,6 +114,15 @@ def markdown(cmd, settings, summary, skipped, jobs, chart):
         "(fp32 Adam: 16 bytes/param, /N for what a ZeRO stage shards). Peak RSS: max resident "
         "memory of rank 0's process (Python and torch included), max over the logged steps.",
     ]
+    acts = {n: v["activation_peak_mb"] for n, v in summary.items() if v.get("activation_peak_mb")}
+    if acts:
+        lines += ["", "## Activation memory (rank 0, peak per step)", "",
+                  "| variant | saved for backward MiB | vs single |", "|---|---:|---:|"]
+        for name, mb in acts.items():
+            rel = f"{mb / acts['single']:.2f}x" if acts.get("single") else "-"
+            lines.append(f"| {name} | {mb:.1f} | {rel} |")
+        lines += ["", "- bytes of the tensors autograd holds for backward (activation_meter.py, "
+                  "`trainer.measure_activations=true`), peak within a step."]
     tp = {n: v for n, v in summary.items() if v.get("tp_parameters")}
     if tp:
         lines += ["", "## Tensor parallelism: parameters per rank", "",

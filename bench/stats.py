@@ -173,6 +173,8 @@ def summarize(jobs, variants, params, warmup, cfg=None):
             "tokens_per_s": median(r["tokens_per_s"] for r in recs),
             "peak_mem_mb": max(r["peak_mem_mb"] for j in mine for r in j["records"]),
             "state_bytes": max(r["state_bytes"] for r in recs),
+            "activation_peak_mb": max((r["activation_peak_mb"] for r in recs
+                                       if "activation_peak_mb" in r), default=None),
             "comm": comm_per_step(recs, ranks),
             "vs_single": ratio(by_round, v.name, "single"),
             "vs_reference": ratio(by_round, v.name, v.reference) if v.reference else None,

@@ -123,13 +123,22 @@ HEADS4 = ["model.n_head=4"]
 
 
 def test_tp2_through_main_matches_single_and_logs_its_collectives(tmp_path):
-    ref = run_metrics(tmp_path, 1, ["parallel.dp=single"])
-    got = run_metrics(tmp_path, 2, ["parallel.dp=single", "parallel.tp=2"])
+    measure = ["trainer.measure_activations=true"]
+    ref = run_metrics(tmp_path, 1, ["parallel.dp=single"] + measure)
+    got = run_metrics(tmp_path, 2, ["parallel.dp=single", "parallel.tp=2"] + measure)
+    seq = run_metrics(tmp_path, 2, ["parallel.dp=single", "parallel.tp=2",
+                                    "parallel.sequence_parallel=true"] + measure)
     assert_parity(ref, got)
+    assert_parity(ref, seq)
     # harness.TINY: 2 layers, width 32, 16 tokens, global batch 12, no accumulation
     expected = textbook_tp_traffic(12, 16, False, 0, 1, 2)
     for r in got:
         assert {k: r[k] for k in expected} == expected, r
+    # activations held for backward: split heads and MLP features, then sequence shards
+    peak = [rs[-1]["activation_peak_mb"] for rs in (ref, got, seq)]
+    print(f"activation peak MiB: single {peak[0]:.3f}, tp=2 {peak[1]:.3f}, + sequence parallel "
+          f"{peak[2]:.3f}")
+    assert peak[0] > peak[1] > peak[2]
 
 
 def test_torch_tp_reference_matches_single_and_resumes_into_ours(tmp_path):

@@ -1,0 +1,64 @@
+"""How much memory autograd holds for backward: the live and peak bytes of saved
+activations on this rank, measured with torch's saved-tensor hooks.
+
+Process memory (RSS) mixes activations with Python, the allocator's cache and
+parameters, and on CPU torch has no allocator statistics; this meter sees
+exactly the tensors autograd saves. A tensor counts from the moment it is
+saved until the last saved reference to its storage is released (after its
+backward), each storage once; parameters and views of them are left out.
+That is the number sequence parallelism (activations 1/tp between blocks),
+pipeline schedules (1F1B holds at most P micro-batches, GPipe all M) and
+activation checkpointing change.
+
+    meter = ActivationMeter()
+    with meter:          # forward and backward of one step
+        ...
+    meter.peak_bytes     # max live bytes seen inside
+"""
+
+import weakref
+
+import torch
+from torch.autograd.graph import saved_tensors_hooks
+
+
+class ActivationMeter:
+    def __init__(self):
+        self.live, self.current, self.peak_bytes = {}, 0, 0  # storage ptr -> [bytes, refs]
+        self._hooks = None
+
+    def __enter__(self):
+        self.peak_bytes = self.current
+        self._hooks = saved_tensors_hooks(self._pack, lambda t: t)
+        self._hooks.__enter__()
+        return self
+
+    def __exit__(self, *exc):
+        self._hooks.__exit__(*exc)
+        self._hooks = None
+
+    def _pack(self, t):
+        if isinstance(t, torch.nn.Parameter) or isinstance(t._base, torch.nn.Parameter) \
+                or t.device.type == "meta":
+            return t  # a weight (or its transpose) saved for backward is not an activation
+        storage = t.untyped_storage()
+        ptr = storage.data_ptr()
+        if ptr == 0:
+            return t
+        entry = self.live.get(ptr)
+        if entry is None:
+            entry = self.live[ptr] = [storage.nbytes(), 0]
+            self.current += entry[0]
+            self.peak_bytes = max(self.peak_bytes, self.current)
+        entry[1] += 1
+        weakref.finalize(t, self._release, ptr)
+        return t
+
+    def _release(self, ptr):
+        entry = self.live.get(ptr)
+        if entry is None:
+            return
+        entry[1] -= 1
+        if entry[1] == 0:
+            self.current -= entry[0]
+            del self.live[ptr]
