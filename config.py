@@ -102,7 +102,7 @@ def validate(cfg: Config, world_size: int):
         (cfg.mode in ("train", "sample"), f"mode must be train or sample, got {cfg.mode!r}"),
         (p.dp in STRATEGIES, f"parallel.dp={p.dp!r} is not one of {sorted(STRATEGIES)}"),
         (p.tp >= 1, f"parallel.tp must be >= 1, got {p.tp}"),
-        (p.pp == 1, "parallel.pp: pipeline parallelism is not implemented yet; only 1 is accepted"),
+        (p.pp >= 1, f"parallel.pp must be >= 1, got {p.pp}"),
         (m.n_layer >= 1 and m.n_head >= 1 and m.n_embd >= 1, "model sizes must be positive"),
         (m.n_embd % m.n_head == 0,
          f"model.n_embd={m.n_embd} is not divisible by model.n_head={m.n_head}"),
@@ -144,8 +144,10 @@ def validate(cfg: Config, world_size: int):
         (cfg.wandb.mode in ("offline", "online", "disabled"),
          f"wandb.mode must be offline, online or disabled, got {cfg.wandb.mode!r}"),
         (0 < p.timeout_s < 10**7, "parallel.timeout_s must be > 0 and finite"),
-        (p.pp_schedule in ("gpipe", "1f1b"), f"parallel.pp_schedule must be gpipe or 1f1b, got {p.pp_schedule!r}"),
+        (p.pp_schedule in ("gpipe", "1f1b", "interleaved"),
+         f"parallel.pp_schedule must be gpipe, 1f1b or interleaved, got {p.pp_schedule!r}"),
         (p.microbatches >= 1, f"parallel.microbatches must be >= 1, got {p.microbatches}"),
+        (p.pp_virtual_stages >= 1, f"parallel.pp_virtual_stages must be >= 1, got {p.pp_virtual_stages}"),
         (p.allreduce in ("native", "ring"),
          f"parallel.allreduce must be native or ring, got {p.allreduce!r}"),
         (p.bucket_cap_mb > 0, f"parallel.bucket_cap_mb must be > 0, got {p.bucket_cap_mb}"),
@@ -165,11 +167,45 @@ def validate(cfg: Config, world_size: int):
         raise UserError(f"parallel.dp={p.dp} has no data-parallel dimension, but world size "
                         f"{world_size} / (tp {p.tp} * pp {p.pp}) = {dp}: use "
                         "torchrun --nproc_per_node=1 or a data-parallel strategy")
-    per_rank = dp * t.grad_accum
+    validate_pipeline(m, p)
+    per_rank = dp * t.grad_accum * p.microbatches
     if t.batch_size % per_rank:
         raise UserError(
             f"trainer.batch_size={t.batch_size} (the global batch) must be divisible by "
-            f"dp degree {dp} x trainer.grad_accum {t.grad_accum} = {per_rank}")
+            f"dp degree {dp} x trainer.grad_accum {t.grad_accum} x parallel.microbatches "
+            f"{p.microbatches} = {per_rank}")
+
+
+def validate_pipeline(m, p):
+    """Pipeline layouts the schedules can run; one clear line for the others."""
+    chunks = p.pp * p.pp_virtual_stages
+    checks = [
+        (p.pp > 1 or (p.microbatches == 1 and p.pp_virtual_stages == 1 and not p.pp_layers),
+         "parallel.microbatches, pp_virtual_stages and pp_layers are for pipeline parallelism "
+         "(parallel.pp > 1); without it, use trainer.grad_accum for micro-batches"),
+        (p.pp_virtual_stages == 1 or p.pp_schedule == "interleaved",
+         f"parallel.pp_virtual_stages={p.pp_virtual_stages} needs parallel.pp_schedule=interleaved"),
+        (p.pp_schedule != "interleaved" or p.microbatches % p.pp == 0,
+         f"parallel.pp_schedule=interleaved runs micro-batches in groups of parallel.pp={p.pp}: "
+         f"parallel.microbatches={p.microbatches} must be a multiple of it (Megatron's rule)"),
+        (m.n_layer >= chunks,
+         f"model.n_layer={m.n_layer} cannot fill parallel.pp={p.pp} x pp_virtual_stages="
+         f"{p.pp_virtual_stages} = {chunks} pipeline chunks (more stages than layers)"),
+        (not p.pp_layers or (len(p.pp_layers) == chunks and sum(p.pp_layers) == m.n_layer
+                             and min(p.pp_layers) >= 1),
+         f"parallel.pp_layers={list(p.pp_layers)} must give each of the {chunks} pipeline chunks "
+         f"at least one block, {m.n_layer} (model.n_layer) in all"),
+        (p.pp == 1 or p.dp in ("single", "ddp_naive", "ddp_bucket", "fsdp"),
+         f"parallel.dp={p.dp} does not run under pipeline parallelism: PyTorch's references "
+         "measure pure data or tensor parallelism (use ddp_naive, ddp_bucket or fsdp)"),
+        (p.pp == 1 or p.dp != "fsdp" or p.zero_stage < 3,
+         "parallel.zero_stage=3 with parallel.pp > 1 is refused: ZeRO-3 would all-gather a "
+         "stage's parameters again for every micro-batch's forward and backward (2M gathers a "
+         "step); use zero_stage 1 or 2 with pipelines, as Megatron and DeepSpeed do"),
+    ]
+    for ok, message in checks:
+        if not ok:
+            raise UserError(message)
 
 
 def resolved_yaml(cfg: Config) -> str:

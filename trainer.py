@@ -136,6 +136,14 @@ class MetricsLog:
                 line += f" | val {record['val_loss']:.4f}"
             print(("\r" if self.tty else "") + line, flush=True)
 
+    def write_files(self, files):
+        """{name: JSON-able}: files beside metrics.jsonl (e.g. the pipeline timeline)."""
+        if not self.active:
+            return
+        for name, obj in files.items():
+            with open(os.path.join(os.path.dirname(self.path), name), "w") as f:
+                json.dump(obj, f)
+
     def progress(self, step, total):
         if self.tty:
             done = int(30 * step / total)
@@ -201,14 +209,16 @@ class Trainer:
             self.step += 1
             elapsed = time.perf_counter() - started
 
+            last = self.step == t.max_steps
+            stats, files = self.strategy.step_stats(last)
             record = {"step": self.step, "loss": loss, "grad_norm": grad_norm, "lr": lr,
                       "tokens_per_s": t.batch_size * self.train_set.block_size / elapsed,
                       "step_ms": 1000 * elapsed, "peak_mem_mb": peak_memory_mb(g.device),
                       "state_bytes": self.strategy.state_bytes(),
-                      **self.strategy.comm_stats()}
+                      **self.strategy.comm_stats(), **stats}
             if self.activations is not None:
                 record["activation_peak_mb"] = self.activations.peak_bytes / 2**20
-            last = self.step == t.max_steps
+            self.metrics.write_files(files)
             if t.eval_every and (self.step % t.eval_every == 0 or last):
                 record["val_loss"] = self.evaluate()
             logged = t.log_every and (self.step % t.log_every == 0 or last)

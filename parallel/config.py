@@ -1,6 +1,7 @@
 """The `parallel:` section of gpt2_train_cfg.yaml."""
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import List
 
 
 @dataclass
@@ -12,8 +13,10 @@ class ParallelConfig:
     zero_stage: int = 3         # 1, 2 or 3, for dp=fsdp
     prefetch: bool = True       # fsdp stage 3 / torch_fsdp: all-gather the next unit while this one computes
     reshard_after_forward: bool = True  # fsdp stage 3 / torch_fsdp: free a unit after its forward
-    pp_schedule: str = "1f1b"   # gpipe | 1f1b, for pp > 1
-    microbatches: int = 1       # pipeline micro-batches per step, for pp > 1
+    pp_schedule: str = "1f1b"   # gpipe | 1f1b | interleaved, for pp > 1
+    microbatches: int = 1       # pipeline micro-batches per (accumulation) step, for pp > 1
+    pp_virtual_stages: int = 1  # model chunks per pipeline rank, for pp_schedule=interleaved
+    pp_layers: List[int] = field(default_factory=list)  # blocks per chunk; [] = balanced
     bucket_cap_mb: float = 25.0  # gradient bucket size for ddp_bucket / torch_ddp
     allreduce: str = "native"   # native (dist.all_reduce) | ring (parallel/ring.py), for ddp_naive / ddp_bucket
     timeout_s: float = 600.0    # a collective that waits longer than this fails instead of hanging

@@ -13,7 +13,9 @@ Like ddp_naive, every rank holds the model and gradients are averaged, but:
   backward we only wait for what is still in flight, then divide by the
   group size.
 - With gradient accumulation, the hooks do nothing on all but the last
-  micro-step (`no_sync`): gradients just accumulate in the buckets.
+  micro-step (`no_sync`): gradients just accumulate in the buckets. Under
+  pipeline parallelism that is each chunk's last backward of the step, so
+  buckets start during the schedule's cool-down.
 
 Per step it communicates: one all-reduce per bucket, 4 bytes x parameter
 count in all (with `parallel.allreduce=ring`, each bucket's all-reduce is
@@ -87,18 +89,17 @@ class DDPBucket(DDPNaive):
         # at their zeroed slots, so that backward accumulates straight into the buckets
         for bucket in self.buckets:
             bucket.buffer.zero_()
+            bucket.ready = [False] * len(bucket.params)
+            bucket.handle = None
             for p, view in zip(bucket.params, bucket.views):
                 p.grad = view
+        self.next_launch = 0
         return super().forward_backward(micro_batches)
 
     @contextmanager
     def no_sync(self, last_micro_step):
-        """Hooks launch all-reduces only during the last micro-step's backward."""
-        if last_micro_step:
-            for bucket in self.buckets:
-                bucket.ready = [False] * len(bucket.params)
-                bucket.handle = None
-            self.next_launch = 0
+        """Hooks launch all-reduces only during the last micro-step's backward (with a
+        pipeline: each chunk's last backward of the step)."""
         self.syncing = last_micro_step
         try:
             yield

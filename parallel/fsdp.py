@@ -23,6 +23,8 @@ Per optimizer step each rank communicates (Φ = parameters, k = grad_accum):
   and TP when tp > 1).
 """
 
+from contextlib import contextmanager
+
 import torch
 import torch.distributed as dist
 
@@ -42,19 +44,24 @@ class FSDP(Strategy):
         group_of = {n: g for g, grp in enumerate(groups) for n in grp["params"]}
         N, r = grid.dp_size, grid.dp_rank
 
-        # one unit per block, then the root: everything outside the blocks (wte is
-        # lm_head.weight, so the tied weight is one parameter of one unit)
-        names_per_block = [[f"transformer.h.{i}.{n}" for n, _ in block.named_parameters()]
-                           for i, block in enumerate(self.module.transformer.h)]
+        # one unit per block (of this pipeline stage), then the root: everything outside
+        # the blocks (wte is lm_head.weight, so the tied weight is one parameter of one
+        # unit). Under pipeline parallelism the tied embedding gets a unit of its own, so
+        # its shard is laid out alike on the first and the last stage (their gradients
+        # are summed shard to shard).
+        names_per_block = [[f"transformer.h.{key}.{n}" for n, _ in block.named_parameters()]
+                           for key, block in self.module.transformer.h.named_children()]
         in_blocks = {n for names in names_per_block for n in names}
         root = [n for n in self.canonical if n not in in_blocks]
+        own = [["transformer.wte.weight"]] if self.pipeline and "transformer.wte.weight" in root else []
+        root = [n for n in root if [n] not in own]
         self.units = [FlatUnit([(n, self.canonical[n]) for n in names], group_of, r, N,
                                self.stage, grid.dp_group)
-                      for names in names_per_block + [root]]
-        self.blocks, self.root = self.units[:-1], self.units[-1]
+                      for names in names_per_block + own + [root] if names]
+        self.blocks, self.root = self.units[:len(names_per_block)], self.units[-1]
+        self._chunk_units = self._units_per_chunk()
         self._regions = None
-        # gradient elements differ across dp (shards) and, with tp > 1, across TP ranks
-        self._norm_group = grid.group_over("dp", "tp") if grid.tp_size > 1 else grid.dp_group
+        self._ready = {}        # unit -> gradient hooks fired in the current backward
         self._pending = []      # (work, finish) of launched gradient collectives
         self._register_grad_hooks()
         if self.stage == 3:
@@ -68,6 +75,8 @@ class FSDP(Strategy):
                 p.register_post_accumulate_grad_hook(lambda p, unit=unit: self._grad_ready(unit))
 
     def _grad_ready(self, unit):
+        if unit not in self._ready:  # a hook outside any backward_scope: not ours to count
+            return
         self._ready[unit] += 1
         if self._ready[unit] == len(unit.params):
             self._reduce(unit)
@@ -86,10 +95,10 @@ class FSDP(Strategy):
             work.wait()
             finish()
 
-    def _finish_backward(self):
-        """After loss.backward(): reduce units whose hooks did not all fire (a
-        parameter without gradient counts as zeros), then wait for everything."""
-        for unit in self.units:
+    def _finish_backward(self, units):
+        """After a backward: reduce units whose hooks did not all fire (a parameter
+        without gradient counts as zeros), then wait for everything."""
+        for unit in units:
             if self._ready[unit] != -1:
                 self._reduce(unit)
         for work, finish in self._pending:
@@ -150,24 +159,46 @@ class FSDP(Strategy):
              for ps, g in zip(self.pieces, groups)],
             lr=tcfg.lr, betas=(tcfg.beta1, tcfg.beta2), weight_decay=tcfg.weight_decay)
 
+    def _units_per_chunk(self):
+        """{pipeline chunk (None without a pipeline): the units its backward touches}."""
+        if self.pipeline is None:
+            return {None: self.units}
+        return {c: [u for u in self.units if any(n.startswith(p) for n in u.names for p in prefixes)]
+                for c, prefixes in self.pipeline.chunk_units().items()}
+
+    @contextmanager
+    def backward_scope(self, chunk, last):
+        """Count gradient hooks per unit during one backward; units whose hooks did not
+        all fire are reduced after it (a parameter without gradient counts as zeros)."""
+        units = self._chunk_units[chunk]
+        self._ready = {u: 0 for u in units}
+        self._last_micro = last
+        yield
+        self._finish_backward(units)
+
     def forward_backward(self, micro_batches):
-        total = torch.zeros((), device=self.device)
-        for i, (x, y) in enumerate(micro_batches):
-            self._ready = {u: 0 for u in self.units}
-            self._last_micro = i == len(micro_batches) - 1
-            _, loss = self.module(x.to(self.device), y.to(self.device))
-            (loss / len(micro_batches)).backward()
-            self._finish_backward()
-            total += loss.detach()
-        self.sum_partial_grads()
-        return self.dp_mean(total / len(micro_batches))
+        if self.pipeline is not None:
+            loss = self.pipeline_forward_backward(micro_batches)
+        else:
+            total = torch.zeros((), device=self.device)
+            for i, (x, y) in enumerate(micro_batches):
+                _, micro_loss = self.module(x.to(self.device), y.to(self.device))
+                with self.backward_scope(None, i == len(micro_batches) - 1):
+                    (micro_loss / len(micro_batches)).backward()
+                total += micro_loss.detach()
+            loss = total / len(micro_batches)
+        self.finish_gradients()
+        return self.dp_mean(loss)
 
     @torch.no_grad()
     def eval_loss(self, x, y):
         self.module.eval()
         try:
-            with self.comm.uncounted():  # evaluation's gathers are not training traffic
-                _, loss = self.module(x.to(self.device), y.to(self.device))
+            if self.pipeline is not None:
+                loss = self.pipeline.eval_loss(x, y)
+            else:
+                with self.comm.uncounted():  # evaluation's gathers are not training traffic
+                    _, loss = self.module(x.to(self.device), y.to(self.device))
         finally:
             self.module.train()
         return self.dp_mean(loss)
@@ -176,7 +207,8 @@ class FSDP(Strategy):
         return [t.grad for ps in self.pieces for *_, t in ps]  # shards only: no padding
 
     def norm_group(self):
-        return self._norm_group
+        # gradient elements differ across dp (shards), stages and TP ranks
+        return self.sharded_group("dp", "pp", "tp")
 
     def optimizer_step(self, lr):
         for group in self.optimizer.param_groups:
@@ -220,11 +252,11 @@ class FSDP(Strategy):
                 start = u.offsets[u.names.index(name)] + a - u.lo  # shard coordinates
                 _, pa, _, piece = next(p for p in u.pieces if p[1] <= start < p[2])
                 placement = self.placements[name]
-                writes = (not placement.tp_replicated
-                          or writer_among(name, g.tp_size) == g.tp_rank)
-                self._regions.append(Region(
-                    placement, a, b, piece, start - pa, writes=writes,
-                    in_norm=not placement.tp_replicated or g.tp_rank == 0))
+                writes = ((not placement.tp_replicated
+                           or writer_among(name, g.tp_size) == g.tp_rank)
+                          and placement.tied != "last")
+                self._regions.append(Region(placement, a, b, piece, start - pa, writes=writes,
+                                            in_norm=placement.counted_in_norm(g.tp_rank)))
         return self._regions
 
     @torch.no_grad()

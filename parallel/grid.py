@@ -38,13 +38,18 @@ class ProcessGrid:
             for a in axes:
                 size *= self.ranks.size(a)
             lines = self.ranks.permute(*rest, *axes).reshape(-1, size)
-            mine = None
-            for line in lines.tolist():
-                group = dist.new_group(line) if len(line) < self.world_size else dist.group.WORLD
-                if self.rank in line:
-                    mine = group
-            self._groups[axes] = mine
+            self._groups[axes] = self.group_of_lines(lines.tolist())
         return self._groups[axes]
+
+    def group_of_lines(self, lines):
+        """Create a group for each list of global ranks in `lines` (collective: every rank
+        passes the same lines) and return the one holding this rank, or None."""
+        mine = None
+        for line in lines:
+            group = dist.new_group(line) if len(line) < self.world_size else dist.group.WORLD
+            if self.rank in line:
+                mine = group
+        return mine
 
     @property
     def is_main(self):

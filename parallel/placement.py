@@ -9,9 +9,10 @@ Two layers, one per kind of sharding:
   `dim` into `pieces` (canonical start, local start, length) -- a column-
   parallel `c_attn` holds three pieces, the q, k and v rows of its heads --
   plus, for a padded vocabulary, rows that belong to no canonical tensor.
-  It also says whether the tensor is the same on every TP rank (replicated)
-  and whether, under sequence parallelism, each TP rank holds only a partial
-  sum of its gradient.
+  It also says whether the tensor is the same on every TP rank (replicated),
+  whether, under sequence parallelism, each TP rank holds only a partial
+  sum of its gradient, and whether it is one of the two pipeline stages'
+  copies of the tied embedding (the first stage's copy is the one counted).
 - `Region` (made by the data-parallel strategy): a flat range of one local
   parameter that this rank holds, where it sits in the tensor the optimizer
   steps on, and which replica writes it to snapshots. A replicated strategy
@@ -39,6 +40,12 @@ class Placement:
     pieces: tuple = ()         # ((canonical start, local start, length), ...) along dim
     tp_replicated: bool = False  # the same tensor on every TP rank
     partial_grad: bool = False   # sequence parallelism: gradients are partial sums over TP
+    tied: str = None             # pipeline: "first"/"last" stage's copy of the tied embedding
+
+    def counted_in_norm(self, tp_rank):
+        """Whether this rank's copy counts in the global gradient norm: of identical
+        copies, TP rank 0's, and the first pipeline stage's of the tied embedding."""
+        return (not self.tp_replicated or tp_rank == 0) and self.tied != "last"
 
     @staticmethod
     def whole(name, shape, tp_replicated=False, partial_grad=False):

@@ -18,9 +18,13 @@ The strategy, not the trainer, owns forward, backward and gradient sync of a
 step, because tensor parallelism rewrites layers and pipeline parallelism
 runs its own micro-batch schedule inside the step.
 
-Tensor parallelism is applied here, for every data-parallel strategy, before
-the strategy sees the model (parallel/tensor_parallel.py): the strategy then
-works on TP-local parameters over the dp group. Each strategy describes what
+Tensor and pipeline parallelism are applied here, for every data-parallel
+strategy, before the strategy sees the model (parallel/tensor_parallel.py,
+parallel/pipeline.py): the strategy then works on this rank's TP-local
+parameters of its pipeline stage, over the dp group, and with pp > 1 runs
+the pipeline schedule (`pipeline_forward_backward`) where it would loop over
+micro-batches; `backward_scope` is how its gradient hooks learn which
+backward is a chunk's last of the step. Each strategy describes what
 it holds as Regions of those parameters (parallel/placement.py); snapshots,
 state_dict(), the global gradient norm and the sequence-parallel gradient
 sums below are written once, against that description.
@@ -37,6 +41,7 @@ import torch.distributed as dist
 
 from errors import UserError
 from parallel.comm import CommCounter
+from parallel.pipeline import Pipeline
 from parallel.placement import (Placement, Region, grad_norm_squared, load_regions,
                                 snapshot_pieces, writer_among)
 from parallel.tensor_parallel import apply_tensor_parallel
@@ -56,6 +61,10 @@ class Strategy:
         else:
             self.placements = {n: Placement.whole(n, p.shape) for n, p in model.named_parameters()}
             self.tp = None
+        self.pipeline = None
+        if grid.pp_size > 1:
+            self.pipeline = Pipeline(model, grid, cfg, self.comm, self.placements)
+            self.placements = self.pipeline.placements
 
     def configure_optimizer(self, tcfg):
         raise NotImplementedError
@@ -86,6 +95,11 @@ class Strategy:
         """The gradient tensors clipping scales (each once)."""
         raise NotImplementedError
 
+    def backward_scope(self, chunk, last):
+        """Context around one micro-batch's backward through one pipeline chunk (chunk
+        None: the whole model); `last`: no later backward of that chunk in this step."""
+        return nullcontext()
+
     # ------------------------------------------------ written once, for every strategy
 
     def reseed(self, seed):
@@ -110,19 +124,58 @@ class Strategy:
             g.mul_(coef)
         return norm.item()
 
-    def sum_partial_grads(self):
-        """Sequence parallelism leaves each TP rank a partial gradient of replicated
-        parameters used on sequence shards: sum them over TP, in one all-reduce."""
+    def sharded_group(self, *dims):
+        """The group over those of `dims` (dp, pp, tp) that have more than one rank,
+        or None if none has."""
+        sizes = {"dp": self.grid.dp_size, "pp": self.grid.pp_size, "tp": self.grid.tp_size}
+        dims = [d for d in dims if sizes[d] > 1]
+        return self.grid.group_over(*dims) if dims else None
+
+    def pipeline_forward_backward(self, micro_batches):
+        """Each of this rank's micro-batches (trainer.grad_accum of them) becomes one pass
+        of the pipeline schedule over parallel.microbatches pieces; every piece's loss is
+        divided by their total count. Returns the mean loss, from the last stage."""
+        rounds, M = len(micro_batches), self.pipeline.M
+        total = torch.zeros((), device=self.device)
+        for r, (x, y) in enumerate(micro_batches):
+            final = r == rounds - 1
+            total += self.pipeline.run(list(zip(x.chunk(M), y.chunk(M))), 1.0 / (M * rounds),
+                                       lambda c, last: self.backward_scope(c, last and final))
+        return self.pipeline.last_stage_value(total / (M * rounds))
+
+    def finish_gradients(self):
+        """After backward and the data-parallel sync: sums over TP (sequence parallelism)
+        and over the two stages holding the tied embedding (pipeline)."""
+        if self.tp is not None:
+            self._sum_grads(lambda p: p.partial_grad, self.tp.group)
+        if self.pipeline is not None and self.pipeline.embedding_group is not None:
+            self._sum_grads(lambda p: p.tied is not None, self.pipeline.embedding_group)
+
+    def _sum_grads(self, which, group):
+        """All-reduce (sum) the gradients of the regions whose placement `which` picks, in
+        one flat call."""
         views = [r.values(r.opt_param.grad) for r in self.regions()
-                 if r.placement.partial_grad and r.opt_param.grad is not None]
+                 if which(r.placement) and r.opt_param.grad is not None]
         if not views:
             return
         flat = torch.cat(views)
-        self.comm.all_reduce(flat, group=self.tp.group)
+        self.comm.all_reduce(flat, group=group)
         at = 0
         for v in views:
             v.copy_(flat[at:at + v.numel()])
             at += v.numel()
+
+    def step_stats(self, last=False):
+        """(figures for this step's metrics record, {file name: JSON-able} the main rank
+        writes into the run directory): the pipeline's busy/idle time per stage, and
+        on the last step its timeline. Collective."""
+        if self.pipeline is None:
+            return {}, {}
+        stats, timelines = self.pipeline.step_stats(with_timeline=last)
+        files = {"pipeline_timeline.json": {"stages": timelines, "schedule": self.pipeline.schedule,
+                                            "microbatches": self.pipeline.M,
+                                            "virtual_stages": self.pipeline.V}} if last else {}
+        return stats, files
 
     def shard_pieces(self) -> list:
         """What this rank writes into a sharded snapshot: [(canonical key, full shape,
@@ -147,12 +200,12 @@ class Strategy:
             dist.gather_object(mine, everyone, dst=0)
         if not self.grid.is_main:
             return {}
-        state = {}
+        state = {}  # every rank's pieces: under a pipeline this rank holds only its stage
         for pieces in everyone:
             for name, shape, box, t in pieces:
                 full = state.setdefault(name, torch.empty(shape, dtype=t.dtype))
                 full[tuple(slice(a, b) for a, b in box)] = t
-        return {n: state[n] for n in self.placements}
+        return state
 
     def comm_stats(self) -> dict:
         """Collective calls/bytes since the last call (see parallel/comm.py)."""
@@ -260,29 +313,40 @@ class ReplicatedStrategy(Strategy):
         self.optimizer = build_adamw(self.named, groups, tcfg)
 
     def forward_backward(self, micro_batches):
-        total = torch.zeros((), device=self.device)
-        for i, (x, y) in enumerate(micro_batches):
-            with self.no_sync(i == len(micro_batches) - 1):
-                _, loss = self.model(x.to(self.device), y.to(self.device))
-                (loss / len(micro_batches)).backward()
-            total += loss.detach()
+        if self.pipeline is not None:
+            loss = self.pipeline_forward_backward(micro_batches)
+        else:
+            total = torch.zeros((), device=self.device)
+            for i, (x, y) in enumerate(micro_batches):
+                with self.no_sync(i == len(micro_batches) - 1):
+                    _, micro_loss = self.model(x.to(self.device), y.to(self.device))
+                    (micro_loss / len(micro_batches)).backward()
+                total += micro_loss.detach()
+            loss = total / len(micro_batches)
         self.sync_gradients()
-        self.sum_partial_grads()
-        return self.dp_mean(total / len(micro_batches))
+        self.finish_gradients()
+        return self.dp_mean(loss)
+
+    def backward_scope(self, chunk, last):
+        return self.no_sync(last)
 
     @torch.no_grad()
     def eval_loss(self, x, y):
         self.module.eval()
         try:
-            with self.comm.uncounted():  # TP's collectives here are not training traffic
-                _, loss = self.module(x.to(self.device), y.to(self.device))
+            if self.pipeline is not None:
+                loss = self.pipeline.eval_loss(x, y)
+            else:
+                with self.comm.uncounted():  # TP's collectives here are not training traffic
+                    _, loss = self.module(x.to(self.device), y.to(self.device))
         finally:
             self.module.train()
         return self.dp_mean(loss)
 
     def regions(self):
         """One region per parameter. Replicas: every dp rank, and every TP rank for a
-        tensor TP does not split; one of them (spread by name) writes it."""
+        tensor TP does not split; one of them (spread by name) writes it (and of the
+        tied embedding's two pipeline copies, the first stage's)."""
         if self._regions is None:
             g, self._regions = self.grid, []
             for name, p in self.module.named_parameters():
@@ -291,12 +355,13 @@ class ReplicatedStrategy(Strategy):
                 me = g.dp_rank * tp_copies + (g.tp_rank if placement.tp_replicated else 0)
                 self._regions.append(Region(
                     placement, 0, p.numel(), p, 0,
-                    writes=writer_among(name, g.dp_size * tp_copies) == me,
-                    in_norm=not placement.tp_replicated or g.tp_rank == 0))
+                    writes=writer_among(name, g.dp_size * tp_copies) == me
+                    and placement.tied != "last",
+                    in_norm=placement.counted_in_norm(g.tp_rank)))
         return self._regions
 
     def norm_group(self):
-        return self.grid.tp_group if self.grid.tp_size > 1 else None
+        return self.sharded_group("pp", "tp")
 
     def grads(self):
         return [p.grad for p in self.module.parameters() if p.grad is not None]

@@ -96,7 +96,9 @@ def global_batch(step):
 
 class OneRank:
     """Just enough of a ProcessGrid for a single-process reference replica."""
-    dp_size, dp_rank, tp_size, tp_rank, rank, world_size, is_main = 1, 0, 1, 0, 0, 1, True
+    dp_size = pp_size = tp_size = world_size = 1
+    dp_rank = pp_rank = tp_rank = rank = 0
+    is_main = True
     device = torch.device("cpu")
 
 

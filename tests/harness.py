@@ -111,3 +111,57 @@ def assert_parity(ref, got, rtol=1e-5):
         message += f", grad norm {norm_diff:.3g}"
     print(f"{message} over {len(ref)} steps")
     return diff
+
+
+_layout_results = {}
+
+
+def layout_worker_result(world):
+    """tests/layout_worker.py's RESULT on `world` ranks, run once per test session
+    (tests/test_tp.py and tests/test_pp.py share it)."""
+    import re
+    if world not in _layout_results:
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
+               f"--nproc_per_node={world}", os.path.join(REPO, "tests", "layout_worker.py")]
+        try:
+            out = subprocess.run(cmd, env=job_env(), capture_output=True, text=True, timeout=600)
+        except subprocess.TimeoutExpired as e:
+            raise AssertionError(f"layout_worker hung on {world} ranks\n{e.stdout}\n{e.stderr}") from None
+        found = re.search(r"^RESULT (.*)$", out.stdout, re.M)
+        assert out.returncode == 0 and found, \
+            f"layout_worker failed\n{out.stdout[-3000:]}\n{out.stderr[-5000:]}"
+        _layout_results[world] = json.loads(found.group(1))
+    return _layout_results[world]
+
+
+def save_then_resume(tmp_path, saved, resumed, common=()):
+    """Train 3 steps under one layout, (nproc, overrides); resume a copy of that snapshot
+    under another to step 6. Returns the resumed job's records (steps 4-6)."""
+    import shutil
+    nproc, args = saved
+    save_dir = tmp_path / f"save-{uuid.uuid4().hex[:6]}"
+    result = run_job(save_dir, nproc, list(args) + list(common) + ["trainer.max_steps=3"])
+    assert result.returncode == 0, result.stderr[-3000:]
+    snapshot = tmp_path / f"snapshot-{uuid.uuid4().hex[:6]}"
+    shutil.copytree(save_dir / "runs" / "default" / "snapshot", snapshot)
+    nproc, args = resumed
+    resume_dir = tmp_path / f"resume-{uuid.uuid4().hex[:6]}"
+    result = run_job(resume_dir, nproc, list(args) + list(common) +
+                     ["trainer.max_steps=6", f"trainer.snapshot_path={snapshot}"])
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "at step 3" in result.stdout, result.stdout[-2000:]
+    records = read_metrics(resume_dir / "runs" / "default")
+    assert [r["step"] for r in records] == [4, 5, 6]
+    return records
+
+
+def assert_layout_matches(r):
+    """A layout_worker case: the single-process run, step by step, to fp32 tolerance."""
+    assert r["loss_rel_diff"] <= 1e-5, r
+    assert r["norm_rel_diff"] <= 1e-5, r
+    assert all(r["replicated_equal"]), f"replicated tensors differ across TP ranks: {r}"
+    assert r["shapes_canonical"], "state_dict() must hold single-device names and shapes only"
+    # AdamW's first steps move every element by about lr (3e-3) whatever its gradient's size,
+    # so elements whose gradient is ~1e-8 may differ by a fraction of that; a wrong slice
+    # or a lost update would differ by whole steps
+    assert r["param_max_abs_diff"] < 1e-3, r

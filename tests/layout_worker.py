@@ -1,0 +1,273 @@
+"""Test-only worker for tensor and pipeline parallelism, under torchrun (gloo), 2/4/8 ranks.
+
+    python -m torch.distributed.run --standalone --nproc_per_node=W tests/layout_worker.py
+
+For each layout in CASES[W] (dp strategy, dp x pp x tp, schedule, micro-batches,
+sequence parallelism, vocabulary, accumulation, clipping) every rank builds
+the strategy by hand, trains STEPS steps on fixed global batches and measures
+against a single-process replica of the same run (same initial weights, same
+global batch) that it trains itself:
+- per-step loss and pre-clip gradient norm (relative differences);
+- after every step, whether every tensor TP does not split is bitwise equal
+  on all ranks of the TP group, and whether the tied embedding's two copies
+  (first and last pipeline stage) are bitwise equal;
+- the collectives of each step, by kind (tests compare pure TP and pure PP
+  layouts with the textbook counts);
+- the final canonical parameters (state_dict(), gathered) against the replica's.
+Then the random streams under dropout (RNG): a digest of the generator state
+at every Dropout module and at every attention call, per TP rank.
+
+The worker only measures and reports (rank 0 prints `RESULT <json>`), so all
+ranks always reach the same collectives and a wrong result cannot hang.
+"""
+
+import datetime
+import hashlib
+import json
+import os
+import sys
+import traceback
+from dataclasses import asdict, dataclass, field
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from dp_worker import OneRank  # noqa: E402  (this directory is the script's: on sys.path)
+from model import GPT, GPTConfig  # noqa: E402
+from parallel import build_strategy  # noqa: E402
+from parallel.config import ParallelConfig  # noqa: E402
+from parallel.grid import ProcessGrid  # noqa: E402
+from parallel.single import Single  # noqa: E402
+from trainer import TrainerConfig  # noqa: E402
+
+N_HEAD, N_EMBD, BLOCK, BATCH, STEPS = 4, 32, 16, 16, 4
+
+
+@dataclass(frozen=True)
+class Case:
+    name: str
+    dp_kind: str = "single"
+    dp: int = 1
+    pp: int = 1
+    tp: int = 1
+    parallel: dict = field(default_factory=dict)  # more ParallelConfig fields
+    vocab: int = 64
+    accum: int = 1
+    clip: float = 1.0
+    n_layer: int = 2
+
+
+def pp(schedule, m, v=1, **more):
+    return {"pp_schedule": schedule, "microbatches": m, "pp_virtual_stages": v, **more}
+
+
+CASES = {
+    2: [
+        Case("tp2", tp=2),
+        Case("tp2-vocab65-noclip", tp=2, vocab=65, clip=0.0),
+        Case("tp2-sp-vocab65-accum2", tp=2, parallel={"sequence_parallel": True}, vocab=65, accum=2),
+        Case("pp2-1f1b-m1", pp=2, parallel=pp("1f1b", 1)),
+        Case("pp2-1f1b-m2", pp=2, parallel=pp("1f1b", 2)),
+        Case("pp2-1f1b-m4-noclip", pp=2, parallel=pp("1f1b", 4), clip=0.0),
+        Case("pp2-1f1b-m8", pp=2, parallel=pp("1f1b", 8)),
+        Case("pp2-gpipe-m1", pp=2, parallel=pp("gpipe", 1)),
+        Case("pp2-gpipe-m4-vocab65", pp=2, parallel=pp("gpipe", 4), vocab=65),
+        Case("pp2-gpipe-m8-accum2", pp=2, parallel=pp("gpipe", 8), accum=2),
+        Case("pp2-interleaved-v2-m2", pp=2, parallel=pp("interleaved", 2, 2), n_layer=4),
+        Case("pp2-interleaved-v2-m4-noclip", pp=2, parallel=pp("interleaved", 4, 2), n_layer=4,
+             clip=0.0),
+        Case("pp2-uneven-5layers-1f1b-m4", pp=2, parallel=pp("1f1b", 4), n_layer=5),
+        Case("pp2-layers41-gpipe-m2", pp=2, parallel=pp("gpipe", 2, pp_layers=[4, 1]), n_layer=5),
+    ],
+    4: [
+        Case("tp4-vocab50", tp=4, vocab=50),
+        Case("tp4-sp-vocab65", tp=4, parallel={"sequence_parallel": True}, vocab=65, clip=0.0),
+        Case("dp2tp2-ddp_naive-accum2", "ddp_naive", dp=2, tp=2, vocab=65, accum=2),
+        Case("dp2tp2-ddp_bucket-tinycap-accum2", "ddp_bucket", dp=2, tp=2,
+             parallel={"bucket_cap_mb": 0.001}, vocab=65, accum=2, clip=0.0),
+        Case("dp2tp2-ddp_bucket-ring", "ddp_bucket", dp=2, tp=2, parallel={"allreduce": "ring"},
+             vocab=50),
+        Case("dp2tp2-fsdp1-accum2-noclip", "fsdp", dp=2, tp=2, parallel={"zero_stage": 1},
+             vocab=65, accum=2, clip=0.0),
+        Case("dp2tp2-fsdp2-sp", "fsdp", dp=2, tp=2,
+             parallel={"zero_stage": 2, "sequence_parallel": True}, vocab=50),
+        Case("dp2tp2-fsdp3", "fsdp", dp=2, tp=2, parallel={"zero_stage": 3}, vocab=65),
+        Case("dp2tp2-fsdp3-sp-accum2", "fsdp", dp=2, tp=2,
+             parallel={"zero_stage": 3, "sequence_parallel": True}, vocab=65, accum=2, clip=0.0),
+        Case("dp2tp2-torch_ddp", "torch_ddp", dp=2, tp=2, vocab=50),
+        Case("pp4-1f1b-m1", pp=4, parallel=pp("1f1b", 1), n_layer=4),
+        Case("pp4-1f1b-m2", pp=4, parallel=pp("1f1b", 2), n_layer=4),
+        Case("pp4-1f1b-m8-noclip", pp=4, parallel=pp("1f1b", 8), n_layer=4, clip=0.0),
+        Case("pp4-gpipe-m4", pp=4, parallel=pp("gpipe", 4), n_layer=5),
+        Case("pp4-interleaved-v2-m4", pp=4, parallel=pp("interleaved", 4, 2), n_layer=8),
+        Case("dp2pp2-ddp_naive-1f1b-m2-accum2", "ddp_naive", dp=2, pp=2, parallel=pp("1f1b", 2),
+             accum=2),
+        Case("dp2pp2-ddp_bucket-tinycap-1f1b-m4", "ddp_bucket", dp=2, pp=2,
+             parallel=pp("1f1b", 4, bucket_cap_mb=0.001), clip=0.0),
+        Case("dp2pp2-ddp_bucket-interleaved-v2-m2", "ddp_bucket", dp=2, pp=2,
+             parallel=pp("interleaved", 2, 2), n_layer=4),
+        Case("dp2pp2-fsdp1-gpipe-m2-noclip", "fsdp", dp=2, pp=2,
+             parallel=pp("gpipe", 2, zero_stage=1), clip=0.0, vocab=65),
+        Case("dp2pp2-fsdp2-1f1b-m2-accum2", "fsdp", dp=2, pp=2,
+             parallel=pp("1f1b", 2, zero_stage=2), accum=2),
+        Case("tp2pp2-1f1b-m2", tp=2, pp=2, parallel=pp("1f1b", 2), vocab=65),
+        Case("tp2pp2-sp-interleaved-v2-m2", tp=2, pp=2,
+             parallel=pp("interleaved", 2, 2, sequence_parallel=True), n_layer=4),
+    ],
+    8: [
+        Case("dp2pp2tp2-ddp_bucket-1f1b-m2-accum2", "ddp_bucket", dp=2, pp=2, tp=2,
+             parallel=pp("1f1b", 2), n_layer=5, vocab=65, accum=2),
+        Case("dp2pp2tp2-fsdp2-sp-gpipe-m4-noclip", "fsdp", dp=2, pp=2, tp=2,
+             parallel=pp("gpipe", 4, zero_stage=2, sequence_parallel=True), clip=0.0),
+        Case("dp2pp2tp2-ddp_naive-interleaved-v2-m2", "ddp_naive", dp=2, pp=2, tp=2,
+             parallel=pp("interleaved", 2, 2), n_layer=4),
+    ],
+}
+
+
+def global_batch(step, vocab):
+    gen = torch.Generator().manual_seed(1000 + step)
+    data = torch.randint(vocab, (BATCH, BLOCK + 1), generator=gen)
+    return data[:, :-1], data[:, 1:]
+
+
+def gpt_config(vocab, n_layer=2, dropout=0.0):
+    return GPTConfig(n_layer=n_layer, n_head=N_HEAD, n_embd=N_EMBD, vocab_size=vocab,
+                     block_size=BLOCK, dropout=dropout)
+
+
+def replicated_equal(strategy, grid):
+    """Are all tensors TP does not split bitwise equal across this TP group?"""
+    values = [r.values().reshape(-1) for r in strategy.regions() if r.placement.tp_replicated]
+    flat = torch.cat(values).detach().clone() if values else torch.zeros(0)
+    everyone = [torch.empty_like(flat) for _ in range(grid.tp_size)]
+    dist.all_gather(everyone, flat, group=grid.tp_group)
+    return all(torch.equal(f, flat) for f in everyone)
+
+
+def tied_equal(strategy):
+    """Are the first and the last stage's copies of the tied embedding bitwise equal?
+    (None on ranks holding neither, and without a pipeline.)"""
+    group = strategy.pipeline.embedding_group if strategy.pipeline else None
+    if group is None:
+        return None
+    values = [r.values().reshape(-1) for r in strategy.regions() if r.placement.tied]
+    flat = torch.cat(values).detach().clone() if values else torch.zeros(0)
+    both = [torch.empty_like(flat) for _ in range(2)]
+    dist.all_gather(both, flat, group=group)
+    return torch.equal(*both)
+
+
+def check_case(case):
+    grid = ProcessGrid(case.dp, case.pp, case.tp, torch.device("cpu"))
+    tcfg = TrainerConfig(lr=3e-3, weight_decay=0.1)
+    torch.manual_seed(1234)
+    model = GPT(gpt_config(case.vocab, case.n_layer))
+    strategy = build_strategy(model, grid, ParallelConfig(dp=case.dp_kind, tp=case.tp, pp=case.pp,
+                                                          **case.parallel))
+    strategy.configure_optimizer(tcfg)
+    torch.manual_seed(1234)
+    ref = Single(GPT(gpt_config(case.vocab, case.n_layer)), OneRank(), ParallelConfig(dp="single"))
+    ref.configure_optimizer(tcfg)
+    strategy.comm_stats()  # drop start-up traffic (dp broadcasts)
+    out = {"loss_rel_diff": 0.0, "norm_rel_diff": 0.0, "replicated_equal": [], "tied_equal": [],
+           "comm": [], **asdict(case)}
+    max_norm = case.clip if case.clip > 0 else float("inf")
+    per_rank = BATCH // case.dp
+    for step in range(STEPS):
+        x, y = global_batch(step, case.vocab)
+        mine = slice(grid.dp_rank * per_rank, (grid.dp_rank + 1) * per_rank)
+        micro = list(zip(x[mine].chunk(case.accum), y[mine].chunk(case.accum)))
+        strategy.reseed(step * 1009)
+        loss = strategy.forward_backward(micro)
+        norm = strategy.clip_grad_norm_(max_norm)
+        strategy.optimizer_step(tcfg.lr)
+        out["comm"].append(strategy.comm_stats())
+        strategy.step_stats()  # keeps the pipeline's per-step record from growing
+        ref_loss = ref.forward_backward(list(zip(x.chunk(case.accum), y.chunk(case.accum))))
+        ref_norm = ref.clip_grad_norm_(max_norm)
+        ref.optimizer_step(tcfg.lr)
+        out["loss_rel_diff"] = max(out["loss_rel_diff"], abs(loss - ref_loss) / abs(ref_loss))
+        out["norm_rel_diff"] = max(out["norm_rel_diff"], abs(norm - ref_norm) / abs(ref_norm))
+        out["replicated_equal"].append(replicated_equal(strategy, grid))
+        out["tied_equal"].append(tied_equal(strategy))
+    state = strategy.state_dict()
+    if grid.is_main:
+        ref_state = dict(ref.module.named_parameters())
+        out["shapes_canonical"] = sorted(state) == sorted(ref_state) and all(
+            tuple(state[n].shape) == tuple(p.shape) for n, p in ref_state.items())
+        out["param_max_abs_diff"] = max((state[n] - p.detach()).abs().max().item()
+                                        for n, p in ref_state.items())
+    return out
+
+
+def digest():
+    return hashlib.sha1(torch.default_generator.get_state().numpy().tobytes()).hexdigest()[:12]
+
+
+def check_random_streams(sequence_parallel):
+    """Generator state at every dropout and attention call, and whether replicated
+    parameters stay equal across TP ranks while training with dropout."""
+    grid = ProcessGrid(1, 1, dist.get_world_size(), torch.device("cpu"))
+    torch.manual_seed(7)
+    model = GPT(gpt_config(64, dropout=0.1))
+    strategy = build_strategy(model, grid, ParallelConfig(dp="single", tp=grid.tp_size,
+                                                          sequence_parallel=sequence_parallel))
+    strategy.configure_optimizer(TrainerConfig())
+    seen = {"dropout": [], "attention": []}
+    for m in model.modules():
+        if isinstance(m, torch.nn.Dropout):
+            m.register_forward_pre_hook(lambda mod, args: seen["dropout"].append(digest()))
+    real_sdpa = F.scaled_dot_product_attention
+
+    def spy(*args, **kw):
+        seen["attention"].append(digest())
+        return real_sdpa(*args, **kw)
+    F.scaled_dot_product_attention = spy
+    equal = []
+    try:
+        for step in range(3):
+            x, y = global_batch(step, 64)
+            strategy.reseed(step * 1009)
+            strategy.forward_backward([(x, y)])
+            strategy.clip_grad_norm_(1.0)
+            strategy.optimizer_step(1e-3)
+            equal.append(replicated_equal(strategy, grid))
+    finally:
+        F.scaled_dot_product_attention = real_sdpa
+    everyone = [None] * grid.tp_size
+    dist.all_gather_object(everyone, seen, group=grid.tp_group)
+    same = lambda kind: [len({s[kind][i] for s in everyone}) == 1 for i in range(len(seen[kind]))]
+    return {"dropout_same_across_tp": same("dropout"), "attention_same_across_tp": same("attention"),
+            "replicated_equal": equal}
+
+
+def main():
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=60))
+    world = dist.get_world_size()
+    result = {"cases": {}, "random": {}}
+    for case in CASES[world]:
+        result["cases"][case.name] = check_case(case)
+    if world in (2, 4):  # the random streams of a TP group of all ranks
+        for sp in (False, True):
+            result["random"][f"sp={sp}"] = check_random_streams(sp)
+    dist.barrier()
+    if dist.get_rank() == 0:
+        print("RESULT " + json.dumps(result), flush=True)
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    code = 0
+    try:
+        main()
+    except BaseException:
+        traceback.print_exc()
+        code = 1
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)  # skip the teardown that sometimes aborts (DESIGN.md section 6)

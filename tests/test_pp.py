@@ -1,0 +1,199 @@
+"""Pipeline parallelism (parallel.pp): schedules, the tied embedding, composition on the grid.
+
+- in process: every schedule (gpipe, 1f1b, interleaved) for P up to 4, M up to
+  12, V up to 3 runs to the end when each rank blocks on its receives
+  (pp_schedules.simulate), every pair of ranks receives in the order the
+  other sends, each forward and backward runs once, and 1F1B holds at most
+  P - rank micro-batches where GPipe holds M;
+- tests/layout_worker.py on 2, 4 and 8 ranks: pp 2 and 4; M 1, 2, 4, 8 (M < P
+  included); every schedule; uneven splits (5 layers on 2 stages, pp_layers);
+  dp=2 x pp=2 with ddp_naive, ddp_bucket, fsdp 1 and 2; tp=2 x pp=2 (with
+  sequence parallelism); dp=2 x pp=2 x tp=2; accumulation on top: per-step
+  losses and pre-clip gradient norms equal to a single process's, the tied
+  embedding's two copies bitwise equal after every step, and exactly the
+  point-to-point traffic a pipeline needs;
+- through main.py: validation loss under every schedule, the bubble and the
+  timeline in the run directory, 1F1B's activation memory against GPipe's,
+  resume across layouts, sampling, and the layouts it refuses.
+"""
+
+import json
+import os
+
+import pytest
+
+from harness import (assert_layout_matches, assert_parity, layout_worker_result, run_job,
+                     run_metrics, save_then_resume)
+from layout_worker import BATCH, BLOCK, CASES, N_EMBD
+from parallel import pp_schedules
+
+# ---------------------------------------------------------------- schedules, in process
+
+SCHEDULES = [("gpipe", 1), ("1f1b", 1), ("interleaved", 1), ("interleaved", 2), ("interleaved", 3)]
+
+
+@pytest.mark.parametrize("schedule,V", SCHEDULES, ids=[f"{s}-v{v}" for s, v in SCHEDULES])
+def test_schedule_never_deadlocks_and_pairs_messages_in_order(schedule, V):
+    for P in range(1, 5):
+        for M in range(1, 13):
+            if schedule == "interleaved" and M % P:
+                continue  # refused by config.py
+            sent, received = pp_schedules.simulate(schedule, P, M, V)  # raises on deadlock
+            assert sent == received, f"{schedule} P={P} M={M} V={V}: a pair's order differs"
+            for rank in range(P):
+                actions = pp_schedules.build(schedule, P, M, V, rank)
+                chunks = [c for c in range(P * V) if c % P == rank]
+                assert sorted(actions) == sorted((k, c, m) for k in "FB" for c in chunks
+                                                 for m in range(M))
+
+
+def in_flight(actions):
+    """The most micro-batches a rank holds activations of (forwarded, not yet backwarded)."""
+    live = peak = 0
+    for kind, _, _ in actions:
+        live += 1 if kind == "F" else -1
+        peak = max(peak, live)
+    return peak
+
+
+def test_1f1b_holds_at_most_P_minus_rank_micro_batches_and_gpipe_holds_M():
+    for P in range(1, 5):
+        for M in range(1, 13):
+            for rank in range(P):
+                assert in_flight(pp_schedules.one_f_one_b(P, M, rank)) == min(P - rank, M)
+                assert in_flight(pp_schedules.gpipe(P, M, rank)) == M
+
+
+def test_balanced_and_explicit_splits():
+    assert pp_schedules.chunk_blocks(5, 2) == [[0, 1, 2], [3, 4]]
+    assert pp_schedules.chunk_blocks(5, 2, [1, 4]) == [[0], [1, 2, 3, 4]]
+    assert pp_schedules.chunk_blocks(8, 4) == [[0, 1], [2, 3], [4, 5], [6, 7]]
+
+
+# ---------------------------------------------------------------- torchrun workers
+
+PP_CASES = [(world, case.name) for world in CASES for case in CASES[world] if case.pp > 1]
+
+
+@pytest.mark.parametrize("world,name", PP_CASES, ids=[n for _, n in PP_CASES])
+def test_pp_layout_matches_single_process(world, name):
+    r = layout_worker_result(world)["cases"][name]
+    print(f"{name}: loss {r['loss_rel_diff']:.3g}, grad norm {r['norm_rel_diff']:.3g}, "
+          f"final parameters {r['param_max_abs_diff']:.3g}")
+    assert_layout_matches(r)
+    assert r["tied_equal"] and all(r["tied_equal"]), \
+        f"the first and last stage's copies of the tied embedding differ: {r['tied_equal']}"
+
+
+PURE_PP = [(world, case.name) for world in CASES for case in CASES[world]
+           if case.pp > 1 and case.dp == case.tp == 1]
+
+
+@pytest.mark.parametrize("world,name", PURE_PP, ids=[n for _, n in PURE_PP])
+def test_pure_pp_sends_each_activation_and_gradient_once(world, name):
+    """Rank 0 (stage 0) per step: an activation forward from each of its V chunks and a
+    gradient back from each but chunk 0, per micro-batch; one all-reduce of the tied
+    embedding's gradient with the last stage; one scalar for the gradient norm."""
+    r = layout_worker_result(world)["cases"][name]
+    V, M, accum = r["parallel"].get("pp_virtual_stages", 1), r["parallel"]["microbatches"], r["accum"]
+    crossings = 2 * V - 1
+    expected = {"comm_send_calls": accum * M * crossings, "comm_recv_calls": accum * M * crossings,
+                "comm_send_bytes": crossings * BATCH * BLOCK * N_EMBD * 4,
+                "comm_all_reduce_calls": 2, "comm_all_reduce_bytes": 4 * r["vocab"] * N_EMBD + 4}
+    for step, got in enumerate(r["comm"]):
+        assert {k: got.get(k) for k in expected} == expected, f"step {step}: {got}"
+
+
+# ---------------------------------------------------------------- through main.py
+
+FOUR = ["model.n_layer=4", "trainer.eval_every=3"]
+
+
+@pytest.fixture(scope="module")
+def single4(tmp_path_factory):
+    return run_metrics(tmp_path_factory.mktemp("single"), 1, ["parallel.dp=single"] + FOUR)
+
+
+@pytest.mark.parametrize("schedule,extra", [
+    ("gpipe", ["parallel.microbatches=4"]),
+    ("1f1b", ["parallel.microbatches=3"]),
+    ("interleaved", ["parallel.microbatches=2", "parallel.pp_virtual_stages=2"]),
+])
+def test_schedule_through_main_matches_single_with_validation_and_bubble(
+        tmp_path, single4, schedule, extra):
+    got = run_metrics(tmp_path, 2, ["parallel.dp=single", "parallel.pp=2",
+                                    f"parallel.pp_schedule={schedule}"] + extra + FOUR)
+    assert_parity(single4, got)
+    ref_val = [r["val_loss"] for r in single4 if "val_loss" in r]
+    val = [r["val_loss"] for r in got if "val_loss" in r]
+    assert len(val) == len(ref_val) == 2
+    assert all(abs(a - b) <= 1e-5 * a for a, b in zip(ref_val, val)), (ref_val, val)
+    for r in got:  # both stages report busy and idle time every step
+        assert r["pp_busy_ms_stage0"] > 0 and r["pp_busy_ms_stage1"] > 0
+        assert 0 < r["pp_bubble"] < 1
+    run_dir = next(tmp_path.glob("job-*")) / "runs" / "default"
+    with open(run_dir / "pipeline_timeline.json") as f:
+        timeline = json.load(f)
+    M = int(extra[0].split("=")[1])
+    V = int(extra[1].split("=")[1]) if len(extra) > 1 else 1
+    for stage, actions in enumerate(timeline["stages"]):
+        assert len(actions) == 2 * M * V, (stage, actions)
+        assert all(t0 <= t1 for *_, t0, t1 in actions)
+
+
+def test_1f1b_holds_fewer_activations_than_gpipe(tmp_path):
+    """Measured (activation_meter.py): with M=6 micro-batches on 2 stages, stage 0 holds
+    6 micro-batches' activations under GPipe, at most 2 under 1F1B."""
+    common = ["parallel.dp=single", "parallel.pp=2", "parallel.microbatches=6",
+              "trainer.measure_activations=true", "trainer.max_steps=2"]
+    peak = {s: run_metrics(tmp_path, 2, common + [f"parallel.pp_schedule={s}"])[-1]
+            ["activation_peak_mb"] for s in ("gpipe", "1f1b")}
+    print(f"stage 0 activation peak, M=6: gpipe {peak['gpipe']:.3f} MiB, 1f1b {peak['1f1b']:.3f} MiB")
+    assert peak["1f1b"] < 0.5 * peak["gpipe"]
+
+
+MB2 = ["parallel.microbatches=2"]
+LAYOUTS = {
+    "single": (1, ["parallel.dp=single"]),
+    "pp2": (2, ["parallel.dp=single", "parallel.pp=2"] + MB2),
+    "dp2pp2": (4, ["parallel.dp=ddp_bucket", "parallel.pp=2"] + MB2),
+    "dp2pp2tp2": (8, ["parallel.dp=ddp_bucket", "parallel.pp=2", "parallel.tp=2"] + MB2),
+    "fsdp4": (4, ["parallel.dp=fsdp", "parallel.zero_stage=3"]),
+}
+CONSTANT = ["trainer.warmup_steps=0", "trainer.lr=0.003", "trainer.min_lr=0.003",
+            "trainer.grad_clip=0", "trainer.batch_size=16"]
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(tmp_path_factory):
+    return run_metrics(tmp_path_factory.mktemp("ref"), 1,
+                       LAYOUTS["single"][1] + CONSTANT + ["trainer.max_steps=6"])
+
+
+@pytest.mark.parametrize("saved_under,resumed_under", [
+    ("pp2", "single"), ("single", "dp2pp2"), ("dp2pp2tp2", "fsdp4")])
+def test_resume_across_pipeline_layouts(tmp_path, uninterrupted, saved_under, resumed_under):
+    resumed = save_then_resume(tmp_path, LAYOUTS[saved_under], LAYOUTS[resumed_under], CONSTANT)
+    assert_parity(uninterrupted[3:], resumed)
+
+
+def test_pp_snapshot_samples_like_the_run_that_wrote_it(tmp_path):
+    sample = ["sample.length=60", "sample.seed=5"]
+    train = run_job(tmp_path, 2, LAYOUTS["pp2"][1] + ["trainer.max_steps=3"] + sample)
+    assert train.returncode == 0, train.stderr[-3000:]
+    after_training = train.stdout.split("---- sample ----\n", 1)[1]
+    sampled = run_job(tmp_path, 1, ["mode=sample"] + sample)
+    assert sampled.returncode == 0, sampled.stderr[-3000:]
+    assert sampled.stdout == after_training and after_training.strip()
+
+
+@pytest.mark.parametrize("nproc,overrides,needle", [
+    (2, ["parallel.pp=2", "parallel.pp_schedule=interleaved", "parallel.pp_virtual_stages=2",
+         "model.n_layer=4", "parallel.microbatches=3"], "must be a multiple of it"),
+    (2, ["parallel.pp=2", "parallel.dp=fsdp", "parallel.zero_stage=3"], "zero_stage=3 with parallel.pp"),
+    (2, ["parallel.pp=2", "model.n_layer=1"], "more stages than layers"),
+    (2, ["parallel.pp=2", "parallel.pp_layers=[2,1]"], "pp_layers"),
+])
+def test_bad_pipeline_layout_stops_every_rank_with_one_line(tmp_path, nproc, overrides, needle):
+    from test_bad_input import assert_clean_failure
+    assert_clean_failure(run_job(tmp_path, nproc, overrides, timeout=120), needle)
