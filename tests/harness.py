@@ -11,10 +11,13 @@ Jobs run main.py in a fresh directory under tmp_path with a tiny model
 Every job has a timeout: a hang fails the test instead of stalling CI.
 """
 
+import glob
 import json
 import os
+import signal
 import subprocess
 import sys
+import time
 import uuid
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -52,6 +55,58 @@ def run_job(workdir, nproc, overrides, timeout=240, tiny=True):
                               capture_output=True, text=True, timeout=timeout)
     except subprocess.TimeoutExpired as e:
         raise AssertionError(f"job hung for {timeout}s: {args}\n{e.stdout}\n{e.stderr}") from None
+
+
+def workers_of(launcher_pid):
+    """PIDs of the processes whose parent is `launcher_pid` (for torchrun: the ranks)."""
+    pids = []
+    for stat in glob.glob("/proc/[0-9]*/stat"):
+        try:
+            with open(stat) as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if int(fields[1]) == launcher_pid:
+            pids.append(int(stat.split("/")[2]))
+    return sorted(pids)
+
+
+def _alive(pid):
+    """Running (not gone, not a zombie waiting for its parent)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+def kill_tree(launcher_pid, timeout=10):
+    """SIGKILL a launcher and every process below it, and wait until they are gone.
+
+    torchrun starts each worker in a session of its own (torch 2.13), so killing the
+    launcher's process group leaves the ranks running: they would finish the job and
+    write its last snapshot. The launcher is stopped first, so it can neither start
+    nor restart a worker while we collect its tree."""
+    try:
+        os.kill(launcher_pid, signal.SIGSTOP)
+    except ProcessLookupError:
+        return []
+    tree, todo = [launcher_pid], [launcher_pid]
+    while todo:
+        children = workers_of(todo.pop())
+        tree += children
+        todo += children
+    for pid in tree:
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    deadline = time.time() + timeout
+    while any(_alive(pid) for pid in tree[1:]) and time.time() < deadline:
+        time.sleep(0.01)
+    survivors = [pid for pid in tree[1:] if _alive(pid)]
+    assert not survivors, f"processes {survivors} survived SIGKILL"
+    return tree[1:]
 
 
 def read_metrics(run_dir):

@@ -1,14 +1,20 @@
-"""Kill a real 2-rank job with SIGKILL, start it again with the same command, and
-get exactly the losses of a run that was never interrupted (DESIGN.md section 3)."""
+"""Stop a run, start it again, and get exactly the run that was never interrupted
+(DESIGN.md section 3): same steps, losses and gradient norms after the snapshot.
+
+A real 2-rank job is SIGKILLed, launcher and workers (the whole tree), and the
+same command resumes it: it must say which step it resumed from, train every
+step after that one again, and reproduce the uninterrupted losses. Dropout is
+on, so the per-step random stream must resume too.
+"""
 
 import os
-import signal
+import re
 import subprocess
 import time
 
-
 from char_dataset import embedded_corpus
-from harness import TINY, command, job_env, read_metrics, run_job, run_metrics
+from harness import (TINY, assert_parity, command, job_env, kill_tree, read_metrics, run_job,
+                     run_metrics)
 from snapshot import open_snapshot
 
 # a short corpus makes an epoch 10 steps long, so the run crosses epoch boundaries
@@ -25,7 +31,7 @@ def small_corpus(tmp_path):
 
 
 def kill_after_step(workdir, overrides, step, timeout=120):
-    """Start a 2-rank job and SIGKILL its whole process group once `step` is logged."""
+    """Start a 2-rank job and SIGKILL its launcher and workers once `step` is logged."""
     os.makedirs(workdir, exist_ok=True)
     metrics = os.path.join(workdir, "runs", "default", "metrics.jsonl")
     proc = subprocess.Popen(command(2, TINY + overrides), cwd=workdir, env=job_env(),
@@ -41,28 +47,38 @@ def kill_after_step(workdir, overrides, step, timeout=120):
             time.sleep(0.005)
     finally:
         if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
+            kill_tree(proc.pid)
         proc.wait()
     return read_metrics(os.path.dirname(metrics))
 
 
-def test_killed_job_resumes_with_identical_losses(tmp_path):
-    args = ["parallel.dp=torch_ddp", f"data.path={small_corpus(tmp_path)}", *RESUME]
+def trained_steps(stdout, total):
+    """The steps a job trained, from its console lines `step k/total | loss ...`."""
+    return [int(k) for k in re.findall(rf"^step (\d+)/{total} \|", stdout, re.M)]
+
+
+def test_killed_job_resumes_from_its_snapshot_with_identical_losses(tmp_path):
+    args = ["parallel.dp=ddp_bucket", f"data.path={small_corpus(tmp_path)}", *RESUME]
     reference = run_metrics(tmp_path, 2, args)
     assert len(reference) == 30
 
     workdir = tmp_path / "killed"
     before_kill = kill_after_step(workdir, args, step=13)
-    assert 13 <= len(before_kill) < 30, "the kill must land mid-run"
     print(f"killed after step {len(before_kill)}")
+    assert 13 <= len(before_kill) < 30, "the kill must land mid-run"
     step = open_snapshot(str(workdir / "runs" / "default" / "snapshot")).meta["step"]
-    assert step % 4 == 0 and 0 < step < 30
+    assert step % 4 == 0 and 0 < step < len(before_kill), \
+        f"snapshot at step {step}: the killed run must have logged steps past it"
 
     result = run_job(workdir, 2, args)
     assert result.returncode == 0, result.stderr
-    assert "resuming from snapshot" in result.stdout
+    assert re.search(rf"^resuming from snapshot \S+ at step {step}$", result.stdout, re.M), \
+        result.stdout[-3000:]
+    assert trained_steps(result.stdout, 30) == list(range(step + 1, 31)), \
+        f"the resumed job must train steps {step + 1}..30 again:\n{result.stdout[-3000:]}"
     resumed = read_metrics(workdir / "runs" / "default")
     assert [r["step"] for r in resumed] == list(range(1, 31))  # re-done steps not duplicated
+    assert_parity(reference, resumed)
     for ref, got in zip(reference, resumed):
         assert abs(ref["loss"] - got["loss"]) <= 1e-6 * abs(ref["loss"]), (ref, got)
         assert ("val_loss" in ref) == ("val_loss" in got)
