@@ -155,13 +155,29 @@ def test_hand_built_strategies_keep_ranks_identical_and_match_single(world):
         assert all(r["identical_each_step"]), f"{name}: ranks' parameters differ: {r}"
         assert r["broadcast"] == 1, f"{name}: expected one start-up broadcast: {r}"
         assert r["loss_rel_diff"] < 1e-5, f"{name}: {r}"
-        assert r["grad_rel_diff"] < 1e-5, f"{name}: averaged gradients differ from single: {r}"
         assert r["param_max_abs_diff"] < 5e-5, f"{name}: parameters drift from single: {r}"
         assert r["grads_in_buckets"], f"{name}: a .grad is not a view into its bucket: {r}"
         if r["buckets"] and "native" in name:
             assert r["all_reduce_calls"] == [r["buckets"]] * len(r["all_reduce_calls"]), name
         if r["buckets"] > 1:  # overlap: all but the last bucket start before backward ends
             assert r["early_launches"] == (r["buckets"] - 1) * len(r["identical_each_step"]), r
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_gradients_are_averaged_not_summed(world):
+    """After the sync every rank's gradient equals the single-process gradient of the
+    whole global batch: a sum instead of a mean is `world` times too large."""
+    for name, r in worker_result(world)["train"].items():
+        assert r["grad_rel_diff"] < 1e-5, \
+            f"{name}: gradients after the sync differ from single by {r['grad_rel_diff']:.3g} (relative)"
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_gradients_not_parameter_values_are_all_reduced(world):
+    for name, r in worker_result(world)["train"].items():
+        assert not r["params_changed_in_backward"], \
+            f"{name}: forward_backward changed the parameters (values all-reduced instead of gradients?)"
+        assert r["grad_rel_diff"] < 1e-5, f"{name}: gradients after the sync differ from single: {r}"
 
 
 @pytest.mark.parametrize("world", [2, 3])
