@@ -159,8 +159,19 @@ def test_hand_built_strategies_keep_ranks_identical_and_match_single(world):
         assert r["grads_in_buckets"], f"{name}: a .grad is not a view into its bucket: {r}"
         if r["buckets"] and "native" in name:
             assert r["all_reduce_calls"] == [r["buckets"]] * len(r["all_reduce_calls"]), name
-        if r["buckets"] > 1:  # overlap: all but the last bucket start before backward ends
-            assert r["early_launches"] == (r["buckets"] - 1) * len(r["identical_each_step"]), r
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_ddp_bucket_all_reduces_start_while_backward_runs(world):
+    """A spy on start_all_reduce: every bucket but the last starts its all-reduce
+    while some gradient is still missing, i.e. while backward still runs."""
+    bucketed = {n: r for n, r in worker_result(world)["train"].items() if r["buckets"] > 1}
+    assert bucketed, "no case with several buckets"
+    for name, r in bucketed.items():
+        steps = len(r["identical_each_step"])
+        assert r["early_launches"] == (r["buckets"] - 1) * steps, \
+            f"{name}: {r['early_launches']} of {r['buckets']} buckets x {steps} steps started before " \
+            f"backward ended, expected all but the last bucket of each step"
 
 
 @pytest.mark.parametrize("world", [2, 3])
