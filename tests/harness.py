@@ -46,15 +46,26 @@ def command(nproc, overrides, launcher_args=()):
     return launcher + list(overrides)
 
 
+def run_tree(cmd, timeout, what, **popen_kw):
+    """Run `cmd` to completion, output captured; returns the CompletedProcess (never
+    raises on exit code). On timeout its whole process tree is killed (torchrun's
+    workers outlive a killed launcher) and the test fails with the output so far."""
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            **popen_kw)
+    try:
+        out, err = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        kill_tree(proc.pid)
+        out, err = proc.communicate()
+        raise AssertionError(f"{what} hung for {timeout}s\n{out[-3000:]}\n{err[-5000:]}") from None
+    return subprocess.CompletedProcess(cmd, proc.returncode, out, err)
+
+
 def run_job(workdir, nproc, overrides, timeout=240, tiny=True):
     """Run main.py in `workdir`; returns the CompletedProcess (never raises on exit code)."""
     os.makedirs(workdir, exist_ok=True)
     args = (TINY if tiny else []) + list(overrides)
-    try:
-        return subprocess.run(command(nproc, args), cwd=workdir, env=job_env(),
-                              capture_output=True, text=True, timeout=timeout)
-    except subprocess.TimeoutExpired as e:
-        raise AssertionError(f"job hung for {timeout}s: {args}\n{e.stdout}\n{e.stderr}") from None
+    return run_tree(command(nproc, args), timeout, f"job {args}", cwd=workdir, env=job_env())
 
 
 def workers_of(launcher_pid):

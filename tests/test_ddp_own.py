@@ -19,14 +19,13 @@ Three layers of evidence (DESIGN.md section 4):
 import json
 import os
 import re
-import subprocess
 import sys
 import uuid
 
 import pytest
 
 from harness import (REPO, assert_parity, job_env, read_metrics, run_job, run_metrics,
-                     snapshot_model)
+                     run_tree, snapshot_model)
 
 from config import load_config
 from errors import UserError
@@ -126,10 +125,7 @@ def worker_result(world):
     if world not in _worker_results:
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
                f"--nproc_per_node={world}", os.path.join(REPO, "tests", "dp_worker.py")]
-        try:
-            out = subprocess.run(cmd, env=job_env(), capture_output=True, text=True, timeout=240)
-        except subprocess.TimeoutExpired as e:
-            raise AssertionError(f"dp_worker hung on {world} ranks\n{e.stdout}\n{e.stderr}") from None
+        out = run_tree(cmd, 240, f"dp_worker on {world} ranks", env=job_env())
         found = re.search(r"^RESULT (.*)$", out.stdout, re.M)
         assert out.returncode == 0 and found, f"dp_worker failed\n{out.stdout[-3000:]}\n{out.stderr[-5000:]}"
         _worker_results[world] = json.loads(found.group(1))
