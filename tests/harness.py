@@ -8,7 +8,9 @@ The parity harness every strategy's tests use:
 
 Jobs run main.py in a fresh directory under tmp_path with a tiny model
 (TINY) on the embedded corpus, so no test needs ../shared or a network.
-Every job has a timeout: a hang fails the test instead of stalling CI.
+Every job has a timeout: a hang fails the test instead of stalling CI, and
+kills the job's whole process tree (kill_tree: torchrun's workers run in
+sessions of their own, so killing the launcher alone leaves them running).
 """
 
 import glob
