@@ -12,7 +12,9 @@ collectives and a wrong result cannot turn into a hang.
 - train:  a strategy built by hand trains a few steps; after every step an
           all_gather of the full parameter vector says whether all ranks hold
           bit-identical parameters, and a single-process replica of the same
-          global batch (rank 0's initial weights) gives the parity differences;
+          global batch (rank 0's initial weights) gives the parity differences
+          (gradients after the sync, losses, parameters); forward_backward must
+          leave the parameters untouched;
 - unused: a parameter that never gets a gradient must raise a UserError naming it.
 """
 
@@ -113,7 +115,7 @@ def check_train(grid, dp, allreduce, cap, accum):
     ref.configure_optimizer(tcfg)
     comm = strategy.comm_stats()  # the start-up broadcast
     out = {"identical_each_step": [], "loss_rel_diff": 0.0, "grad_rel_diff": 0.0,
-           "param_max_abs_diff": 0.0,
+           "param_max_abs_diff": 0.0, "params_changed_in_backward": False,
            "grads_in_buckets": True, "broadcast": comm.get("comm_broadcast_calls", 0),
            "all_reduce_calls": [], "send_calls": [],
            "buckets": len(getattr(strategy, "buckets", []))}
@@ -129,7 +131,12 @@ def check_train(grid, dp, allreduce, cap, accum):
         x, y = global_batch(step)
         mine = slice(grid.dp_rank * per_rank, (grid.dp_rank + 1) * per_rank)
         micro = list(zip(x[mine].chunk(accum), y[mine].chunk(accum)))
+        before = [p.detach().clone() for p in strategy.module.parameters()]
         loss = strategy.forward_backward(micro)
+        # only the optimizer may change a parameter: a sync that all-reduces parameter
+        # values instead of gradients (picotron's naive DP) changes them here
+        out["params_changed_in_backward"] |= not all(
+            torch.equal(b, p) for b, p in zip(before, strategy.module.parameters()))
         for bucket in getattr(strategy, "buckets", []):  # .grad must be views, not copies
             for p, view in zip(bucket.params, bucket.views):
                 out["grads_in_buckets"] &= p.grad is not None and p.grad.data_ptr() == view.data_ptr()

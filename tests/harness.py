@@ -8,13 +8,18 @@ The parity harness every strategy's tests use:
 
 Jobs run main.py in a fresh directory under tmp_path with a tiny model
 (TINY) on the embedded corpus, so no test needs ../shared or a network.
-Every job has a timeout: a hang fails the test instead of stalling CI.
+Every job has a timeout: a hang fails the test instead of stalling CI, and
+kills the job's whole process tree (kill_tree: torchrun's workers run in
+sessions of their own, so killing the launcher alone leaves them running).
 """
 
+import glob
 import json
 import os
+import signal
 import subprocess
 import sys
+import time
 import uuid
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -43,15 +48,78 @@ def command(nproc, overrides, launcher_args=()):
     return launcher + list(overrides)
 
 
+def run_tree(cmd, timeout, what, **popen_kw):
+    """Run `cmd` to completion, output captured; returns the CompletedProcess (never
+    raises on exit code). On timeout its whole process tree is killed (torchrun's
+    workers outlive a killed launcher) and the test fails with the output so far."""
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            **popen_kw)
+    try:
+        out, err = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        kill_tree(proc.pid)
+        out, err = proc.communicate()
+        raise AssertionError(f"{what} hung for {timeout}s\n{out[-3000:]}\n{err[-5000:]}") from None
+    return subprocess.CompletedProcess(cmd, proc.returncode, out, err)
+
+
 def run_job(workdir, nproc, overrides, timeout=240, tiny=True):
     """Run main.py in `workdir`; returns the CompletedProcess (never raises on exit code)."""
     os.makedirs(workdir, exist_ok=True)
     args = (TINY if tiny else []) + list(overrides)
+    return run_tree(command(nproc, args), timeout, f"job {args}", cwd=workdir, env=job_env())
+
+
+def workers_of(launcher_pid):
+    """PIDs of the processes whose parent is `launcher_pid` (for torchrun: the ranks)."""
+    pids = []
+    for stat in glob.glob("/proc/[0-9]*/stat"):
+        try:
+            with open(stat) as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if int(fields[1]) == launcher_pid:
+            pids.append(int(stat.split("/")[2]))
+    return sorted(pids)
+
+
+def _alive(pid):
+    """Running (not gone, not a zombie waiting for its parent)."""
     try:
-        return subprocess.run(command(nproc, args), cwd=workdir, env=job_env(),
-                              capture_output=True, text=True, timeout=timeout)
-    except subprocess.TimeoutExpired as e:
-        raise AssertionError(f"job hung for {timeout}s: {args}\n{e.stdout}\n{e.stderr}") from None
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+def kill_tree(launcher_pid, timeout=10):
+    """SIGKILL a launcher and every process below it, and wait until they are gone.
+
+    torchrun starts each worker in a session of its own (torch 2.13), so killing the
+    launcher's process group leaves the ranks running: they would finish the job and
+    write its last snapshot. The launcher is stopped first, so it can neither start
+    nor restart a worker while we collect its tree."""
+    try:
+        os.kill(launcher_pid, signal.SIGSTOP)
+    except ProcessLookupError:
+        return []
+    tree, todo = [launcher_pid], [launcher_pid]
+    while todo:
+        children = workers_of(todo.pop())
+        tree += children
+        todo += children
+    for pid in tree:
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    deadline = time.time() + timeout
+    while any(_alive(pid) for pid in tree[1:]) and time.time() < deadline:
+        time.sleep(0.01)
+    survivors = [pid for pid in tree[1:] if _alive(pid)]
+    assert not survivors, f"processes {survivors} survived SIGKILL"
+    return tree[1:]
 
 
 def read_metrics(run_dir):

@@ -1,7 +1,6 @@
 """The benchmark command end to end on a tiny model: its reports carry the jobs' own numbers."""
 
 import json
-import subprocess
 import sys
 from statistics import median
 
@@ -10,7 +9,7 @@ import pytest
 from bench import stats
 from bench.report import fmt_ms
 from bench.run import check
-from harness import REPO, job_env, read_metrics
+from harness import REPO, job_env, read_metrics, run_tree
 
 STEPS, WARMUP = 6, 2
 
@@ -20,7 +19,7 @@ def test_bench_reports_the_jobs_numbers(tmp_path):
     cmd = [sys.executable, "-m", "bench.run", "--model", "tiny", "--variants", "single,torch_ddp",
            "--rounds", "1", "--steps", str(STEPS), "--warmup", str(WARMUP), "--data", "",
            "--out", str(out), "--runs-dir", str(runs)]
-    result = subprocess.run(cmd, cwd=REPO, env=job_env(), capture_output=True, text=True, timeout=180)
+    result = run_tree(cmd, 180, "bench.run", cwd=REPO, env=job_env())
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
 
     doc = json.loads((out / "results.json").read_text())

@@ -19,14 +19,13 @@ Three layers of evidence (DESIGN.md section 4):
 import json
 import os
 import re
-import subprocess
 import sys
 import uuid
 
 import pytest
 
 from harness import (REPO, assert_parity, job_env, read_metrics, run_job, run_metrics,
-                     snapshot_model)
+                     run_tree, snapshot_model)
 
 from config import load_config
 from errors import UserError
@@ -126,10 +125,7 @@ def worker_result(world):
     if world not in _worker_results:
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
                f"--nproc_per_node={world}", os.path.join(REPO, "tests", "dp_worker.py")]
-        try:
-            out = subprocess.run(cmd, env=job_env(), capture_output=True, text=True, timeout=240)
-        except subprocess.TimeoutExpired as e:
-            raise AssertionError(f"dp_worker hung on {world} ranks\n{e.stdout}\n{e.stderr}") from None
+        out = run_tree(cmd, 240, f"dp_worker on {world} ranks", env=job_env())
         found = re.search(r"^RESULT (.*)$", out.stdout, re.M)
         assert out.returncode == 0 and found, f"dp_worker failed\n{out.stdout[-3000:]}\n{out.stderr[-5000:]}"
         _worker_results[world] = json.loads(found.group(1))
@@ -155,13 +151,40 @@ def test_hand_built_strategies_keep_ranks_identical_and_match_single(world):
         assert all(r["identical_each_step"]), f"{name}: ranks' parameters differ: {r}"
         assert r["broadcast"] == 1, f"{name}: expected one start-up broadcast: {r}"
         assert r["loss_rel_diff"] < 1e-5, f"{name}: {r}"
-        assert r["grad_rel_diff"] < 1e-5, f"{name}: averaged gradients differ from single: {r}"
         assert r["param_max_abs_diff"] < 5e-5, f"{name}: parameters drift from single: {r}"
         assert r["grads_in_buckets"], f"{name}: a .grad is not a view into its bucket: {r}"
         if r["buckets"] and "native" in name:
             assert r["all_reduce_calls"] == [r["buckets"]] * len(r["all_reduce_calls"]), name
-        if r["buckets"] > 1:  # overlap: all but the last bucket start before backward ends
-            assert r["early_launches"] == (r["buckets"] - 1) * len(r["identical_each_step"]), r
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_ddp_bucket_all_reduces_start_while_backward_runs(world):
+    """A spy on start_all_reduce: every bucket but the last starts its all-reduce
+    while some gradient is still missing, i.e. while backward still runs."""
+    bucketed = {n: r for n, r in worker_result(world)["train"].items() if r["buckets"] > 1}
+    assert bucketed, "no case with several buckets"
+    for name, r in bucketed.items():
+        steps = len(r["identical_each_step"])
+        assert r["early_launches"] == (r["buckets"] - 1) * steps, \
+            f"{name}: {r['early_launches']} of {r['buckets']} buckets x {steps} steps started before " \
+            f"backward ended, expected all but the last bucket of each step"
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_gradients_are_averaged_not_summed(world):
+    """After the sync every rank's gradient equals the single-process gradient of the
+    whole global batch: a sum instead of a mean is `world` times too large."""
+    for name, r in worker_result(world)["train"].items():
+        assert r["grad_rel_diff"] < 1e-5, \
+            f"{name}: gradients after the sync differ from single by {r['grad_rel_diff']:.3g} (relative)"
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_gradients_not_parameter_values_are_all_reduced(world):
+    for name, r in worker_result(world)["train"].items():
+        assert not r["params_changed_in_backward"], \
+            f"{name}: forward_backward changed the parameters (values all-reduced instead of gradients?)"
+        assert r["grad_rel_diff"] < 1e-5, f"{name}: gradients after the sync differ from single: {r}"
 
 
 @pytest.mark.parametrize("world", [2, 3])

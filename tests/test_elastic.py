@@ -5,28 +5,15 @@ and its losses equal those of a job never killed."""
 import glob
 import os
 import random
+import re
 import signal
 import subprocess
 import time
 
-from harness import TINY, command, job_env, read_metrics, run_metrics
+from harness import TINY, command, job_env, kill_tree, read_metrics, run_metrics, workers_of
 
 ARGS = ["parallel.dp=torch_ddp", "trainer.max_steps=30", "trainer.save_every=5",
         "model.n_embd=64", "data.block_size=32", "model.dropout=0.1"]
-
-
-def workers_of(launcher_pid):
-    """PIDs of the processes whose parent is the torchrun agent (the ranks)."""
-    pids = []
-    for stat in glob.glob("/proc/[0-9]*/stat"):
-        try:
-            with open(stat) as f:
-                fields = f.read().rsplit(")", 1)[1].split()
-        except OSError:
-            continue
-        if int(fields[1]) == launcher_pid:
-            pids.append(int(stat.split("/")[2]))
-    return sorted(pids)
 
 
 def rank_of(pid):
@@ -52,7 +39,8 @@ def run_and_kill(workdir, args, should_kill, timeout=240):
             time.sleep(0.001)
         output, _ = proc.communicate(timeout=max(1, deadline - time.time()))
     except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
+        kill_tree(proc.pid)  # the workers too: they run in sessions of their own
+        proc.wait()
         raise AssertionError("elastic job hung")
     return proc.returncode, killed, output
 
@@ -63,6 +51,18 @@ def logged_steps(workdir):
         return 0
     with open(path) as f:
         return f.read().count("\n")
+
+
+def assert_resumed_and_retrained(output, steps):
+    """The (last) restarted attempt says which snapshot step it resumed from, and trains
+    every step after it again (its console lines `step k/steps`). Returns that step."""
+    found = list(re.finditer(r"^resuming from snapshot \S+ at step (\d+)$", output, re.M))
+    assert found, output[-4000:]
+    resumed_at = int(found[-1].group(1))
+    after = output[found[-1].end():]
+    retrained = [int(k) for k in re.findall(rf"^step (\d+)/{steps} \|", after, re.M)]
+    assert retrained == list(range(resumed_at + 1, steps + 1)), output[-4000:]
+    return resumed_at
 
 
 def assert_same_losses(reference, workdir):
@@ -84,7 +84,8 @@ def test_sigkill_of_a_worker_restarts_from_snapshot(tmp_path):
 
     code, killed, output = run_and_kill(workdir, ARGS, at_step)
     assert killed and code == 0, output[-4000:]
-    assert "resuming from snapshot" in output
+    resumed_at = assert_resumed_and_retrained(output, 30)
+    assert resumed_at % 5 == 0 and 0 < resumed_at < 30, resumed_at
     assert_same_losses(reference, workdir)
 
 
@@ -106,6 +107,6 @@ def test_sigkill_during_snapshot_write_keeps_previous_snapshot(tmp_path):
     code, killed, output = run_and_kill(workdir, args, while_writing)
     assert killed, "never caught a snapshot write in progress"
     assert code == 0, output[-4000:]
-    assert "resuming from snapshot" in output
+    assert assert_resumed_and_retrained(output, 30) % 5 == 0
     assert_same_losses(reference, workdir)
     assert len(glob.glob(os.path.join(snap_dir, "step-*"))) == 1, "the dead writer's leftovers are cleaned"

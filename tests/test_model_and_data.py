@@ -58,16 +58,21 @@ def test_split_is_contiguous_and_deterministic():
     assert torch.equal(x[:, 1:], y[:, :-1]) and x.shape == (2, 8)
 
 
-def test_ranks_read_distinct_samples_and_order_changes_per_epoch():
+def test_each_dp_rank_reads_its_own_share_of_the_global_batch():
     batches = GlobalBatches(n_samples=100, global_batch=12, seed=3)
     ds = CharDataset(torch.arange(120), block_size=4)
     per_rank = [batches.local_micro_batches(ds, 0, r, 3, 2) for r in range(3)]
     starts = torch.cat([x[:, 0] for rank in per_rank for x, _ in rank])
     assert torch.equal(starts.sort().values, batches.indices(0).sort().values)
     assert len(set(starts.tolist())) == 12  # every sample read once, by one rank
+
+
+def test_sample_order_is_a_new_permutation_each_epoch_and_reproducible():
+    batches = GlobalBatches(n_samples=100, global_batch=12, seed=3)
     epoch0 = torch.cat([batches.indices(s) for s in range(batches.steps_per_epoch)])
     epoch1 = torch.cat([batches.indices(s + batches.steps_per_epoch)
                         for s in range(batches.steps_per_epoch)])
+    assert len(set(epoch0.tolist())) == len(epoch0)  # no window twice in an epoch
     assert not torch.equal(epoch0, epoch1)
     assert torch.equal(GlobalBatches(100, 12, 3).indices(9), batches.indices(9))  # reproducible
     assert not torch.equal(GlobalBatches(100, 12, 4).indices(0), batches.indices(0))

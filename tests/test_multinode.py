@@ -7,7 +7,7 @@ import socket
 import subprocess
 import sys
 
-from harness import MAIN, TINY, job_env, read_metrics, run_metrics
+from harness import MAIN, TINY, job_env, kill_tree, read_metrics, run_metrics
 from snapshot import open_snapshot
 
 ARGS = ["parallel.dp=torch_ddp", "trainer.max_steps=6", "trainer.save_every=3"]
@@ -38,7 +38,13 @@ def test_two_nodes_match_one_node(tmp_path):
              "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{port}", "--rdzv-id=multinode",
              MAIN, *TINY, *ARGS, f"trainer.snapshot_path={shared}"],
             cwd=node, env=job_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
-    outputs = [p.communicate(timeout=180)[0] for p in procs]
+    try:
+        outputs = [p.communicate(timeout=180)[0] for p in procs]
+    except subprocess.TimeoutExpired:
+        for p in procs:  # launchers and their workers (in sessions of their own)
+            kill_tree(p.pid)
+            p.wait()
+        raise AssertionError("the two-node job hung") from None
     assert [p.returncode for p in procs] == [0, 0], "\n".join(o[-3000:] for o in outputs)
 
     # one part per rank, each tensor written once (not once per node); global rank 0

@@ -102,6 +102,36 @@ def test_fsdp_matches_single(single, tmp_path_factory, nproc, overrides):
     assert_same_run(single(overrides), run(tmp_path_factory, nproc, overrides))
 
 
+def unclipped_case(stage):
+    """The first unclipped parity case of `stage` (its run is cached, shared with the above)."""
+    return next(c for c in MATRIX if f"parallel.zero_stage={stage}" in c[1] and NO_CLIP in c[1])
+
+
+@pytest.mark.parametrize("stage", [1, 2, 3])
+def test_fsdp_gradients_are_averaged_not_summed(single, tmp_path_factory, stage):
+    """Unclipped, Adam's first moment is linear in the gradient: a reduction that sums
+    instead of averaging makes every exp_avg N times the single-process one (clipping
+    and Adam's scale invariance hide it from the losses)."""
+    nproc, overrides = unclipped_case(stage)
+    ref, got = (snap["optimizer"]["state"] for _, snap in
+                (single(overrides), run(tmp_path_factory, nproc, overrides)))
+    ratios = {n: (got[n]["exp_avg"].norm() / s["exp_avg"].norm()).item() for n, s in ref.items()}
+    worst = max(ratios, key=lambda n: abs(ratios[n] - 1))
+    assert abs(ratios[worst] - 1) <= 1e-4, \
+        f"stage {stage}, {nproc} ranks: exp_avg of {worst} is {ratios[worst]:.6g}x single's"
+
+
+@pytest.mark.parametrize("stage", [1, 2, 3])
+def test_fsdp_grad_norm_is_global_not_local_shard(single, tmp_path_factory, stage):
+    """The logged pre-clip norm (and so the clipping) must be the norm of the whole
+    gradient: the square sums of all shards, summed over the dp group."""
+    nproc, overrides = unclipped_case(stage)
+    ref, got = ([r["grad_norm"] for r in m] for m, _ in
+                (single(overrides), run(tmp_path_factory, nproc, overrides)))
+    diff = max_rel_diff(ref, got)
+    assert diff <= 1e-5, f"stage {stage}, {nproc} ranks: grad norms {got} vs single's {ref}"
+
+
 @pytest.mark.parametrize("nproc,extra", [(2, []), (3, ["trainer.grad_accum=2", NO_CLIP])],
                          ids=["2ranks", "3ranks-accum2-noclip"])
 def test_torch_fsdp_matches_single(single, tmp_path_factory, nproc, extra):

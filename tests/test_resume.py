@@ -1,14 +1,30 @@
-"""Kill a real 2-rank job with SIGKILL, start it again with the same command, and
-get exactly the losses of a run that was never interrupted (DESIGN.md section 3)."""
+"""Stop a run, start it again, and get exactly the run that was never interrupted
+(DESIGN.md section 3): same steps, losses and gradient norms after the snapshot.
 
+- A real 2-rank job is SIGKILLed, launcher and workers (the whole tree), and the
+  same command resumes it: it must say which step it resumed from, train every
+  step after that one again, and reproduce the uninterrupted losses. Dropout is
+  on, so the per-step random stream must resume too.
+- In process (one rank, no torchrun; main.train as the job runs it), a run
+  "crashes" right after logging step 5 with its snapshot at step 4 and is
+  resumed; once per strategy, so each one's optimizer state must be saved and
+  loaded. These are the deterministic guards (no kill timing involved).
+"""
+
+import contextlib
+import io
 import os
-import signal
+import re
 import subprocess
 import time
+from unittest import mock
 
+import pytest
+import torch.distributed as dist
 
 from char_dataset import embedded_corpus
-from harness import TINY, command, job_env, read_metrics, run_job, run_metrics
+from harness import (TINY, assert_parity, command, job_env, kill_tree, read_metrics, run_job,
+                     run_metrics)
 from snapshot import open_snapshot
 
 # a short corpus makes an epoch 10 steps long, so the run crosses epoch boundaries
@@ -25,7 +41,7 @@ def small_corpus(tmp_path):
 
 
 def kill_after_step(workdir, overrides, step, timeout=120):
-    """Start a 2-rank job and SIGKILL its whole process group once `step` is logged."""
+    """Start a 2-rank job and SIGKILL its launcher and workers once `step` is logged."""
     os.makedirs(workdir, exist_ok=True)
     metrics = os.path.join(workdir, "runs", "default", "metrics.jsonl")
     proc = subprocess.Popen(command(2, TINY + overrides), cwd=workdir, env=job_env(),
@@ -41,28 +57,38 @@ def kill_after_step(workdir, overrides, step, timeout=120):
             time.sleep(0.005)
     finally:
         if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
+            kill_tree(proc.pid)
         proc.wait()
     return read_metrics(os.path.dirname(metrics))
 
 
-def test_killed_job_resumes_with_identical_losses(tmp_path):
-    args = ["parallel.dp=torch_ddp", f"data.path={small_corpus(tmp_path)}", *RESUME]
+def trained_steps(stdout, total):
+    """The steps a job trained, from its console lines `step k/total | loss ...`."""
+    return [int(k) for k in re.findall(rf"^step (\d+)/{total} \|", stdout, re.M)]
+
+
+def test_killed_job_resumes_from_its_snapshot_with_identical_losses(tmp_path):
+    args = ["parallel.dp=ddp_bucket", f"data.path={small_corpus(tmp_path)}", *RESUME]
     reference = run_metrics(tmp_path, 2, args)
     assert len(reference) == 30
 
     workdir = tmp_path / "killed"
     before_kill = kill_after_step(workdir, args, step=13)
-    assert 13 <= len(before_kill) < 30, "the kill must land mid-run"
     print(f"killed after step {len(before_kill)}")
+    assert 13 <= len(before_kill) < 30, "the kill must land mid-run"
     step = open_snapshot(str(workdir / "runs" / "default" / "snapshot")).meta["step"]
-    assert step % 4 == 0 and 0 < step < 30
+    assert step % 4 == 0 and 0 < step < len(before_kill), \
+        f"snapshot at step {step}: the killed run must have logged steps past it"
 
     result = run_job(workdir, 2, args)
     assert result.returncode == 0, result.stderr
-    assert "resuming from snapshot" in result.stdout
+    assert re.search(rf"^resuming from snapshot \S+ at step {step}$", result.stdout, re.M), \
+        result.stdout[-3000:]
+    assert trained_steps(result.stdout, 30) == list(range(step + 1, 31)), \
+        f"the resumed job must train steps {step + 1}..30 again:\n{result.stdout[-3000:]}"
     resumed = read_metrics(workdir / "runs" / "default")
     assert [r["step"] for r in resumed] == list(range(1, 31))  # re-done steps not duplicated
+    assert_parity(reference, resumed)
     for ref, got in zip(reference, resumed):
         assert abs(ref["loss"] - got["loss"]) <= 1e-6 * abs(ref["loss"]), (ref, got)
         assert ("val_loss" in ref) == ("val_loss" in got)
@@ -82,3 +108,104 @@ def test_snapshot_holds_what_resume_needs(tmp_path):
     for field in ("exp_avg", "exp_avg_sq", "step"):  # AdamW state for every parameter
         assert {k for k in snap.keys() if k.endswith("/" + field)} == \
                {k.replace("model/", "optim/") + "/" + field for k in model}
+
+
+# ---------------------------------------------------------------- in process: crash and resume
+
+STRATEGIES = {"single": ["parallel.dp=single"], "ddp_naive": ["parallel.dp=ddp_naive"],
+              "ddp_bucket": ["parallel.dp=ddp_bucket"], "torch_ddp": ["parallel.dp=torch_ddp"],
+              **{f"fsdp{s}": ["parallel.dp=fsdp", f"parallel.zero_stage={s}"] for s in (1, 2, 3)},
+              "torch_fsdp": ["parallel.dp=torch_fsdp"]}
+# snapshots at steps 2 and 4; the crash comes right after step 5 is logged, so the
+# snapshot is at step 4 and metrics.jsonl holds a record past it
+CRASH = ["trainer.save_every=2", "trainer.eval_every=3", "trainer.max_steps=6"]
+CRASH_AFTER, SNAPSHOT_STEP = 5, 4
+
+
+class Crash(Exception):
+    """Stands for a kill: raised inside the training loop, nothing runs after it."""
+
+
+@pytest.fixture(scope="module")
+def grid():
+    """A one-rank gloo group for this module's in-process runs."""
+    import torch
+    from parallel.grid import ProcessGrid
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    yield ProcessGrid(1, 1, 1, torch.device("cpu"))
+    dist.destroy_process_group()
+
+
+def train_in_process(grid, run_dir, overrides, crash_after=None):
+    """main.train in this process: (console output, steps it logged)."""
+    import main
+    from trainer import MetricsLog
+    cfg = main.load_config(TINY + CRASH + overrides + [f"trainer.run_dir={run_dir}"], 1)
+    logged, real_write = [], MetricsLog.write
+
+    def write(self, record, total_steps, console):
+        real_write(self, record, total_steps, console)
+        logged.append(record["step"])
+        if record["step"] == crash_after:
+            raise Crash
+
+    out = io.StringIO()
+    with mock.patch.object(MetricsLog, "write", write), contextlib.redirect_stdout(out):
+        try:
+            main.train(cfg, grid)
+        except Crash:
+            pass
+    return out.getvalue(), logged
+
+
+_scenarios = {}
+
+
+def crash_and_resume(grid, tmp_path_factory, name, extra=()):
+    """Uninterrupted run vs a run crashed after step 5 and resumed (cached per case)."""
+    key = (name, tuple(extra))
+    if key not in _scenarios:
+        overrides = STRATEGIES[name] + list(extra)
+        base = tmp_path_factory.mktemp(f"inproc-{name}")
+        _, full = train_in_process(grid, base / "uninterrupted", overrides)
+        assert full == list(range(1, 7))
+        crashed_dir = base / "crashed"
+        _, before = train_in_process(grid, crashed_dir, overrides, crash_after=CRASH_AFTER)
+        assert before == list(range(1, CRASH_AFTER + 1))
+        assert open_snapshot(str(crashed_dir / "snapshot")).meta["step"] == SNAPSHOT_STEP
+        output, after = train_in_process(grid, crashed_dir, overrides)
+        _scenarios[key] = {"reference": read_metrics(base / "uninterrupted"), "output": output,
+                           "retrained": after, "resumed": read_metrics(crashed_dir)}
+    return _scenarios[key]
+
+
+def assert_resumed_exactly(s):
+    assert re.search(rf"^resuming from snapshot \S+ at step {SNAPSHOT_STEP}$", s["output"], re.M), \
+        s["output"]
+    assert s["retrained"] == list(range(SNAPSHOT_STEP + 1, 7)), \
+        f"the resumed run must train steps {SNAPSHOT_STEP + 1}..6 again, trained {s['retrained']}"
+    assert [r["step"] for r in s["resumed"]] == list(range(1, 7))
+    assert_parity(s["reference"], s["resumed"])
+    val = [[r.get("val_loss") for r in rs] for rs in (s["reference"], s["resumed"])]
+    assert val[0] == val[1], f"validation losses differ: {val}"
+
+
+@pytest.mark.parametrize("name", STRATEGIES)
+def test_optimizer_state_is_saved_and_loaded(grid, tmp_path_factory, name):
+    """Adam state lost at the snapshot (not written, or not read back) changes the
+    resumed steps' losses and gradient norms; exercised once per strategy."""
+    s = crash_and_resume(grid, tmp_path_factory, name)
+    assert_resumed_exactly(s)
+
+
+def test_random_stream_is_reseeded_each_step(grid, tmp_path_factory):
+    """With dropout, a resumed run draws the masks an uninterrupted one draws only if
+    the random state is a function of (seed, step, dp rank), set at every step."""
+    assert_resumed_exactly(crash_and_resume(grid, tmp_path_factory, "ddp_bucket",
+                                            ["model.dropout=0.2"]))
+
+
+def test_resume_drops_metrics_records_past_the_snapshot(grid, tmp_path_factory):
+    s = crash_and_resume(grid, tmp_path_factory, "ddp_bucket", ["model.dropout=0.2"])
+    steps = [r["step"] for r in s["resumed"]]
+    assert steps == list(range(1, 7)), f"metrics.jsonl after resuming at step {SNAPSHOT_STEP}: {steps}"

@@ -61,9 +61,13 @@ def test_a_failure_on_the_main_rank_alone_stops_every_rank(tmp_path):
     assert len(rank0) == 1 and str(blocker) in rank0[0], result.stderr[-3000:]
 
 
-def test_failed_write_keeps_previous_snapshot(tmp_path, monkeypatch, one_rank_grid):
-    """A write that dies half way leaves the previous snapshot loadable, and every
-    rank gets one clear error."""
+@pytest.mark.parametrize("dies", ["every file", "part-", "manifest.json", "latest.json"])
+def test_commit_point_is_written_last_so_a_failed_write_keeps_previous_snapshot(
+        tmp_path, monkeypatch, one_rank_grid, dies):
+    """A write that dies half way -- in a part, in the manifest, in latest.json, or in
+    every file -- leaves the previous snapshot loadable, and every rank gets one clear
+    error. A commit point (latest.json) written before the parts and the manifest
+    would name a step directory that is not complete."""
     path = str(tmp_path / "snap")
     save_sharded(path, one_rank_grid, 1, [("model/w", (3,), 0, torch.ones(3))], META)
     import fsspec.implementations.local as local
@@ -72,7 +76,7 @@ def test_failed_write_keeps_previous_snapshot(tmp_path, monkeypatch, one_rank_gr
 
     def dying_open(self, p, mode="rb", **kw):
         f = real_open(self, p, mode, **kw)
-        if "w" in mode:
+        if "w" in mode and (dies == "every file" or dies in p.rsplit("/", 1)[-1]):
             def write(data):
                 f.__class__.write(f, bytes(data)[:10])
                 raise OSError("disk died mid-write")
