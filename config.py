@@ -123,6 +123,10 @@ def validate(cfg: Config, world_size: int):
         (t.weight_decay >= 0 and t.grad_clip >= 0, "trainer.weight_decay and grad_clip must be >= 0"),
         (0 <= t.seed < 2**31, f"trainer.seed must be in [0, 2**31), got {t.seed}"),
         (bool(t.run_dir), "trainer.run_dir must not be empty"),
+        (t.keep_snapshots >= 1, f"trainer.keep_snapshots must be >= 1, got {t.keep_snapshots}"),
+        (t.resume_step == -1 or t.resume_step >= 1,
+         f"trainer.resume_step must be -1 (the newest snapshot) or a kept step >= 1, "
+         f"got {t.resume_step}"),
         (cfg.sample.length >= 0 and cfg.sample.top_k >= 0 and cfg.sample.temperature > 0,
          "sample.length and sample.top_k must be >= 0 and sample.temperature > 0"),
         (t.device in ("auto", "cpu", "cuda"), f"trainer.device must be auto, cpu or cuda, got {t.device!r}"),

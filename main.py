@@ -26,7 +26,7 @@ from model import GPT, GPTConfig
 from parallel import build_strategy
 from parallel.grid import ProcessGrid
 from parallel.strategy import load_named_parameters
-from snapshot import check_model_shape, open_snapshot
+from snapshot import check_model_shape, open_snapshot, step_to_resume
 from trainer import Trainer, check_resumable, snapshot_location
 
 
@@ -73,8 +73,10 @@ def prepare(cfg, is_main):
     """Everything each rank can check alone: snapshot, text, tokenizer, shapes,
     the prompt of the final sample; the main rank also creates the run directory."""
     path = snapshot_location(cfg.trainer)
-    snapshot = open_snapshot(path)
-    notes = check_resumable(path, snapshot.meta["config"], cfg) if snapshot else []
+    step, note = step_to_resume(path, cfg.trainer.resume_step)
+    snapshot = open_snapshot(path, step)
+    notes = ([note] if note else []) + (check_resumable(path, snapshot.meta["config"], cfg)
+                                        if snapshot else [])
     text = load_text(cfg.data.path)
     tokenizer = build_tokenizer(cfg.data.tokenizer, text,
                                 saved=snapshot.meta["tokenizer"] if snapshot else None)
@@ -119,7 +121,7 @@ def train(cfg, grid):
 
 def sample(cfg):
     path = snapshot_location(cfg.trainer)
-    snap = open_snapshot(path)
+    snap = open_snapshot(path, cfg.trainer.resume_step)
     if snap is None:
         raise UserError(f"no snapshot at {path}: train first, or set trainer.snapshot_path")
     tokenizer = build_tokenizer(None, saved=snap.meta["tokenizer"])

@@ -44,6 +44,8 @@ class TrainerConfig:
     seed: int = 1337
     run_dir: str = "runs/default"
     snapshot_path: str = ""     # a directory, any fsspec URL; "" = <run_dir>/snapshot
+    keep_snapshots: int = 1     # the newest K snapshots survive each write
+    resume_step: int = -1       # -1 = resume from the newest snapshot; S = from kept step S
     device: str = "auto"        # auto (cuda if available) | cpu | cuda
 
 
@@ -220,7 +222,8 @@ class Trainer:
     def save(self):
         """Collective: every rank writes the part of the state it owns."""
         g, t = self.grid, self.t
-        save_sharded(self.snapshot_path, g, self.step, self.strategy.shard_pieces(), {
+        pieces = self.strategy.shard_pieces()
+        save_sharded(self.snapshot_path, g, self.step, pieces, keep=t.keep_snapshots, meta={
             "samples_seen": self.step * t.batch_size, "wandb_id": self.wandb_id,
             **self.snapshot_meta,
             "layout": {"world_size": g.world_size, "dp": g.dp_size, "pp": g.pp_size,
