@@ -34,6 +34,8 @@ def test_defaults_and_overrides():
     (["sample.top_k=-3"], 1, "top_k"),
     (["parallel.timeout_s=inf"], 1, "timeout_s"),
     (["parallel.zero_stage=4"], 1, "zero_stage"),
+    (["trainer.keep_snapshots=0"], 1, "keep_snapshots"),
+    (["trainer.resume_step=0"], 1, "resume_step"),
 ])
 def test_bad_config_is_one_clear_error(overrides, world, message):
     with pytest.raises(UserError, match=message):
