@@ -19,6 +19,7 @@ from dataclasses import dataclass
 
 import torch
 
+import preemption
 from char_dataset import GlobalBatches, eval_starts
 from errors import UserError
 from snapshot import save_sharded
@@ -209,9 +210,22 @@ class Trainer:
                 self.metrics.write(record, t.max_steps, console=bool(logged) or last)
             else:
                 self.metrics.progress(self.step, t.max_steps)
-            if (t.save_every and self.step % t.save_every == 0) or last:
+            saved = (t.save_every and self.step % t.save_every == 0) or last
+            if saved:
                 self.save()
+            if not last and (signum := preemption.agreed_signal(g.device)):  # every rank
+                self._stop_preempted(signum, saved)
         return self.step
+
+    def _stop_preempted(self, signum, saved):
+        """A rank got SIGTERM/SIGUSR1 (preemption.py): every rank is here after the same
+        step; snapshot it, so nothing trained is lost, and leave with EXIT_STATUS."""
+        if not saved:
+            self.save()
+        raise preemption.Preempted(
+            f"preempted: {preemption.signal_name(signum)} received, stopped after step "
+            f"{self.step} of {self.t.max_steps} and wrote its snapshot to {self.snapshot_path}; "
+            f"run the same command to resume (exit status {preemption.EXIT_STATUS})")
 
     def evaluate(self):
         g, starts = self.grid, eval_starts(len(self.val_set), self.t.batch_size, self.t.eval_batches)
