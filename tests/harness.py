@@ -13,6 +13,7 @@ Every job has a timeout: a hang fails the test instead of stalling CI.
 
 import json
 import os
+import re
 import subprocess
 import sys
 import uuid
@@ -86,6 +87,25 @@ def snapshot_state(snapshot_dir):
     from snapshot import open_snapshot
     return {"model": snapshot_model(snapshot_dir),
             "optimizer": {"state": optimizer_state_from(open_snapshot(str(snapshot_dir)))}}
+
+
+def our_frames(text):
+    """The traceback frames (`File "..."` lines) of `text` that are in this project's
+    own source: under the checkout, but not in a virtual environment or a
+    site-packages that happens to live there (`python -m venv .venv` in the
+    repository root puts torchrun's own frames under the checkout too)."""
+    repo = os.path.realpath(REPO)
+    ours = []
+    for path in re.findall(r'File "([^"]+)"', text):
+        real = os.path.realpath(path)
+        if not os.path.isabs(path) or not real.startswith(repo + os.sep):  # "<frozen runpy>"
+            continue
+        parts = os.path.relpath(real, repo).split(os.sep)
+        in_env = any(p in ("site-packages", "dist-packages") for p in parts) or any(
+            os.path.exists(os.path.join(repo, *parts[:i], "pyvenv.cfg")) for i in range(1, len(parts)))
+        if not in_env:
+            ours.append(path)
+    return ours
 
 
 def max_rel_diff(ref, got):

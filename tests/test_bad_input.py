@@ -6,7 +6,7 @@ import shutil
 
 import pytest
 
-from harness import REPO, run_job
+from harness import our_frames, run_job
 
 
 def assert_clean_failure(result, *needles):
@@ -24,7 +24,7 @@ def assert_clean_failure(result, *needles):
                 assert needle in line, line
     assert printed >= 1, result.stderr
     # no traceback from our code (torchrun's launcher adds its own failure summary)
-    assert f'File "{REPO}' not in result.stderr, result.stderr
+    assert not our_frames(result.stderr), result.stderr
 
 
 @pytest.mark.parametrize("name,content,needle", [
