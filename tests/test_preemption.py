@@ -129,15 +129,29 @@ def test_signal_snapshots_the_step_reached_and_resumes_exactly(tmp_path, case):
         assert abs(a["loss"] - b["loss"]) <= 1e-6 * a["loss"], (a, b)
 
 
+# srun on one node, with srun's signal handling (srun(1), src/srun/libsrun/srun_job.c):
+# SIGUSR1/SIGUSR2 are forwarded to the task, a SIGTERM becomes SIGKILL of the task
+SRUN = """#!/bin/bash
+"$@" &
+task=$!
+trap 'kill -USR1 $task' USR1
+trap 'kill -USR2 $task' USR2
+trap 'echo "srun: forcing job termination" >&2; kill -KILL $task' TERM
+wait $task; status=$?
+while kill -0 $task 2>/dev/null; do wait $task; status=$?; done
+exit $status
+"""
+
+
 def test_slurm_script_requeues_a_preempted_job(tmp_path):
-    """scripts/slurm_train.sbatch under stand-ins for srun (runs its command here) and
-    scontrol: Slurm's SIGUSR1 to the batch shell ends in a snapshot of the step reached
-    and a requeue; the batch script itself exits 0."""
+    """scripts/slurm_train.sbatch under stand-ins for srun (runs its command here, and
+    handles signals as srun does) and scontrol: Slurm's SIGUSR1 to the batch shell ends
+    in a snapshot of the step reached and a requeue; the batch script itself exits 0."""
     import socket
     from harness import REPO
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir()
-    (bin_dir / "srun").write_text('#!/bin/bash\nexec "$@"\n')
+    (bin_dir / "srun").write_text(SRUN)
     (bin_dir / "torchrun").write_text(f'#!/bin/bash\nexec "{sys.executable}" -m torch.distributed.run "$@"\n')
     (bin_dir / "scontrol").write_text(
         '#!/bin/bash\nif [ "$1" = show ]; then echo localhost; else echo "$@" >> "$REQUEUED"; fi\n')
@@ -162,6 +176,8 @@ def test_slurm_script_requeues_a_preempted_job(tmp_path):
     output, _ = proc.communicate(timeout=max(1, deadline - time.time()))
     assert proc.returncode == 0, output[-4000:]
     assert (tmp_path / "requeued").read_text().split() == ["requeue", "4242"], output[-4000:]
-    step = int(re.search(r"stopped after step (\d+) of 30", output).group(1))
+    stopped = re.search(r"stopped after step (\d+) of 30", output)
+    assert stopped, output[-4000:]
+    step = int(stopped.group(1))
     assert 5 <= step < 30
     assert open_snapshot(str(run_dir / "snapshot")).meta["step"] == step
