@@ -117,6 +117,9 @@ def validate(cfg: Config, world_size: int):
         (p.dp != "torch_tp" or p.tp > 1,
          "parallel.dp=torch_tp is PyTorch's tensor parallelism, the reference for parallel.tp: "
          "set parallel.tp > 1"),
+        (p.dp != "torch_pp" or (p.pp > 1 and p.tp == 1),
+         "parallel.dp=torch_pp is PyTorch's pipelining, the reference for parallel.pp: set "
+         "parallel.pp > 1 and parallel.tp=1"),
         (p.dp != "torch_tp" or not p.sequence_parallel,
          "parallel.dp=torch_tp runs without sequence parallelism (the reference for plain TP)"),
         (p.tp == 1 or p.dp != "torch_fsdp",
@@ -138,6 +141,10 @@ def validate(cfg: Config, world_size: int):
         (t.weight_decay >= 0 and t.grad_clip >= 0, "trainer.weight_decay and grad_clip must be >= 0"),
         (0 <= t.seed < 2**31, f"trainer.seed must be in [0, 2**31), got {t.seed}"),
         (bool(t.run_dir), "trainer.run_dir must not be empty"),
+        (t.keep_snapshots >= 1, f"trainer.keep_snapshots must be >= 1, got {t.keep_snapshots}"),
+        (t.resume_step == -1 or t.resume_step >= 1,
+         f"trainer.resume_step must be -1 (the newest snapshot) or a kept step >= 1, "
+         f"got {t.resume_step}"),
         (cfg.sample.length >= 0 and cfg.sample.top_k >= 0 and cfg.sample.temperature > 0,
          "sample.length and sample.top_k must be >= 0 and sample.temperature > 0"),
         (t.device in ("auto", "cpu", "cuda"), f"trainer.device must be auto, cpu or cuda, got {t.device!r}"),
@@ -163,7 +170,7 @@ def validate(cfg: Config, world_size: int):
         raise UserError(f"world size {world_size} is not divisible by parallel.tp * parallel.pp = "
                         f"{p.tp} * {p.pp}: the grid is dp x pp x tp")
     dp = world_size // (p.tp * p.pp)
-    if p.dp in ("single", "torch_tp") and dp != 1:
+    if p.dp in ("single", "torch_tp", "torch_pp") and dp != 1:
         raise UserError(f"parallel.dp={p.dp} has no data-parallel dimension, but world size "
                         f"{world_size} / (tp {p.tp} * pp {p.pp}) = {dp}: use "
                         "torchrun --nproc_per_node=1 or a data-parallel strategy")
@@ -195,7 +202,7 @@ def validate_pipeline(m, p):
                              and min(p.pp_layers) >= 1),
          f"parallel.pp_layers={list(p.pp_layers)} must give each of the {chunks} pipeline chunks "
          f"at least one block, {m.n_layer} (model.n_layer) in all"),
-        (p.pp == 1 or p.dp in ("single", "ddp_naive", "ddp_bucket", "fsdp"),
+        (p.pp == 1 or p.dp in ("single", "ddp_naive", "ddp_bucket", "fsdp", "torch_pp"),
          f"parallel.dp={p.dp} does not run under pipeline parallelism: PyTorch's references "
          "measure pure data or tensor parallelism (use ddp_naive, ddp_bucket or fsdp)"),
         (p.pp == 1 or p.dp != "fsdp" or p.zero_stage < 3,

@@ -5,7 +5,9 @@
     python main.py mode=sample sample.prompt="KING:"
 
 Every failure a user can fix is a UserError: printed as one line on every
-rank, exit status 2. Checks that every rank can make on its own (config, data,
+rank, exit status 2. SIGTERM or SIGUSR1 (a cluster preempting the job) stops
+every rank after the same step, with a snapshot of it: exit status 75
+(preemption.py). Checks that every rank can make on its own (config, data,
 snapshot) run before the first collective that could leave a rank waiting;
 the ranks then agree that all of them got through before going on.
 """
@@ -19,6 +21,7 @@ from dataclasses import asdict
 import torch
 import torch.distributed as dist
 
+import preemption
 from char_dataset import build_tokenizer, load_text, split_tokens
 from config import load_config, resolved_yaml, to_dict
 from errors import UserError
@@ -26,7 +29,7 @@ from model import GPT, GPTConfig
 from parallel import build_strategy
 from parallel.grid import ProcessGrid
 from parallel.strategy import load_named_parameters
-from snapshot import check_model_shape, open_snapshot
+from snapshot import check_model_shape, open_snapshot, step_to_resume
 from trainer import Trainer, check_resumable, snapshot_location
 
 
@@ -73,8 +76,10 @@ def prepare(cfg, is_main):
     """Everything each rank can check alone: snapshot, text, tokenizer, shapes,
     the prompt of the final sample; the main rank also creates the run directory."""
     path = snapshot_location(cfg.trainer)
-    snapshot = open_snapshot(path)
-    notes = check_resumable(path, snapshot.meta["config"], cfg) if snapshot else []
+    step, note = step_to_resume(path, cfg.trainer.resume_step)
+    snapshot = open_snapshot(path, step)
+    notes = ([note] if note else []) + (check_resumable(path, snapshot.meta["config"], cfg)
+                                        if snapshot else [])
     text = load_text(cfg.data.path)
     tokenizer = build_tokenizer(cfg.data.tokenizer, text,
                                 saved=snapshot.meta["tokenizer"] if snapshot else None)
@@ -119,7 +124,7 @@ def train(cfg, grid):
 
 def sample(cfg):
     path = snapshot_location(cfg.trainer)
-    snap = open_snapshot(path)
+    snap = open_snapshot(path, cfg.trainer.resume_step)
     if snap is None:
         raise UserError(f"no snapshot at {path}: train first, or set trainer.snapshot_path")
     tokenizer = build_tokenizer(None, saved=snap.meta["tokenizer"])
@@ -145,6 +150,7 @@ def main(argv, rank, world_size, local_rank):
         if rank == 0:
             sample(cfg)
         return
+    preemption.install()  # SIGTERM/SIGUSR1 now stop after a step, with a snapshot
     device = pick_device(cfg.trainer.device, local_rank)
     init_process_group(device, cfg.parallel.timeout_s, rank, world_size)
     p = cfg.parallel
@@ -152,7 +158,8 @@ def main(argv, rank, world_size, local_rank):
     state, tokenizer, gpt_config = train(cfg, grid)
     dist.barrier()  # nobody leaves while another rank may still need it
     dist.destroy_process_group()
-    if grid.is_main and cfg.sample.length > 0:  # alone now: a failure here blocks nobody
+    # alone now: a failure here blocks nobody; skipped when a stop signal came in the last step
+    if grid.is_main and cfg.sample.length > 0 and not preemption.received():
         model = GPT(gpt_config)
         load_named_parameters(model, state)
         print("---- sample ----\n" + generate_text(model, tokenizer, cfg.sample), flush=True)
@@ -172,6 +179,10 @@ def run_and_exit():
         sys.stderr.flush()  # one write of the whole line, so ranks' lines never interleave
         os.write(2, f"error{where}: {e}\n".encode())
         code = 2
+    except preemption.Preempted as e:  # the snapshot of the last step done is written
+        if rank == 0:
+            print(str(e), flush=True)
+        code = preemption.EXIT_STATUS
     except KeyboardInterrupt:
         code = 130
     except BaseException:

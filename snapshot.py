@@ -23,14 +23,17 @@ resuming under another layout reads its own shard without materialising
 the rest.
 
 Atomic: parts and manifest go into a fresh step directory; only then is
-latest.json replaced (write to a temporary name, rename), and older step
-directories are deleted. A kill at any moment leaves latest.json pointing at
-a complete snapshot. Safe: JSON and raw bytes only, nothing executes on load.
+latest.json replaced (write to a temporary name, rename), and step
+directories beyond the newest `keep` are deleted (snapshot_dirs.py). A kill
+at any moment leaves latest.json pointing at a complete snapshot. Safe: JSON
+and raw bytes only, nothing executes on load, and every directory or file
+name read from latest.json or a manifest must be a plain name of the
+expected form (snapshot_dirs.checked_name), so a copied snapshot cannot send
+the reader outside its directory.
 """
 
 import json
 import math
-import re
 import uuid
 
 import fsspec
@@ -40,6 +43,8 @@ import torch.distributed as dist
 from errors import UserError
 from parallel.boxes import (as_jsonable, box_numel, box_shape, first_and_end, flat_range_boxes,
                             from_jsonable, intersect, shift, strides, whole)
+from snapshot_dirs import (PART_FILE, STEP_DIR, checked_name, kept_steps, remove_stale,
+                           step_dir_name)
 
 FORMAT_VERSION = 3
 READABLE_VERSIONS = (2, 3)  # 2: flat ranges instead of boxes
@@ -64,14 +69,15 @@ def snapshot_exists(path: str) -> bool:
 
 # ---------------------------------------------------------------- writing
 
-def save_sharded(path, grid, step, pieces, meta):
+def save_sharded(path, grid, step, pieces, meta, keep=1):
     """Collective. pieces: [(key, full_shape, box, tensor of the box's shape)] this rank
     owns (an int instead of a box: a flat start, the tensor 1-D); meta: JSON-able facts
-    for the manifest (config, tokenizer, ...). Every rank
+    for the manifest (config, tokenizer, ...); keep: how many snapshots survive
+    (trainer.keep_snapshots). Every rank
     raises the same UserError if any rank fails, so nobody trains on past a
     snapshot that was not written."""
     fs, root = _fs(path)
-    step_name = f"step-{step:08d}"
+    step_name = step_dir_name(step)
     step_dir = _join(root, step_name)
 
     def agree(error):
@@ -112,22 +118,7 @@ def save_sharded(path, grid, step, pieces, meta):
             error = e
     agree(error)
     if grid.is_main:
-        _remove_stale(fs, root, keep=step_name)
-
-
-STALE = re.compile(r"^(step-\d{8,}|latest\.json\.tmp-.*)$")
-
-
-def _remove_stale(fs, root, keep):
-    """Older step directories and temp files of writers killed mid-write. Best effort:
-    the snapshot is committed already, so a failure here only costs disk space."""
-    try:
-        for entry in fs.ls(root, detail=False):
-            name = entry.rstrip("/").rsplit("/", 1)[-1]
-            if STALE.match(name) and name != keep:
-                fs.rm(entry, recursive=True)
-    except Exception as e:
-        print(f"warning: could not remove old snapshot files under {root}: {e}", flush=True)
+        remove_stale(fs, root, _join, step, keep)
 
 
 def _write_part(fs, step_dir, rank, snapshot_id, pieces):
@@ -182,19 +173,28 @@ class SnapshotReader:
     that each key's boxes tile the whole tensor once. So a damaged snapshot fails
     on every rank, before any training state is touched."""
 
-    def __init__(self, path):
+    def __init__(self, path, step=-1):
+        """step=-1: the snapshot latest.json names; else the kept one of that step."""
         self.path = path
         self.fs, root = _fs(path)
-        latest = self._json(_join(root, "latest.json"))
-        self.dir = _join(root, str(latest.get("step_dir")))
+        if step == -1:
+            latest_path = _join(root, "latest.json")
+            latest = self._json(latest_path)
+            name = checked_name(latest.get("step_dir"), STEP_DIR, "step-00000120", latest_path, path)
+        else:
+            latest, name = None, step_dir_name(step)
+        self.dir = _join(root, name)
         manifest = _join(self.dir, "manifest.json")
         self.meta = self._json(manifest)
         self.version = self.meta.get("format_version")
         if self.version not in READABLE_VERSIONS:
             raise UserError(f"snapshot {path} has format version {self.version!r}; "
                             f"this code reads versions {', '.join(map(str, READABLE_VERSIONS))}")
-        if latest.get("snapshot_id") != self.meta.get("snapshot_id"):
+        if latest is not None and latest.get("snapshot_id") != self.meta.get("snapshot_id"):
             raise UserError(f"snapshot {path}: latest.json and {manifest} disagree")
+        if self.meta.get("step") != int(STEP_DIR.match(name).group(1)):
+            raise UserError(f"snapshot {path}: {manifest} is of step {self.meta.get('step')!r}, "
+                            f"not the step its directory {name} names")
         try:
             self.index, sizes = self._index(self.meta["parts"])
         except (KeyError, TypeError, ValueError) as e:
@@ -258,6 +258,7 @@ class SnapshotReader:
         return self.fs.cat_file(_join(self.dir, name), start=start, end=end)
 
     def _check_part(self, name, size):
+        checked_name(name, PART_FILE, "part-00000.bin", _join(self.dir, "manifest.json"), self.path)
         path = _join(self.dir, name)
         try:
             actual = self.fs.size(path)
@@ -327,9 +328,44 @@ class SnapshotReader:
         return self.read_box(key, whole(self.shape(key)))
 
 
-def open_snapshot(path):
-    """The snapshot at `path`, checked, or None if there is none."""
-    return SnapshotReader(path) if snapshot_exists(path) else None
+def open_snapshot(path, step=-1):
+    """The snapshot at `path`, checked, or None if there is none. step=-1: the newest
+    (what latest.json names); else the kept snapshot of that step (trainer.resume_step),
+    with an error naming the kept steps if there is none."""
+    if step == -1:
+        return SnapshotReader(path) if snapshot_exists(path) else None
+    fs, root = _fs(path)
+    kept = kept_steps(fs, root, _join) if fs.exists(root) else []
+    if step not in kept:
+        raise UserError(f"trainer.resume_step={step}: snapshot {path} keeps "
+                        + (f"steps {', '.join(map(str, kept))}" if kept else "no snapshot")
+                        + " (trainer.keep_snapshots says how many survive)")
+    return SnapshotReader(path, step)
+
+
+def step_to_resume(path, resume_step):
+    """(step for open_snapshot, note or None). trainer.resume_step=S goes back to S once:
+    if the newest snapshot was written by a run started with that same S and is past S
+    (the command ran before: it was preempted and requeued, say), it continues from the
+    newest instead of going back to S again and losing what was trained since."""
+    if resume_step == -1 or not snapshot_exists(path):
+        return resume_step, None
+    try:
+        newest = SnapshotReader(path).meta
+        started_with = newest["config"]["trainer"].get("resume_step")
+    except (UserError, KeyError, TypeError):
+        return resume_step, None  # the newest is damaged: going back to S is the way out
+    if started_with == resume_step and newest.get("step", -1) > resume_step:
+        return -1, (f"note: trainer.resume_step={resume_step}: this run went back to step "
+                    f"{resume_step} before and has written step {newest['step']} since; "
+                    f"continuing from step {newest['step']}")
+    fs, root = _fs(path)
+    newer = [s for s in kept_steps(fs, root, _join) if s > resume_step]
+    if newer:
+        return resume_step, (f"note: going back to step {resume_step}; the newer snapshots (steps "
+                             f"{', '.join(map(str, newer))}) are deleted when this run writes its "
+                             "first snapshot")
+    return resume_step, None
 
 
 def check_model_shape(path: str, saved_gpt: dict, current_gpt: dict):

@@ -20,6 +20,7 @@ from dataclasses import dataclass
 import torch
 
 from activation_meter import ActivationMeter
+import preemption
 from char_dataset import GlobalBatches, eval_starts
 from errors import UserError
 from snapshot import save_sharded
@@ -45,6 +46,8 @@ class TrainerConfig:
     seed: int = 1337
     run_dir: str = "runs/default"
     snapshot_path: str = ""     # a directory, any fsspec URL; "" = <run_dir>/snapshot
+    keep_snapshots: int = 1     # the newest K snapshots survive each write
+    resume_step: int = -1       # -1 = resume from the newest snapshot; S = from kept step S
     device: str = "auto"        # auto (cuda if available) | cpu | cuda
     measure_activations: bool = False  # log activation_peak_mb (activation_meter.py); small overhead
 
@@ -226,9 +229,22 @@ class Trainer:
                 self.metrics.write(record, t.max_steps, console=bool(logged) or last)
             else:
                 self.metrics.progress(self.step, t.max_steps)
-            if (t.save_every and self.step % t.save_every == 0) or last:
+            saved = (t.save_every and self.step % t.save_every == 0) or last
+            if saved:
                 self.save()
+            if not last and (signum := preemption.agreed_signal(g.device)):  # every rank
+                self._stop_preempted(signum, saved)
         return self.step
+
+    def _stop_preempted(self, signum, saved):
+        """A rank got SIGTERM/SIGUSR1 (preemption.py): every rank is here after the same
+        step; snapshot it, so nothing trained is lost, and leave with EXIT_STATUS."""
+        if not saved:
+            self.save()
+        raise preemption.Preempted(
+            f"preempted: {preemption.signal_name(signum)} received, stopped after step "
+            f"{self.step} of {self.t.max_steps} and wrote its snapshot to {self.snapshot_path}; "
+            f"run the same command to resume (exit status {preemption.EXIT_STATUS})")
 
     def evaluate(self):
         g, starts = self.grid, eval_starts(len(self.val_set), self.t.batch_size, self.t.eval_batches)
@@ -239,7 +255,8 @@ class Trainer:
     def save(self):
         """Collective: every rank writes the part of the state it owns."""
         g, t = self.grid, self.t
-        save_sharded(self.snapshot_path, g, self.step, self.strategy.shard_pieces(), {
+        pieces = self.strategy.shard_pieces()
+        save_sharded(self.snapshot_path, g, self.step, pieces, keep=t.keep_snapshots, meta={
             "samples_seen": self.step * t.batch_size, "wandb_id": self.wandb_id,
             **self.snapshot_meta,
             "layout": {"world_size": g.world_size, "dp": g.dp_size, "pp": g.pp_size,

@@ -30,7 +30,6 @@ from bench import report, stats  # noqa: E402
 from bench.variants import MODELS, PRESETS, pick  # noqa: E402
 
 MAIN = os.path.join(REPO, "main.py")
-SHAKESPEARE = os.path.normpath(os.path.join(REPO, "..", "shared", "data", "tinyshakespeare.txt"))
 
 
 def parse_args(argv):
@@ -40,8 +39,8 @@ def parse_args(argv):
     p.add_argument("--model", choices=sorted(MODELS), default="default", help="model size (%(default)s)")
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                    help="extra main.py override for every variant (repeatable)")
-    p.add_argument("--data", default=None, help="data.path; default ../shared/data/"
-                   "tinyshakespeare.txt when present, else the embedded corpus ('' forces it)")
+    p.add_argument("--data", default="", help="data.path for every job: any fsspec path or URL "
+                   "(default: the embedded corpus main.py generates, the same on every machine)")
     p.add_argument("--nproc", type=int, default=2, help="ranks of the multi-process variants (%(default)s)")
     p.add_argument("--rounds", type=int, default=3, help="(%(default)s)")
     p.add_argument("--steps", type=int, default=30, help="optimizer steps per job (%(default)s)")
@@ -60,8 +59,7 @@ def parse_args(argv):
 
 def common_overrides(args):
     """What every job shares: model, data, steps, and nothing that costs time but the step."""
-    data = args.data if args.data is not None else (SHAKESPEARE if os.path.exists(SHAKESPEARE) else "")
-    return (MODELS[args.model] + ([f"data.path={data}"] if data else [])
+    return (MODELS[args.model] + ([f"data.path={args.data}"] if args.data else [])
             + [f"trainer.max_steps={args.steps}", "trainer.log_every=1", "trainer.eval_every=0",
                "trainer.save_every=0", "sample.length=0", "wandb.mode=disabled",
                "parallel.timeout_s=120"])  # a hung collective fails the job, not the bench
@@ -126,6 +124,9 @@ def main(argv=None):
         raise SystemExit("nothing to run: every variant was skipped (see above)")
     params = stats.count_params(cfg)
 
+    if args.data and "://" not in args.data:
+        print(f"note: --data {args.data} is a local file: the results name it, and a fresh clone "
+              "elsewhere cannot re-run the command as it is written there")
     runs_dir = args.runs_dir or tempfile.mkdtemp(prefix="bench-runs-")
     load_before, jobs = os.getloadavg(), []
     if load_before[0] >= 0.5 * (os.cpu_count() or 1):

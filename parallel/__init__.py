@@ -10,6 +10,7 @@ from parallel.fsdp import FSDP
 from parallel.single import Single
 from parallel.torch_ddp import TorchDDP
 from parallel.torch_fsdp import TorchFSDP
+from parallel.torch_pp import TorchPP
 from parallel.torch_tp import TorchTP
 
 STRATEGIES = {
@@ -20,6 +21,7 @@ STRATEGIES = {
     "fsdp": FSDP,            # ZeRO stage 1/2/3 (parallel.zero_stage) on flat sharding units
     "torch_fsdp": TorchFSDP,  # PyTorch FSDP2 fully_shard; the reference for fsdp
     "torch_tp": TorchTP,     # PyTorch DTensor tensor parallelism (dp degree 1); the reference for tp
+    "torch_pp": TorchPP,     # torch.distributed.pipelining schedules (dp, tp 1); the reference for pp
 }
 
 

@@ -7,9 +7,11 @@ Under tensor parallelism the units hold this rank's TP-local parameters and
 are sharded over its dp group only.
 
 Per optimizer step each rank communicates (Φ = parameters, k = grad_accum):
-- stage 1: one all-reduce of every unit's full gradient, launched from the
-  gradient hooks of the last micro-step; after the step, one all-gather per
-  unit of the updated shards (model replicated, optimizer state sharded).
+- stage 1: one reduce-scatter of every unit's full (locally accumulated)
+  gradient, launched from the gradient hooks of the last micro-step, since a
+  rank steps only on its own shard; after the step, one all-gather per unit of
+  the updated shards (model and full gradients replicated in memory, optimizer
+  state sharded). On the wire that is DDP's volume: 2(N-1)/N x 4 bytes x Φ.
 - stage 2: like stage 1, but each micro-step reduce-scatters a unit's gradient
   the moment its last parameter's gradient is ready (overlapping the rest of
   backward), and only the 1/N gradient shard is kept.
@@ -85,7 +87,7 @@ class FSDP(Strategy):
         self._ready[unit] = -1  # done for this micro-step
         if self.stage == 1:
             if self._last_micro:  # earlier micro-steps accumulate locally (no_sync)
-                self._pending.append(unit.all_reduce_grads(self.comm))
+                self._pending.append(unit.reduce_scatter_full_grad(self.comm))
             return
         self._pending.append(unit.reduce_scatter_grads(self.comm))
         if self.stage == 3:

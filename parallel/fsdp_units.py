@@ -134,10 +134,14 @@ class FlatUnit:
             self.grad_shard.add_(out.div_(self.world))
         return work, finish
 
-    def all_reduce_grads(self, comm):
-        """Stage 1, last micro-step: average the full flat gradient on every rank."""
-        work = comm.all_reduce(self.full_grad, group=self.group, async_op=True)
-        return work, lambda: self.full_grad.div_(self.world)
+    def reduce_scatter_full_grad(self, comm):
+        """Stage 1, last micro-step: the accumulated full gradient (resident all step)
+        -> async reduce-scatter; finish() puts the averaged shard into grad_shard, the
+        only part clipping and AdamW read. The rest of full_grad keeps this rank's own
+        sums until zero_grads: no all-reduce, since nobody steps on the other shards."""
+        out = torch.empty_like(self.grad_shard)
+        work = comm.reduce_scatter(out, self.full_grad, group=self.group, async_op=True)
+        return work, lambda: self.grad_shard.copy_(out.div_(self.world))
 
     def zero_grads(self):
         (self.full_grad if self.stage == 1 else self.grad_shard).zero_()

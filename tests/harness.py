@@ -16,6 +16,7 @@ sessions of their own, so killing the launcher alone leaves them running).
 import glob
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -156,6 +157,25 @@ def snapshot_state(snapshot_dir):
             "optimizer": {"state": optimizer_state_from(open_snapshot(str(snapshot_dir)))}}
 
 
+def our_frames(text):
+    """The traceback frames (`File "..."` lines) of `text` that are in this project's
+    own source: under the checkout, but not in a virtual environment or a
+    site-packages that happens to live there (`python -m venv .venv` in the
+    repository root puts torchrun's own frames under the checkout too)."""
+    repo = os.path.realpath(REPO)
+    ours = []
+    for path in re.findall(r'File "([^"]+)"', text):
+        real = os.path.realpath(path)
+        if not os.path.isabs(path) or not real.startswith(repo + os.sep):  # "<frozen runpy>"
+            continue
+        parts = os.path.relpath(real, repo).split(os.sep)
+        in_env = any(p in ("site-packages", "dist-packages") for p in parts) or any(
+            os.path.exists(os.path.join(repo, *parts[:i], "pyvenv.cfg")) for i in range(1, len(parts)))
+        if not in_env:
+            ours.append(path)
+    return ours
+
+
 def max_rel_diff(ref, got):
     return max(abs(a - b) / max(abs(a), 1e-12) for a, b in zip(ref, got))
 
@@ -187,7 +207,6 @@ _layout_results = {}
 def layout_worker_result(world):
     """tests/layout_worker.py's RESULT on `world` ranks, run once per test session
     (tests/test_tp.py and tests/test_pp.py share it)."""
-    import re
     if world not in _layout_results:
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
                f"--nproc_per_node={world}", os.path.join(REPO, "tests", "layout_worker.py")]

@@ -6,7 +6,7 @@ import shutil
 
 import pytest
 
-from harness import REPO, run_job
+from harness import our_frames, run_job
 
 
 def assert_clean_failure(result, *needles):
@@ -24,7 +24,7 @@ def assert_clean_failure(result, *needles):
                 assert needle in line, line
     assert printed >= 1, result.stderr
     # no traceback from our code (torchrun's launcher adds its own failure summary)
-    assert f'File "{REPO}' not in result.stderr, result.stderr
+    assert not our_frames(result.stderr), result.stderr
 
 
 @pytest.mark.parametrize("name,content,needle", [
@@ -79,6 +79,25 @@ def damage(snap, how):
         meta["gpt_config"]["n_embd"] = 48
         manifest.write_text(json.dumps(meta))
         return snap
+    # names are data from elsewhere: a complete, valid copy lies outside the snapshot,
+    # so a reader that followed the name would resume from it without complaint
+    outside = snap.parent / "outside"
+    if how == "latest.json leads outside":
+        shutil.copytree(step_dir, outside / step_dir.name)
+        latest = snap / "latest.json"
+        pointer = json.loads(latest.read_text())
+        pointer["step_dir"] = f"../outside/{step_dir.name}"
+        latest.write_text(json.dumps(pointer))
+        return latest
+    if how == "manifest names a part outside":
+        outside.mkdir()
+        shutil.copy(part, outside / part.name)
+        meta = json.loads(manifest.read_text())
+        for entry in meta["parts"]:
+            if entry["file"] == part.name:
+                entry["file"] = f"../../outside/{part.name}"
+        manifest.write_text(json.dumps(meta))
+        return manifest
     return snap
 
 
@@ -88,6 +107,8 @@ def damage(snap, how):
     ("part from another version", [], "another version"),
     ("garbage manifest", [], "corrupt or truncated"),
     ("manifest of another shape", [], "another shape"),
+    ("latest.json leads outside", [], "must not lead outside"),
+    ("manifest names a part outside", [], "must not lead outside"),
     (None, ["model.n_embd=48"], "another shape"),
     (None, ["trainer.batch_size=24"], "batch_size"),
 ])

@@ -1,6 +1,9 @@
 """The benchmark command end to end on a tiny model: its reports carry the jobs' own numbers."""
 
+import glob
 import json
+import os
+import re
 import sys
 from statistics import median
 
@@ -17,7 +20,7 @@ STEPS, WARMUP = 6, 2
 def test_bench_reports_the_jobs_numbers(tmp_path):
     out, runs = tmp_path / "out", tmp_path / "runs"
     cmd = [sys.executable, "-m", "bench.run", "--model", "tiny", "--variants", "single,torch_ddp",
-           "--rounds", "1", "--steps", str(STEPS), "--warmup", str(WARMUP), "--data", "",
+           "--rounds", "1", "--steps", str(STEPS), "--warmup", str(WARMUP),
            "--out", str(out), "--runs-dir", str(runs)]
     result = run_tree(cmd, 180, "bench.run", cwd=REPO, env=job_env())
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
@@ -26,6 +29,8 @@ def test_bench_reports_the_jobs_numbers(tmp_path):
     md = (out / "results.md").read_text()
     assert (out / "step_time.png").stat().st_size > 0
     assert "python -m bench.run --model tiny --variants single,torch_ddp" in md
+    # by default the embedded corpus, the same on every machine: no data.path of this one
+    assert not [o for o in doc["settings"]["overrides"] if o.startswith("data.path")]
 
     medians = {}
     for name in ("single", "torch_ddp"):
@@ -56,3 +61,18 @@ def test_textbook_figures():
     assert ddp["wire_bytes"] == 4000  # ring: 2(N-1)/N x 4 bytes x params
     assert zero3["wire_bytes"] == 1.5 * ddp["wire_bytes"]
     assert (ddp["state_bytes"], zero3["state_bytes"]) == (16000, 8000)
+
+
+def test_committed_results_name_no_path_of_one_machine():
+    """The committed benchmark results and docs record commands and settings a fresh
+    clone can run as written: no absolute path of the machine that made them."""
+    machine_path = re.compile(r"(?<![\w.<])/(work|tmp|home|Users|root|mnt|opt|srv)/")
+    files = glob.glob(os.path.join(REPO, "docs", "**", "*.md"), recursive=True) + \
+        glob.glob(os.path.join(REPO, "docs", "**", "*.json"), recursive=True) + \
+        [os.path.join(REPO, "README.md"), os.path.join(REPO, "bench", "README.md")]
+    found = []
+    for path in files:
+        with open(path) as f:
+            found += [f"{os.path.relpath(path, REPO)}:{n}: {m.group(0)}"
+                      for n, line in enumerate(f, 1) if (m := machine_path.search(line))]
+    assert len(files) > 8 and not found, found

@@ -35,6 +35,9 @@ def test_defaults_and_overrides():
     (["parallel.pp=2", "parallel.pp_layers=[4]"], 2, "pp_layers"),
     (["parallel.pp=2", "parallel.pp_layers=[0,4]"], 2, "pp_layers"),
     (["parallel.pp=2", "parallel.dp=torch_ddp"], 4, "does not run under pipeline"),
+    (["parallel.dp=torch_pp"], 1, "set parallel.pp > 1"),
+    (["parallel.dp=torch_pp", "parallel.pp=2"], 4, "no data-parallel dimension"),
+    (["parallel.dp=torch_tp"], 1, "set parallel.tp > 1"),
     (["parallel.pp=2", "parallel.dp=fsdp", "parallel.zero_stage=3"], 4, "zero_stage=3 with"),
     (["parallel.pp=2", "parallel.microbatches=5"], 2, "parallel.microbatches 5"),
     (["trainer.batch_size=10"], 3, "divisible"),
@@ -51,6 +54,8 @@ def test_defaults_and_overrides():
     (["sample.top_k=-3"], 1, "top_k"),
     (["parallel.timeout_s=inf"], 1, "timeout_s"),
     (["parallel.zero_stage=4"], 1, "zero_stage"),
+    (["trainer.keep_snapshots=0"], 1, "keep_snapshots"),
+    (["trainer.resume_step=0"], 1, "resume_step"),
 ])
 def test_bad_config_is_one_clear_error(overrides, world, message):
     with pytest.raises(UserError, match=message):

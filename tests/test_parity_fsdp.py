@@ -139,6 +139,39 @@ def test_torch_fsdp_matches_single(single, tmp_path_factory, nproc, extra):
     assert_same_run(single(overrides), run(tmp_path_factory, nproc, overrides))
 
 
+ZERO1 = [c for c in MATRIX if "parallel.zero_stage=1" in c[1]]
+
+
+@pytest.mark.parametrize("nproc,overrides", ZERO1, ids=[case_id(c) for c in ZERO1])
+def test_zero1_sends_what_ddp_sends(tmp_path_factory, nproc, overrides):
+    """Stage 1 steps on its own shard, so per optimizer step (whatever grad_accum) it
+    needs one reduce-scatter of each unit's full gradient and one all-gather of each
+    unit's updated shard, nothing more: on the wire, 1.00x DDP's all-reduce of the
+    gradient (bench/stats.py's textbook), up to the padding that makes a unit divide
+    by N. Exact bytes in parallel/comm.py's convention (reduce-scatter: its input,
+    all-gather: its output, both the padded flat unit; plus the norm's scalar)."""
+    from bench import stats
+    metrics, snapshot = run(tmp_path_factory, nproc, overrides)
+    units = {}
+    for name, t in snapshot["model"].items():  # a block per unit, the rest is the root
+        unit = ".".join(name.split(".")[:3]) if name.startswith("transformer.h.") else "root"
+        units[unit] = units.get(unit, 0) + t.numel()
+    phi = sum(units.values())
+    padded = sum(nproc * -(-numel // nproc) for numel in units.values())
+    expected = {"comm_reduce_scatter_calls": len(units), "comm_reduce_scatter_bytes": 4 * padded,
+                "comm_all_gather_calls": len(units), "comm_all_gather_bytes": 4 * padded,
+                "comm_all_reduce_calls": 1, "comm_all_reduce_bytes": 4,  # the norm's square sum
+                "comm_calls": 2 * len(units) + 1, "comm_bytes": 8 * padded + 4}
+    for r in metrics:
+        assert {k: v for k, v in r.items() if k.startswith("comm_")} == expected, r["step"]
+    wire = stats.comm_per_step(metrics, nproc)["wire_bytes_est"] - 2 * (nproc - 1) / nproc * 4
+    textbook = stats.textbook(phi, nproc, 1)["wire_bytes"]
+    print(f"ZeRO-1 on {nproc} ranks: gradient wire {wire / textbook:.6f}x DDP's "
+          f"(padding {padded - phi} of {phi} elements)")
+    assert wire == pytest.approx(textbook * padded / phi, rel=1e-12)
+    assert padded - phi <= len(units) * (nproc - 1)  # padding: < 1 element per rank and unit
+
+
 @pytest.mark.parametrize("stage", [1, 2, 3])
 def test_state_bytes_follow_zero_formulas(tmp_path_factory, stage):
     """fp32 AdamW, Φ params, N ranks: 8Φ+8Φ/N, 4Φ+12Φ/N, 16Φ/N bytes (within 10%)."""

@@ -18,7 +18,6 @@
 """
 
 import json
-import os
 
 import pytest
 
@@ -139,6 +138,14 @@ def test_schedule_through_main_matches_single_with_validation_and_bubble(
     for stage, actions in enumerate(timeline["stages"]):
         assert len(actions) == 2 * M * V, (stage, actions)
         assert all(t0 <= t1 for *_, t0, t1 in actions)
+
+
+def test_torch_pipelining_reference_matches_single(tmp_path, single4):
+    """The benchmark's reference: torch.distributed.pipelining's schedules on our split."""
+    got = run_metrics(tmp_path, 2, ["parallel.dp=torch_pp", "parallel.pp=2",
+                                    "parallel.pp_schedule=interleaved", "parallel.microbatches=2",
+                                    "parallel.pp_virtual_stages=2"] + FOUR)
+    assert_parity(single4, got)
 
 
 def test_1f1b_holds_fewer_activations_than_gpipe(tmp_path):

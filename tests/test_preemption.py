@@ -1,0 +1,183 @@
+"""Preemption (preemption.py): a signal at a random step, the snapshot of the step reached
+(not the last periodic one), a distinct exit, and a resume with the losses of a run
+never interrupted.
+
+As a cluster does it: SIGTERM to the torchrun launcher (it forwards the signal to
+its workers, then waits up to its shutdown timeout before SIGKILL), SIGUSR1 to a
+launcher told to forward it (`--signals-to-handle`, as scripts/slurm_train.sbatch
+does), SIGTERM to one worker only (the other rank gets no signal and must stop
+after the same step, not wait), and SIGTERM to a plain `python main.py`.
+"""
+
+import os
+import random
+import re
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from harness import TINY, command, job_env, read_metrics, run_job, run_metrics
+from snapshot import open_snapshot
+from test_elastic import rank_of, workers_of
+
+ARGS = ["trainer.max_steps=30", "trainer.save_every=8", "model.n_embd=64",
+        "data.block_size=32", "model.dropout=0.1"]  # dropout: the random stream resumes too
+FORWARD_USR1 = ["--signals-to-handle=SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1"]
+
+_references = {}
+
+
+def reference(tmp_path, nproc, args):
+    key = (nproc, tuple(args))
+    if key not in _references:
+        _references[key] = run_metrics(tmp_path, nproc, args)
+    return _references[key]
+
+
+def logged_steps(workdir):
+    path = os.path.join(workdir, "runs", "default", "metrics.jsonl")
+    if not os.path.exists(path):
+        return 0
+    with open(path) as f:
+        return f.read().count("\n")
+
+
+def run_and_signal(workdir, nproc, args, launcher_args, at_step, send, timeout=240):
+    """Start a job; once `at_step` steps are logged call send(launcher pid).
+    Returns (exit status, output, seconds from the signal to the exit)."""
+    os.makedirs(workdir, exist_ok=True)
+    proc = subprocess.Popen(command(nproc, TINY + args, launcher_args), cwd=workdir, env=job_env(),
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            start_new_session=True)
+    deadline, sent = time.time() + timeout, None
+    try:
+        while sent is None and proc.poll() is None and time.time() < deadline:
+            if logged_steps(workdir) >= at_step and send(proc.pid):
+                sent = time.time()
+            time.sleep(0.002)
+        output, _ = proc.communicate(timeout=max(1, deadline - time.time()))
+    except subprocess.TimeoutExpired:
+        for pid in workers_of(proc.pid) + [proc.pid]:  # the workers live in their own sessions
+            os.kill(pid, signal.SIGKILL)
+        raise AssertionError("job hung after the signal")
+    assert sent is not None, f"the job ended before step {at_step}:\n{output[-3000:]}"
+    return proc.returncode, output, time.time() - sent
+
+
+def to_launcher(sig):
+    def send(pid):
+        os.kill(pid, sig)
+        return True
+    return send
+
+
+def to_rank(rank, sig):
+    def send(pid):
+        workers = workers_of(pid)
+        if len(workers) < 2:
+            return False
+        os.kill(next(w for w in workers if rank_of(w) == rank), sig)
+        return True
+    return send
+
+
+CASES = {
+    # name: (nproc, strategy, launcher args, whom to signal, the launcher's exit status)
+    # torchrun 2.13, signalled itself: forwards, waits for its workers, then raises
+    # SignalException: exit 1. When only a worker exits 75, it reports a failed child: 1.
+    "fsdp-SIGTERM-to-torchrun": (2, ["parallel.dp=fsdp"], [], to_launcher(signal.SIGTERM), 1),
+    "ddp_bucket-SIGUSR1-to-torchrun": (2, ["parallel.dp=ddp_bucket"], FORWARD_USR1,
+                                       to_launcher(signal.SIGUSR1), 1),
+    "ddp_bucket-SIGTERM-to-rank1-only": (2, ["parallel.dp=ddp_bucket"], [],
+                                         to_rank(1, signal.SIGTERM), 1),
+    "single-SIGTERM-to-python": (1, ["parallel.dp=single"], [], to_launcher(signal.SIGTERM), 75),
+}
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_signal_snapshots_the_step_reached_and_resumes_exactly(tmp_path, case):
+    nproc, strategy, launcher_args, send, launcher_status = CASES[case]
+    args = strategy + ARGS
+    ref = reference(tmp_path, nproc, args)
+    at_step = random.randint(3, 24)
+    workdir = str(tmp_path / "preempted")
+    code, output, seconds = run_and_signal(workdir, nproc, args, launcher_args, at_step, send)
+    print(f"{case}: signalled after step {at_step}; exit {code} {seconds:.1f} s later")
+
+    assert code == launcher_status, output[-4000:]
+    stopped = re.findall(r"^preempted: SIG\w+ received, stopped after step (\d+) of 30 .*"
+                         r"\(exit status 75\)$", output, re.M)
+    assert len(stopped) == 1, output[-4000:]  # the main rank says it, once
+    step = int(stopped[0])
+    metrics = read_metrics(os.path.join(workdir, "runs", "default"))
+    assert at_step <= step < 30 and [r["step"] for r in metrics] == list(range(1, step + 1))
+    snap = os.path.join(workdir, "runs", "default", "snapshot")
+    assert open_snapshot(snap).meta["step"] == step, "the step reached, not the last periodic one"
+    assert "forcefully exiting" not in output  # torchrun never had to SIGKILL a worker
+    if case.endswith("rank1-only"):  # rank 1 exited 75, as the failure summary shows
+        assert re.search(r"exitcode\s*:\s*75", output), output[-4000:]
+
+    resumed = run_job(workdir, nproc, args)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert f"at step {step}" in resumed.stdout
+    got = read_metrics(os.path.join(workdir, "runs", "default"))
+    assert [r["step"] for r in got] == [r["step"] for r in ref]
+    for a, b in zip(ref, got):
+        assert abs(a["loss"] - b["loss"]) <= 1e-6 * a["loss"], (a, b)
+
+
+# srun on one node, with srun's signal handling (srun(1), src/srun/libsrun/srun_job.c):
+# SIGUSR1/SIGUSR2 are forwarded to the task, a SIGTERM becomes SIGKILL of the task
+SRUN = """#!/bin/bash
+"$@" &
+task=$!
+trap 'kill -USR1 $task' USR1
+trap 'kill -USR2 $task' USR2
+trap 'echo "srun: forcing job termination" >&2; kill -KILL $task' TERM
+wait $task; status=$?
+while kill -0 $task 2>/dev/null; do wait $task; status=$?; done
+exit $status
+"""
+
+
+def test_slurm_script_requeues_a_preempted_job(tmp_path):
+    """scripts/slurm_train.sbatch under stand-ins for srun (runs its command here, and
+    handles signals as srun does) and scontrol: Slurm's SIGUSR1 to the batch shell ends
+    in a snapshot of the step reached and a requeue; the batch script itself exits 0."""
+    import socket
+    from harness import REPO
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    (bin_dir / "srun").write_text(SRUN)
+    (bin_dir / "torchrun").write_text(f'#!/bin/bash\nexec "{sys.executable}" -m torch.distributed.run "$@"\n')
+    (bin_dir / "scontrol").write_text(
+        '#!/bin/bash\nif [ "$1" = show ]; then echo localhost; else echo "$@" >> "$REQUEUED"; fi\n')
+    for f in bin_dir.iterdir():
+        f.chmod(0o755)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    run_dir = tmp_path / "run"
+    env = dict(job_env(), PATH=f"{bin_dir}:{os.environ['PATH']}", SLURM_JOB_ID="4242",
+               SLURM_NNODES="1", SLURM_JOB_NODELIST="localhost", GPUS_PER_NODE="2",
+               RDZV_PORT=str(port), REQUEUED=str(tmp_path / "requeued"))
+    args = TINY + ["parallel.dp=ddp_bucket"] + ARGS + [f"trainer.run_dir={run_dir}"]
+    proc = subprocess.Popen(["bash", os.path.join(REPO, "scripts", "slurm_train.sbatch"), *args],
+                            cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            text=True)
+    deadline, metrics = time.time() + 240, run_dir / "metrics.jsonl"
+    while proc.poll() is None and time.time() < deadline and not (
+            metrics.exists() and metrics.read_text().count("\n") >= 5):
+        time.sleep(0.01)
+    proc.send_signal(signal.SIGUSR1)  # what --signal=B:USR1@180 does
+    output, _ = proc.communicate(timeout=max(1, deadline - time.time()))
+    assert proc.returncode == 0, output[-4000:]
+    assert (tmp_path / "requeued").read_text().split() == ["requeue", "4242"], output[-4000:]
+    stopped = re.search(r"stopped after step (\d+) of 30", output)
+    assert stopped, output[-4000:]
+    step = int(stopped.group(1))
+    assert 5 <= step < 30
+    assert open_snapshot(str(run_dir / "snapshot")).meta["step"] == step
