@@ -123,6 +123,23 @@ def markdown(cmd, settings, summary, skipped, jobs, chart):
             lines.append(f"| {name} | {mb:.1f} | {rel} |")
         lines += ["", "- bytes of the tensors autograd holds for backward (activation_meter.py, "
                   "`trainer.measure_activations=true`), peak within a step."]
+    pipes = {n: v["pipeline"] for n, v in summary.items() if v.get("pipeline")}
+    if pipes:
+        lines += ["", "## Pipeline: bubble and busy time (per stage, median step)", "",
+                  "| variant | P x M (x V) | bubble measured | textbook (P-1)/(M+P-1)/V | "
+                  "busy ms per stage | idle ms per stage |", "|---|---|---:|---:|---|---|"]
+        for name, p in pipes.items():
+            shape = f"{p['P']} x {p['M']}" + (f" x {p['V']}" if p["V"] > 1 else "")
+            lines.append(f"| {name} | {shape} | {p['bubble']:.3f} | {p['textbook_bubble']:.3f} | "
+                         f"{' / '.join(f'{b:.1f}' for b in p['busy_ms'])} | "
+                         f"{' / '.join(f'{i:.1f}' for i in p['idle_ms'])} |")
+        lines += ["", "- bubble: the idle share of each stage's schedule (time waiting for a "
+                  "neighbour, from the start of the step's first action to the end of its last), "
+                  "averaged over stages; busy: time computing forwards and backwards. The "
+                  "textbook assumes equal stages, a backward costing what a forward does and "
+                  "free communication."]
+        if any(p["timeline"] for p in pipes.values()):
+            lines += ["", "![pipeline timelines](pipeline_timeline.png)"]
     tp = {n: v for n, v in summary.items() if v.get("tp_parameters")}
     if tp:
         lines += ["", "## Tensor parallelism: parameters per rank", "",
@@ -184,6 +201,41 @@ def chart(path, summary):
     return os.path.basename(path)
 
 
+def timeline_chart(path, summary):
+    """One panel per pipeline variant: a row per stage, a box per forward (light) and
+    backward (dark), labelled by micro-batch (and chunk, interleaved)."""
+    runs = {n: v["pipeline"]["timeline"] for n, v in summary.items()
+            if v.get("pipeline") and v["pipeline"]["timeline"]}
+    if not runs:
+        return None
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return None
+    height = sum(1.0 + 0.5 * len(t["stages"]) for t in runs.values())
+    fig, axes = plt.subplots(len(runs), 1, figsize=(12, height), squeeze=False)
+    for ax, (name, t) in zip(axes[:, 0], runs.items()):
+        for s, actions in enumerate(t["stages"]):
+            for kind, chunk, m, t0, t1 in actions:
+                ax.broken_barh([(t0, t1 - t0)], (s - 0.4, 0.8),
+                               color="tab:blue" if kind == "F" else "tab:orange",
+                               alpha=0.55 if kind == "F" else 0.85, edgecolor="black", linewidth=0.4)
+                label = f"{m}" if t["virtual_stages"] == 1 else f"{m}.{chunk}"
+                ax.text((t0 + t1) / 2, s, label, ha="center", va="center", fontsize=6)
+        ax.set_yticks(range(len(t["stages"])), [f"stage {s}" for s in range(len(t["stages"]))])
+        ax.invert_yaxis()
+        ax.set_title(f"{name}: {t['schedule']}, M={t['microbatches']}"
+                     + (f", V={t['virtual_stages']}" if t["virtual_stages"] > 1 else "")
+                     + " (blue forward, orange backward; label = micro-batch[.chunk])", fontsize=8)
+        ax.set_xlabel("ms since the step's first action")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return os.path.basename(path)
+
+
 def write_all(out, cmd, settings, summary, skipped, jobs):
     os.makedirs(out, exist_ok=True)
     paths = {k: os.path.join(out, f) for k, f in
@@ -192,6 +244,8 @@ def write_all(out, cmd, settings, summary, skipped, jobs):
         json.dump({"command": cmd, "settings": settings, "variants": summary,
                    "skipped": skipped, "jobs": jobs}, f, indent=1)
     png = chart(paths["png"], summary)
+    if timeline_chart(os.path.join(out, "pipeline_timeline.png"), summary):
+        paths["timeline"] = os.path.join(out, "pipeline_timeline.png")
     if png is None:
         del paths["png"]
     with open(paths["md"], "w") as f:

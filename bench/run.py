@@ -14,6 +14,7 @@ too), results.md and step_time.png into --out.
 """
 
 import argparse
+import json
 import os
 import shlex
 import shutil
@@ -93,8 +94,10 @@ def run_job(ranks, threads, overrides, run_dir, timeout):
         code, tail = proc.returncode, (proc.stderr or proc.stdout)[-20000:]
     except subprocess.TimeoutExpired:
         code, tail = None, f"hung: killed after {timeout:.0f}s"
+    timeline = os.path.join(run_dir, "pipeline_timeline.json")  # pipeline jobs' last step
     return {"returncode": code, "seconds": round(time.perf_counter() - started, 2),
             "records": stats.read_metrics(os.path.join(run_dir, "metrics.jsonl")),
+            "timeline": json.load(open(timeline)) if os.path.exists(timeline) else None,
             "error": "" if code == 0 else tail}
 
 

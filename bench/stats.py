@@ -154,6 +154,25 @@ def loss_diff(jobs, a, b):
     return max(abs(x - y) / max(abs(y), 1e-12) for x, y in zip(la, lb))
 
 
+def pipeline_figures(variant, ranks, recs, jobs):
+    """Measured bubble (pp_bubble: the idle share of the schedule, mean over stages) and
+    busy/idle per stage, beside the textbook (P-1)/(M+P-1), divided by V interleaved;
+    the first job's timeline of its last step. None for a variant without a pipeline."""
+    if not recs or "pp_bubble" not in recs[0]:
+        return None
+    keys = dict(o.split("=", 1) for o in variant.overrides)
+    P = ranks
+    M = int(keys.get("parallel.microbatches", 1))
+    V = int(keys.get("parallel.pp_virtual_stages", 1))
+    stages = sorted(int(k[len("pp_busy_ms_stage"):]) for k in recs[0] if k.startswith("pp_busy_ms_stage"))
+    return {"P": P, "M": M, "V": V, "schedule": keys.get("parallel.pp_schedule", "1f1b"),
+            "bubble": median(r["pp_bubble"] for r in recs),
+            "textbook_bubble": (P - 1) / (M + P - 1) / V,
+            "busy_ms": [median(r[f"pp_busy_ms_stage{s}"] for r in recs) for s in stages],
+            "idle_ms": [median(r[f"pp_idle_ms_stage{s}"] for r in recs) for s in stages],
+            "timeline": next((j["timeline"] for j in jobs if j.get("timeline")), None)}
+
+
 def summarize(jobs, variants, params, warmup, cfg=None):
     """variants: [(Variant, ranks, threads)]; failed jobs are left out of every figure.
     cfg: the jobs' config (model, data, batch), for the tensor-parallel figures."""
@@ -181,6 +200,7 @@ def summarize(jobs, variants, params, warmup, cfg=None):
             "loss_rel_diff_vs_single": loss_diff(ok, v.name, "single"),
             "textbook": textbook(params, ranks, v.zero_stage),
         }
+        out[v.name]["pipeline"] = pipeline_figures(v, ranks, recs, mine)
         if v.tensor_parallel and cfg is not None and params:
             layout = tp_parameters(cfg, ranks)
             book = out[v.name]["textbook"] = {**tp_textbook(cfg, ranks),

@@ -57,6 +57,30 @@ VARIANTS = [
             reference="torch_tp", tensor_parallel=True,
             note="own TP + sequence parallelism (all-gather / reduce-scatter)"),
 ]
+
+
+def pipeline_variants():
+    """Own and torch.distributed.pipelining schedules on the same split (pp = --nproc, M = 4),
+    and own GPipe / 1F1B at M = 2, 4, 8 for activation memory."""
+    out = []
+    for schedule, extra in (("gpipe", ()), ("1f1b", ()),
+                            ("interleaved", ("parallel.pp_virtual_stages=2",))):
+        common = ("parallel.pp={nproc}", f"parallel.pp_schedule={schedule}",
+                  "parallel.microbatches=4") + extra
+        out.append(Variant(f"torch_pp_{schedule}", ("parallel.dp=torch_pp",) + common,
+                           note=f"torch.distributed.pipelining {schedule} (reference)"))
+        out.append(Variant(f"pp_{schedule}", ("parallel.dp=single",) + common,
+                           reference=f"torch_pp_{schedule}", note=f"own {schedule}"))
+    for schedule in ("gpipe", "1f1b"):
+        for m in (2, 4, 8):
+            out.append(Variant(f"pp_{schedule}_m{m}", (
+                "parallel.dp=single", "parallel.pp={nproc}", f"parallel.pp_schedule={schedule}",
+                f"parallel.microbatches={m}"), note=f"own {schedule}, {m} micro-batches"))
+    return out
+
+
+VARIANTS += pipeline_variants()
+
 BY_NAME = {v.name: v for v in VARIANTS}
 
 # each preset starts with `single`: every ratio "vs single" needs it in the same round
@@ -64,6 +88,10 @@ PRESETS = {
     "ddp": ["single", "torch_ddp", "ddp_naive", "ddp_bucket", "ddp_bucket_ring"],
     "fsdp": ["single", "torch_ddp", "torch_fsdp", "fsdp1", "fsdp2", "fsdp3", "fsdp3_noprefetch"],
     "tp": ["single", "torch_tp", "tp", "tp_sp"],
+    "pp": ["single", "torch_pp_gpipe", "pp_gpipe", "torch_pp_1f1b", "pp_1f1b",
+           "torch_pp_interleaved", "pp_interleaved"],
+    "pp_memory": ["single", "pp_gpipe_m2", "pp_gpipe_m4", "pp_gpipe_m8",
+                  "pp_1f1b_m2", "pp_1f1b_m4", "pp_1f1b_m8"],
     "all": [v.name for v in VARIANTS if v.name != "single_1t"],
 }
 

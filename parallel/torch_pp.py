@@ -66,6 +66,9 @@ class TorchPP(ReplicatedStrategy):
         self.schedule = cls(stages, n_microbatches=cfg.microbatches, loss_fn=self._loss,
                             scale_grads=False)
 
+    def step_stats(self, last=False):
+        return {}, {}  # torch's schedules run outside our Pipeline: no busy/idle record
+
     def _loss(self, logits, target):
         return F.cross_entropy(logits.reshape(-1, logits.size(-1)), target.reshape(-1)) * self.scale
 
