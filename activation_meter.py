@@ -41,8 +41,12 @@ class ActivationMeter:
         if isinstance(t, torch.nn.Parameter) or isinstance(t._base, torch.nn.Parameter) \
                 or t.device.type == "meta":
             return t  # a weight (or its transpose) saved for backward is not an activation
-        storage = t.untyped_storage()
-        ptr = storage.data_ptr()
+        local = t.to_local() if hasattr(t, "to_local") else t  # a DTensor: this rank's shard
+        try:
+            storage = local.untyped_storage()
+            ptr = storage.data_ptr()
+        except RuntimeError:  # a tensor subclass with no storage of its own
+            return t
         if ptr == 0:
             return t
         entry = self.live.get(ptr)
