@@ -94,7 +94,7 @@ def markdown(cmd, settings, summary, skipped, jobs, chart):
               "|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for name, v in summary.items():
         c, t = v["comm"], v["textbook"] or {}
-        counted = c.get("comm_calls", 0) > 0 or v["ranks"] == 1
+        counted = v.get("traffic_counted", True) and (c.get("comm_calls", 0) > 0 or v["ranks"] == 1)
         wire, book = c["wire_bytes_est"], t.get("wire_bytes")
         rel = f"{wire / book:.2f}x" if counted and book else "-"
         lines.append(
@@ -108,8 +108,10 @@ def markdown(cmd, settings, summary, skipped, jobs, chart):
         "the all_gather output, the reduce_scatter input). Est. wire: what a ring algorithm "
         "would make one rank send for that payload (all-reduce 2(N-1)/N, all-gather and "
         "reduce-scatter (N-1)/N). Textbook wire: one gradient (4 bytes x params) all-reduced by "
-        "a ring, 2(N-1)/N x gradient bytes, for DDP and ZeRO-1/2; 1.5x that for ZeRO-3.",
-        "- 'not counted': PyTorch's own DDP/FSDP send through their own code, not our counter.",
+        "a ring, 2(N-1)/N x gradient bytes, for DDP and ZeRO-1/2; 1.5x that for ZeRO-3 (TP and "
+        "pipeline variants: their own textbook, see below).",
+        "- 'not counted': PyTorch's own DDP/FSDP/TP/pipelining send through their own code, not "
+        "our counter.",
         "- state: parameters + gradients + optimizer state on the rank at the end of a step "
         "(fp32 Adam: 16 bytes/param, /N for what a ZeRO stage shards). Peak RSS: max resident "
         "memory of rank 0's process (Python and torch included), max over the logged steps.",
@@ -137,7 +139,12 @@ def markdown(cmd, settings, summary, skipped, jobs, chart):
                   "neighbour, from the start of the step's first action to the end of its last), "
                   "averaged over stages; busy: time computing forwards and backwards. The "
                   "textbook assumes equal stages, a backward costing what a forward does and "
-                  "free communication."]
+                  "free communication.",
+                  "- pipeline textbook traffic (rank 0, point to point, so wire = payload): one "
+                  "activation forward per micro-batch from each of its V chunks and one gradient "
+                  "back into each but the first, (2V-1) x batch x tokens x width x 4 bytes a "
+                  "step, plus the tied embedding's gradient (to the last stage) and the norm's "
+                  "scalar; textbook state: 16 bytes per parameter of rank 0's chunks."]
         if any(p["timeline"] for p in pipes.values()):
             lines += ["", "![pipeline timelines](pipeline_timeline.png)"]
     tp = {n: v for n, v in summary.items() if v.get("tp_parameters")}

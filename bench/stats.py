@@ -79,6 +79,25 @@ def tp_parameters(cfg, tp):
     return out
 
 
+def pp_textbook(cfg, pipe):
+    """Pure pipeline, rank 0 (stage 0, chunks 0, P, 2P, ...) per step: each of its V chunks
+    sends one activation per micro-batch forward, each but chunk 0 one gradient back
+    (together (2V-1) x batch x tokens x width x 4 bytes, point to point: wire = payload),
+    plus the tied embedding's gradient to the last stage and the norm's scalar; state: 16
+    bytes per parameter of its chunks (blocks, embeddings)."""
+    from parallel.pp_schedules import chunk_blocks
+    model = meta_gpt(cfg)
+    C, T, B = cfg.model.n_embd, cfg.data.block_size, cfg.trainer.batch_size
+    wte = model.transformer.wte.weight.numel()
+    payload = (2 * pipe["V"] - 1) * B * T * C * 4 + 4 * wte + 4
+    chunks = chunk_blocks(cfg.model.n_layer, pipe["P"] * pipe["V"], cfg.parallel.pp_layers)
+    mine = [i for c in range(0, pipe["P"] * pipe["V"], pipe["P"]) for i in chunks[c]]
+    params = wte + model.transformer.wpe.weight.numel() + sum(
+        p.numel() for i in mine for p in model.transformer.h[i].parameters())
+    return {"grad_bytes": 4 * params, "payload_bytes": payload, "wire_bytes": payload,
+            "state_bytes": 16 * params}
+
+
 def tp_textbook(cfg, n):
     """Megatron's traffic for pure TP on n ranks, per rank and optimizer step: per layer
     and micro-batch four all-reduces of one activation (two forward, two backward),
@@ -154,19 +173,26 @@ def loss_diff(jobs, a, b):
     return max(abs(x - y) / max(abs(y), 1e-12) for x, y in zip(la, lb))
 
 
+def pipeline_shape(variant, ranks):
+    """P, M, V and the schedule of a variant that runs a pipeline over all its ranks, or None."""
+    keys = dict(o.split("=", 1) for o in variant.overrides)
+    if "parallel.pp" not in keys:
+        return None
+    return {"P": ranks, "M": int(keys.get("parallel.microbatches", 1)),
+            "V": int(keys.get("parallel.pp_virtual_stages", 1)),
+            "schedule": keys.get("parallel.pp_schedule", "1f1b")}
+
+
 def pipeline_figures(variant, ranks, recs, jobs):
     """Measured bubble (pp_bubble: the idle share of the schedule, mean over stages) and
     busy/idle per stage, beside the textbook (P-1)/(M+P-1), divided by V interleaved;
     the first job's timeline of its last step. None for a variant without a pipeline."""
+    shape = pipeline_shape(variant, ranks)
     if not recs or "pp_bubble" not in recs[0]:
         return None
-    keys = dict(o.split("=", 1) for o in variant.overrides)
-    P = ranks
-    M = int(keys.get("parallel.microbatches", 1))
-    V = int(keys.get("parallel.pp_virtual_stages", 1))
+    P, M, V = shape["P"], shape["M"], shape["V"]
     stages = sorted(int(k[len("pp_busy_ms_stage"):]) for k in recs[0] if k.startswith("pp_busy_ms_stage"))
-    return {"P": P, "M": M, "V": V, "schedule": keys.get("parallel.pp_schedule", "1f1b"),
-            "bubble": median(r["pp_bubble"] for r in recs),
+    return {**shape, "bubble": median(r["pp_bubble"] for r in recs),
             "textbook_bubble": (P - 1) / (M + P - 1) / V,
             "busy_ms": [median(r[f"pp_busy_ms_stage{s}"] for r in recs) for s in stages],
             "idle_ms": [median(r[f"pp_idle_ms_stage{s}"] for r in recs) for s in stages],
@@ -201,6 +227,9 @@ def summarize(jobs, variants, params, warmup, cfg=None):
             "textbook": textbook(params, ranks, v.zero_stage),
         }
         out[v.name]["pipeline"] = pipeline_figures(v, ranks, recs, mine)
+        out[v.name]["traffic_counted"] = not v.overrides[0].startswith("parallel.dp=torch_")
+        if pipeline_shape(v, ranks) and cfg is not None and params:
+            out[v.name]["textbook"] = pp_textbook(cfg, pipeline_shape(v, ranks))
         if v.tensor_parallel and cfg is not None and params:
             layout = tp_parameters(cfg, ranks)
             book = out[v.name]["textbook"] = {**tp_textbook(cfg, ranks),
