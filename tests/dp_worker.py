@@ -194,7 +194,9 @@ def main():
     dist.destroy_process_group()
 
 
-if __name__ == "__main__":
+def report_and_exit(main):
+    """Run a worker's main; rank 0 prints RESULT inside it. Exit through os._exit: the
+    teardown after destroy_process_group sometimes aborts (DESIGN.md section 6)."""
     code = 0
     try:
         main()
@@ -203,4 +205,8 @@ if __name__ == "__main__":
         code = 1
     sys.stdout.flush()
     sys.stderr.flush()
-    os._exit(code)  # skip the teardown that sometimes aborts (DESIGN.md section 6)
+    os._exit(code)
+
+
+if __name__ == "__main__":
+    report_and_exit(main)

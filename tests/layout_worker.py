@@ -26,7 +26,6 @@ import hashlib
 import json
 import os
 import sys
-import traceback
 from dataclasses import asdict, dataclass, field
 
 import torch
@@ -35,7 +34,7 @@ import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from dp_worker import OneRank  # noqa: E402  (this directory is the script's: on sys.path)
+from dp_worker import OneRank, report_and_exit  # noqa: E402  (this directory is the script's: on sys.path)
 from model import GPT, GPTConfig  # noqa: E402
 from parallel import build_strategy  # noqa: E402
 from parallel.config import ParallelConfig  # noqa: E402
@@ -262,12 +261,4 @@ def main():
 
 
 if __name__ == "__main__":
-    code = 0
-    try:
-        main()
-    except BaseException:
-        traceback.print_exc()
-        code = 1
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(code)  # skip the teardown that sometimes aborts (DESIGN.md section 6)
+    report_and_exit(main)
