@@ -41,14 +41,20 @@ class SampleConfig:
 
 
 @dataclass
+class ExportConfig:
+    path: str = ""          # mode=export: the Hugging Face GPT-2 folder to write (any fsspec URL)
+
+
+@dataclass
 class Config:
-    mode: str = "train"     # train | sample
+    mode: str = "train"     # train | sample | export
     model: ModelConfig = field(default_factory=ModelConfig)
     data: DataConfig = field(default_factory=DataConfig)
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     wandb: WandbConfig = field(default_factory=WandbConfig)
     sample: SampleConfig = field(default_factory=SampleConfig)
+    export: ExportConfig = field(default_factory=ExportConfig)
 
 
 def load_config(overrides, world_size: int, yaml_path: str = DEFAULT_YAML) -> Config:
@@ -99,7 +105,16 @@ def _first_line(e):
 def validate(cfg: Config, world_size: int):
     m, d, t, p = cfg.model, cfg.data, cfg.trainer, cfg.parallel
     checks = [
-        (cfg.mode in ("train", "sample"), f"mode must be train or sample, got {cfg.mode!r}"),
+        (cfg.mode in ("train", "sample", "export"),
+         f"mode must be train, sample or export, got {cfg.mode!r}"),
+        (cfg.mode != "export" or bool(cfg.export.path),
+         "mode=export needs export.path=DIR: the Hugging Face GPT-2 folder to write"),
+        (t.precision in ("fp32", "bf16", "fp16"),
+         f"trainer.precision must be fp32, bf16 or fp16, got {t.precision!r}"),
+        (t.fp16_init_scale > 0 and t.fp16_growth_interval >= 1,
+         "trainer.fp16_init_scale must be > 0 and trainer.fp16_growth_interval >= 1"),
+        (p.reduce_dtype in ("fp32", "bf16"),
+         f"parallel.reduce_dtype must be fp32 or bf16, got {p.reduce_dtype!r}"),
         (p.dp in STRATEGIES, f"parallel.dp={p.dp!r} is not one of {sorted(STRATEGIES)}"),
         (p.tp >= 1, f"parallel.tp must be >= 1, got {p.tp}"),
         (p.pp >= 1, f"parallel.pp must be >= 1, got {p.pp}"),
@@ -163,8 +178,9 @@ def validate(cfg: Config, world_size: int):
     for ok, message in checks:
         if not ok:
             raise UserError(message)
-    if cfg.mode == "sample":  # one process reads the snapshot: the layout does not matter
+    if cfg.mode in ("sample", "export"):  # one process reads the snapshot: the layout does not matter
         return
+    validate_references(cfg)
 
     if world_size % (p.tp * p.pp):
         raise UserError(f"world size {world_size} is not divisible by parallel.tp * parallel.pp = "
@@ -181,6 +197,21 @@ def validate(cfg: Config, world_size: int):
             f"trainer.batch_size={t.batch_size} (the global batch) must be divisible by "
             f"dp degree {dp} x trainer.grad_accum {t.grad_accum} x parallel.microbatches "
             f"{p.microbatches} = {per_rank}")
+
+
+def validate_references(cfg):
+    """PyTorch's reference strategies measure our own ones in fp32 (torch_ddp and
+    torch_fsdp also in bf16/fp16); what they do not take, refused in one line."""
+    p, t = cfg.parallel, cfg.trainer
+    if p.dp.startswith("torch_") and p.reduce_dtype != "fp32":
+        raise UserError(f"parallel.reduce_dtype={p.reduce_dtype} applies to our strategies "
+                        f"(ddp_naive, ddp_bucket, fsdp); parallel.dp={p.dp} is PyTorch's reference "
+                        "and reduces in fp32")
+    if p.dp in ("torch_tp", "torch_pp") and (t.precision != "fp32" or t.activation_checkpointing):
+        raise UserError(f"parallel.dp={p.dp} is PyTorch's reference for parallel.{p.dp[6:]} and runs "
+                        "in fp32 without activation checkpointing: use trainer.precision=fp32 and "
+                        "trainer.activation_checkpointing=false, or our parallel.dp with "
+                        f"parallel.{p.dp[6:]}")
 
 
 def validate_pipeline(m, p):

@@ -3,6 +3,7 @@
     torchrun --standalone --nproc_per_node=2 main.py [key=value ...]
     python main.py [key=value ...]                 # world size 1
     python main.py mode=sample sample.prompt="KING:"
+    python main.py mode=export export.path=DIR     # a Hugging Face GPT-2 folder (export.py)
 
 Every failure a user can fix is a UserError: printed as one line on every
 rank, exit status 2. SIGTERM or SIGUSR1 (a cluster preempting the job) stops
@@ -24,7 +25,9 @@ import torch.distributed as dist
 import preemption
 from char_dataset import build_tokenizer, load_text, split_tokens
 from config import load_config, resolved_yaml, to_dict
+import hf_gpt2
 from errors import UserError
+from export import export
 from model import GPT, GPTConfig
 from parallel import build_strategy
 from parallel.grid import ProcessGrid
@@ -81,13 +84,25 @@ def prepare(cfg, is_main):
     notes = ([note] if note else []) + (check_resumable(path, snapshot.meta["config"], cfg)
                                         if snapshot else [])
     text = load_text(cfg.data.path)
-    tokenizer = build_tokenizer(cfg.data.tokenizer, text,
-                                saved=snapshot.meta["tokenizer"] if snapshot else None)
+    init = None
+    if cfg.model.init_from and snapshot:
+        notes.append(f"note: model.init_from is ignored: resuming from the snapshot at {path}")
+    elif cfg.model.init_from:
+        init = hf_gpt2.read_folder(cfg.model.init_from)
+    saved_tokenizer = snapshot.meta["tokenizer"] if snapshot else None
+    if init is not None:
+        saved_tokenizer = init_tokenizer(cfg, *init)
+    tokenizer = build_tokenizer(cfg.data.tokenizer, text, saved=saved_tokenizer)
     train_set, val_set = split_tokens(text, tokenizer, cfg.data, cfg.data.path)
-    gpt_config = GPTConfig(**asdict(cfg.model), vocab_size=tokenizer.vocab_size,
-                           block_size=cfg.data.block_size)
+    shape = {k: v for k, v in asdict(cfg.model).items() if k != "init_from"}
+    gpt_config = GPTConfig(**shape, vocab_size=tokenizer.vocab_size, block_size=cfg.data.block_size)
     if snapshot:
         check_model_shape(path, snapshot.meta["gpt_config"], asdict(gpt_config))
+    init_state = None
+    if init is not None:  # checked here, on every rank, before any collective
+        hf, tensors, _ = init
+        notes += hf_gpt2.check_config(hf, asdict(gpt_config), cfg.model.init_from)
+        init_state = hf_gpt2.from_hf(tensors, asdict(gpt_config), cfg.model.init_from)
     if cfg.sample.length > 0:
         tokenizer.encode(cfg.sample.prompt)  # fail now, not after the whole run
     if is_main:
@@ -96,15 +111,26 @@ def prepare(cfg, is_main):
             f.write(resolved_yaml(cfg))
         for note in notes:
             print(note, flush=True)
-    return snapshot, tokenizer, train_set, val_set, gpt_config
+    return snapshot, tokenizer, train_set, val_set, gpt_config, init_state
+
+
+def init_tokenizer(cfg, hf, tensors, chars):
+    """The tokenizer of a model.init_from folder, which the data must be read with."""
+    saved = hf_gpt2.tokenizer_state(hf, chars, cfg.model.init_from)
+    if saved["kind"] != cfg.data.tokenizer:
+        raise UserError(f"model.init_from={cfg.model.init_from} was trained with the "
+                        f"{saved['kind']} tokenizer: set data.tokenizer={saved['kind']}")
+    return saved
 
 
 def train(cfg, grid):
     """Returns what the main rank needs to print a sample once the group is gone."""
-    snapshot, tokenizer, train_set, val_set, gpt_config = together(
+    snapshot, tokenizer, train_set, val_set, gpt_config, init_state = together(
         grid, "reading the config, data and snapshot", lambda: prepare(cfg, grid.is_main))
     torch.manual_seed(cfg.trainer.seed)  # identical initial weights on every rank
     model = GPT(gpt_config)
+    if init_state is not None:  # into the full model, before any strategy shards it
+        load_named_parameters(model, init_state, f"model.init_from={cfg.model.init_from}")
     if grid.is_main:
         print(f"{grid}; {model.num_params() / 1e6:.2f}M parameters, vocab {gpt_config.vocab_size}, "
               f"{len(train_set)} train windows", flush=True)
@@ -149,6 +175,10 @@ def main(argv, rank, world_size, local_rank):
     if cfg.mode == "sample":
         if rank == 0:
             sample(cfg)
+        return
+    if cfg.mode == "export":
+        if rank == 0:
+            print("\n".join(export(cfg)), flush=True)
         return
     preemption.install()  # SIGTERM/SIGUSR1 now stop after a step, with a snapshot
     device = pick_device(cfg.trainer.device, local_rank)

@@ -20,6 +20,7 @@ from dataclasses import dataclass
 import torch
 
 from activation_meter import ActivationMeter
+import mfu
 import preemption
 from char_dataset import GlobalBatches, eval_starts
 from errors import UserError
@@ -50,6 +51,10 @@ class TrainerConfig:
     resume_step: int = -1       # -1 = resume from the newest snapshot; S = from kept step S
     device: str = "auto"        # auto (cuda if available) | cpu | cuda
     measure_activations: bool = False  # log activation_peak_mb (activation_meter.py); small overhead
+    precision: str = "fp32"     # fp32 | bf16 | fp16: autocast compute, fp32 weights and AdamW state
+    fp16_init_scale: float = 65536.0  # fp16: the loss scaler's first scale
+    fp16_growth_interval: int = 2000  # fp16: steps without overflow before the scale doubles
+    activation_checkpointing: bool = False  # recompute each block in backward: less memory, ~1/3 more compute
 
 
 def lr_at(step: int, t: TrainerConfig) -> float:
@@ -135,6 +140,10 @@ class MetricsLog:
             line = (f"step {record['step']}/{total_steps} | loss {record['loss']:.4f} | "
                     f"lr {record['lr']:.2e} | {record['tokens_per_s']:.0f} tok/s | "
                     f"{record['step_ms']:.1f} ms/step")
+            if "mfu" in record:
+                line += f" | mfu {100 * record['mfu']:.1f}%"
+            if record.get("step_skipped"):
+                line += f" | skipped (fp16 overflow; loss scale now {record['loss_scale']:g})"
             if "val_loss" in record:
                 line += f" | val {record['val_loss']:.4f}"
             print(("\r" if self.tty else "") + line, flush=True)
@@ -169,13 +178,18 @@ class Trainer:
         self.snapshot_path = snapshot_location(self.t)
         self.batches = GlobalBatches(len(train_set), self.t.batch_size, self.t.seed)
         self.step, self.wandb_id = 0, uuid.uuid4().hex[:12]
+        strategy.configure_compute(self.t)
         strategy.configure_optimizer(self.t)
+        # model FLOPs utilisation where the device's peak is known (never on CPU: mfu.py)
+        self.peak_flops = mfu.device_peak(grid.device, self.t.precision)
+        self.flops_per_token = mfu.flops_per_token(snapshot_meta["gpt_config"])
         self.metrics = None
         self.activations = ActivationMeter() if self.t.measure_activations else None
 
     def restore(self, reader):
         """Take model, optimizer and step from a snapshot (checked by check_resumable)."""
         self.strategy.load_shards(reader)
+        self.strategy.precision.load_state(reader.meta.get("precision"))  # the fp16 loss scale
         self.step, self.wandb_id = reader.meta["step"], reader.meta["wandb_id"]
         if self.grid.is_main:
             print(f"resuming from snapshot {self.snapshot_path} at step {self.step}", flush=True)
@@ -218,7 +232,10 @@ class Trainer:
                       "tokens_per_s": t.batch_size * self.train_set.block_size / elapsed,
                       "step_ms": 1000 * elapsed, "peak_mem_mb": peak_memory_mb(g.device),
                       "state_bytes": self.strategy.state_bytes(),
-                      **self.strategy.comm_stats(), **stats}
+                      **self.strategy.comm_stats(), **stats, **self.strategy.precision.metrics()}
+            if self.peak_flops:
+                record["mfu"] = mfu.mfu(self.flops_per_token, record["tokens_per_s"],
+                                        self.peak_flops, g.world_size)
             if self.activations is not None:
                 record["activation_peak_mb"] = self.activations.peak_bytes / 2**20
             self.metrics.write_files(files)
@@ -261,6 +278,7 @@ class Trainer:
             **self.snapshot_meta,
             "layout": {"world_size": g.world_size, "dp": g.dp_size, "pp": g.pp_size,
                        "tp": g.tp_size, "strategy": self.cfg.parallel.dp},
+            "precision": self.strategy.precision.state(),  # fp16: the loss scaler's state
             "lr_schedule": {"warmup_steps": t.warmup_steps, "max_steps": t.max_steps,
                             "lr": t.lr, "min_lr": t.min_lr},
             "rng": {"scheme": "torch.manual_seed((seed*1000003 + step)*1009 + dp_rank) "

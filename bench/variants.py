@@ -81,6 +81,38 @@ def pipeline_variants():
 
 VARIANTS += pipeline_variants()
 
+
+def precision_variants():
+    """trainer.precision, parallel.reduce_dtype and trainer.activation_checkpointing, each
+    against the same layout without it (its `reference`); run with
+    `--set trainer.measure_activations=true` for the activation memory table."""
+    bf16, ckpt = "trainer.precision=bf16", "trainer.activation_checkpointing=true"
+    ddp = ("parallel.dp=ddp_bucket", "parallel.allreduce=native")
+    fsdp3 = ("parallel.dp=fsdp", "parallel.zero_stage=3")
+    pp = ("parallel.dp=single", "parallel.pp={nproc}", "parallel.pp_schedule=1f1b",
+          "parallel.microbatches=4")
+    return [
+        Variant("single_bf16", ("parallel.dp=single", bf16), ranks=1, threads=0, reference="single",
+                note="one process, bf16 autocast"),
+        Variant("single_ckpt", ("parallel.dp=single", ckpt), ranks=1, threads=0, reference="single",
+                note="one process, every block recomputed in backward"),
+        Variant("ddp_bucket_bf16", ddp + (bf16,), reference="ddp_bucket",
+                note="bf16 autocast, fp32 gradient all-reduce"),
+        Variant("ddp_bucket_reduce_bf16", ddp + ("parallel.reduce_dtype=bf16",),
+                reference="ddp_bucket", note="fp32 compute, bf16 gradient all-reduce"),
+        Variant("ddp_bucket_bf16_reduce_bf16", ddp + (bf16, "parallel.reduce_dtype=bf16"),
+                reference="ddp_bucket", note="bf16 autocast and bf16 gradient all-reduce"),
+        Variant("ddp_bucket_fp16", ddp + ("trainer.precision=fp16",), reference="ddp_bucket",
+                note="fp16 autocast with the dynamic loss scaler"),
+        Variant("fsdp3_ckpt", fsdp3 + (ckpt,), reference="fsdp3", zero_stage=3,
+                note="ZeRO-3, every block recomputed in backward"),
+        Variant("pp_1f1b_ckpt", pp + (ckpt,), reference="pp_1f1b",
+                note="own 1F1B (M=4), every block recomputed in backward"),
+    ]
+
+
+VARIANTS += precision_variants()
+
 BY_NAME = {v.name: v for v in VARIANTS}
 
 # each preset starts with `single`: every ratio "vs single" needs it in the same round
@@ -92,6 +124,9 @@ PRESETS = {
            "torch_pp_interleaved", "pp_interleaved"],
     "pp_memory": ["single", "pp_gpipe_m2", "pp_gpipe_m4", "pp_gpipe_m8",
                   "pp_1f1b_m2", "pp_1f1b_m4", "pp_1f1b_m8"],
+    "precision": ["single", "single_bf16", "single_ckpt", "ddp_bucket", "ddp_bucket_bf16",
+                  "ddp_bucket_reduce_bf16", "ddp_bucket_bf16_reduce_bf16", "ddp_bucket_fp16",
+                  "fsdp3", "fsdp3_ckpt", "pp_1f1b", "pp_1f1b_ckpt"],
     "all": [v.name for v in VARIANTS if v.name != "single_1t"],
 }
 

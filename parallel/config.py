@@ -19,4 +19,6 @@ class ParallelConfig:
     pp_layers: List[int] = field(default_factory=list)  # blocks per chunk; [] = balanced
     bucket_cap_mb: float = 25.0  # gradient bucket size for ddp_bucket / torch_ddp
     allreduce: str = "native"   # native (dist.all_reduce) | ring (parallel/ring.py), for ddp_naive / ddp_bucket
+    reduce_dtype: str = "fp32"  # fp32 | bf16: dtype of the dp gradient collectives of ddp_naive,
+                                # ddp_bucket (native or ring) and fsdp (reduce-scatters)
     timeout_s: float = 600.0    # a collective that waits longer than this fails instead of hanging

@@ -19,7 +19,10 @@ Like ddp_naive, every rank holds the model and gradients are averaged, but:
 
 Per step it communicates: one all-reduce per bucket, 4 bytes x parameter
 count in all (with `parallel.allreduce=ring`, each bucket's all-reduce is
-our ring of point-to-point sends, run on a background thread). Once at
+our ring of point-to-point sends, run on a background thread). With
+`parallel.reduce_dtype=bf16` a full bucket is cast to a bf16 copy, that copy
+is all-reduced (half the bytes), and the sum is copied back into the fp32
+bucket before the division: gradients stay fp32 in memory. Once at
 start: rank 0 of the data-parallel group broadcasts parameters and buffers.
 
 A parameter whose hook never fires in a step (it took no part in the loss)
@@ -66,6 +69,7 @@ class Bucket:
             offset += p.numel()
         self.ready = [False] * len(self.params)
         self.handle = None
+        self.wire = None  # the reduce_dtype copy in flight, when it differs from the buffer
 
 
 class DDPBucket(DDPNaive):
@@ -123,7 +127,9 @@ class DDPBucket(DDPNaive):
         while (self.next_launch < len(self.buckets)
                and all(self.buckets[self.next_launch].ready)):
             bucket = self.buckets[self.next_launch]
-            bucket.handle = self.start_all_reduce(bucket.buffer)
+            bucket.wire = bucket.buffer if bucket.buffer.dtype == self.reduce_dtype \
+                else bucket.buffer.to(self.reduce_dtype)
+            bucket.handle = self.start_all_reduce(bucket.wire)
             self.next_launch += 1
 
     def start_all_reduce(self, flat):
@@ -139,6 +145,9 @@ class DDPBucket(DDPNaive):
         # Wait for what is in flight first, so no collective is left dangling if we raise
         for bucket in self.buckets[:self.next_launch]:
             bucket.handle.wait()
+            if bucket.wire is not bucket.buffer:
+                bucket.buffer.copy_(bucket.wire)  # the bf16 sum back into the fp32 bucket
+            bucket.wire = None
             bucket.buffer.div_(self.dp_size)
         if self.next_launch < len(self.buckets):
             missing = [name for b in self.buckets[self.next_launch:]

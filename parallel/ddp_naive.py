@@ -8,8 +8,10 @@ the group size: the mean of the ranks' gradients is the gradient of the
 global batch, so every rank takes the same optimizer step.
 
 Per step it communicates: one all-reduce per parameter tensor (4 bytes x
-parameter count in all), through `dist.all_reduce` or our own ring
-(`parallel.allreduce`, see parallel/ring.py). Once at start: rank 0 of the
+parameter count in all; 2 with `parallel.reduce_dtype=bf16`, which sends a
+bf16 copy of each gradient and copies the sum back into the fp32 gradient),
+through `dist.all_reduce` or our own ring (`parallel.allreduce`, see
+parallel/ring.py). Once at start: rank 0 of the
 data-parallel group broadcasts parameters and buffers, so all replicas begin
 equal even if their initialisations differed.
 """
@@ -27,6 +29,7 @@ class DDPNaive(ReplicatedStrategy):
         super().__init__(model, grid, cfg)
         self.group, self.dp_size = grid.dp_group, grid.dp_size
         self.use_ring = cfg.allreduce == "ring"
+        self.reduce_dtype = REDUCE_DTYPES[cfg.reduce_dtype]
         broadcast_from_dp_root(self.module, self.group, self.dp_size, self.comm)
 
     @torch.no_grad()
@@ -37,11 +40,18 @@ class DDPNaive(ReplicatedStrategy):
             if p.grad is None:
                 raise unused_parameter_error([name])
             if self.dp_size > 1:
+                wire = p.grad if p.grad.dtype == self.reduce_dtype else p.grad.to(self.reduce_dtype)
                 if self.use_ring:  # naive: synchronous, in the calling thread
-                    ring_all_reduce(p.grad, self.comm, self.group)
+                    ring_all_reduce(wire, self.comm, self.group)
                 else:
-                    self.comm.all_reduce(p.grad, group=self.group)
+                    self.comm.all_reduce(wire, group=self.group)
+                if wire is not p.grad:
+                    p.grad.copy_(wire)  # back into the fp32 gradient
                 p.grad.div_(self.dp_size)
+
+
+# parallel.reduce_dtype: the dtype gradients travel in (they are kept and summed into fp32)
+REDUCE_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
 
 def unused_parameter_error(names):

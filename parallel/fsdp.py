@@ -23,6 +23,9 @@ Per optimizer step each rank communicates (Φ = parameters, k = grad_accum):
   1.5x a DDP all-reduce's bytes.
 - all stages: one scalar all-reduce for the global gradient norm (over dp,
   and TP when tp > 1).
+- `parallel.reduce_dtype=bf16`: the reduce-scatters send a bf16 copy of the
+  gradient (half the bytes) and the averaged shard is added back in fp32;
+  the parameter all-gathers stay fp32 (they carry the master weights).
 """
 
 from contextlib import contextmanager
@@ -30,6 +33,7 @@ from contextlib import contextmanager
 import torch
 import torch.distributed as dist
 
+from parallel.ddp_naive import REDUCE_DTYPES
 from parallel.fsdp_units import FlatUnit
 from parallel.placement import Region, writer_among
 from parallel.strategy import Strategy
@@ -61,6 +65,8 @@ class FSDP(Strategy):
                                self.stage, grid.dp_group)
                       for names in names_per_block + own + [root] if names]
         self.blocks, self.root = self.units[:len(names_per_block)], self.units[-1]
+        for unit in self.units:
+            unit.reduce_dtype = REDUCE_DTYPES[cfg.reduce_dtype]
         self._chunk_units = self._units_per_chunk()
         self._regions = None
         self._ready = {}        # unit -> gradient hooks fired in the current backward
@@ -184,9 +190,9 @@ class FSDP(Strategy):
         else:
             total = torch.zeros((), device=self.device)
             for i, (x, y) in enumerate(micro_batches):
-                _, micro_loss = self.module(x.to(self.device), y.to(self.device))
+                _, micro_loss = self.forward_loss(self.module, x, y)
                 with self.backward_scope(None, i == len(micro_batches) - 1):
-                    (micro_loss / len(micro_batches)).backward()
+                    self.backward(micro_loss, len(micro_batches))
                 total += micro_loss.detach()
             loss = total / len(micro_batches)
         self.finish_gradients()
@@ -200,7 +206,7 @@ class FSDP(Strategy):
                 loss = self.pipeline.eval_loss(x, y)
             else:
                 with self.comm.uncounted():  # evaluation's gathers are not training traffic
-                    _, loss = self.module(x.to(self.device), y.to(self.device))
+                    _, loss = self.forward_loss(self.module, x, y)
         finally:
             self.module.train()
         return self.dp_mean(loss)
@@ -215,7 +221,7 @@ class FSDP(Strategy):
     def optimizer_step(self, lr):
         for group in self.optimizer.param_groups:
             group["lr"] = lr
-        self.optimizer.step()
+        self.step_optimizer()
         if self.stage < 3:  # replicated parameters: everyone's updated shard to everyone
             for work in [u.refresh_full(self.comm) for u in self.units]:
                 work.wait()

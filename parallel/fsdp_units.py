@@ -58,6 +58,7 @@ class FlatUnit:
             self.full_grad = None
             self.grad_shard = torch.zeros_like(self.shard)
         self.state, self.work = GATHERED, None
+        self.reduce_dtype = self.full.dtype  # parallel.reduce_dtype=bf16: reduce-scatter in bf16
         if stage == 3:
             self.free()
 
@@ -124,14 +125,14 @@ class FlatUnit:
         grads = [p.grad.reshape(-1) if p.grad is not None else torch.zeros(p.numel(), device=p.device)
                  for p in self.params]
         pad = self.world * self.shard_size - self.numel
-        flat = torch.cat(grads + [grads[0].new_zeros(pad)])
+        flat = torch.cat(grads + [grads[0].new_zeros(pad)]).to(self.reduce_dtype)
         for p in self.params:
             p.grad = None  # the full gradient lives on only until the reduce-scatter is done
-        out = torch.empty_like(self.grad_shard)
+        out = torch.empty_like(self.grad_shard, dtype=self.reduce_dtype)
         work = comm.reduce_scatter(out, flat, group=self.group, async_op=True)
 
         def finish(flat=flat):  # keeps `flat` alive until the collective is done
-            self.grad_shard.add_(out.div_(self.world))
+            self.grad_shard.add_(out.to(self.grad_shard.dtype).div_(self.world))
         return work, finish
 
     def reduce_scatter_full_grad(self, comm):
@@ -139,9 +140,13 @@ class FlatUnit:
         -> async reduce-scatter; finish() puts the averaged shard into grad_shard, the
         only part clipping and AdamW read. The rest of full_grad keeps this rank's own
         sums until zero_grads: no all-reduce, since nobody steps on the other shards."""
-        out = torch.empty_like(self.grad_shard)
-        work = comm.reduce_scatter(out, self.full_grad, group=self.group, async_op=True)
-        return work, lambda: self.grad_shard.copy_(out.div_(self.world))
+        wire = self.full_grad.to(self.reduce_dtype)  # no copy in fp32
+        out = torch.empty_like(self.grad_shard, dtype=self.reduce_dtype)
+        work = comm.reduce_scatter(out, wire, group=self.group, async_op=True)
+
+        def finish(wire=wire):  # keeps `wire` alive until the collective is done
+            self.grad_shard.copy_(out.to(self.grad_shard.dtype).div_(self.world))
+        return work, finish
 
     def zero_grads(self):
         (self.full_grad if self.stage == 1 else self.grad_shard).zero_()

@@ -34,6 +34,7 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from parallel.pp_schedules import build, chunk_blocks
+from parallel.precision import Precision
 
 
 @dataclass
@@ -67,6 +68,13 @@ class Pipeline:
                                            tied="first" if self.has_first else "last")
         self.actions = build(self.schedule, P, self.M, V, grid.pp_rank)
         self.timeline, self.step_started = [], None
+        # every chunk forward runs under the strategy's precision (Strategy.configure_compute)
+        self.precision = Precision("fp32", grid.device)
+        # what crosses a stage boundary: the residual stream, which stays in the parameters'
+        # dtype (fp32) under autocast too -- only matmul outputs are bf16/fp16, and the
+        # residual adds promote them back; the receive buffers take this dtype, and a chunk
+        # whose output had another would be cast to it (autograd casts its gradient back)
+        self.wire_dtype = next(model.parameters()).dtype
         # the two ranks (first and last stage) holding the tied embedding, per (dp, tp)
         self.embedding_group = grid.group_of_lines(
             [[int(grid.ranks[d, 0, t]), int(grid.ranks[d, P - 1, t])]
@@ -98,13 +106,14 @@ class Pipeline:
     # ------------------------------------------------ one chunk's compute
 
     def _forward(self, chunk, x, y):
-        if chunk.first:
-            x = self.model.embed(x)
-        for i in chunk.blocks:
-            x = self.model.transformer.h[str(i)](x)
-        if chunk.last:
-            return self.model.head(x, y)[1]
-        return x
+        with self.precision.autocast():
+            if chunk.first:
+                x = self.model.embed(x)
+            for i in chunk.blocks:
+                x = self.model.transformer.h[str(i)](x)
+            if chunk.last:
+                return self.model.head(x, y)[1]
+        return x.to(self.wire_dtype)
 
     def _peer(self, pp_rank):
         g = self.grid
@@ -129,7 +138,8 @@ class Pipeline:
         def exchange(recv_from=None, shape=None):
             """Post the pending send (if any) and a receive (if any) as one batch."""
             nonlocal pending
-            buf = torch.empty(shape, device=device) if recv_from is not None else None
+            buf = torch.empty(shape, device=device, dtype=self.wire_dtype) \
+                if recv_from is not None else None
             send, dst = pending if pending is not None else (None, None)
             pending = None
             batch = self.comm.exchange(send, dst, buf, recv_from)  # [recv, send] works
@@ -226,7 +236,7 @@ class Pipeline:
                     continue
                 chunk = self.chunks[c]
                 if not chunk.first:
-                    act = torch.empty(self._activation_shape(x), device=device)
+                    act = torch.empty(self._activation_shape(x), device=device, dtype=self.wire_dtype)
                     for w in self.comm.exchange(None, None, act, self._peer(c - 1)):
                         w.wait()
                 result = self._forward(chunk, x if chunk.first else act, y)

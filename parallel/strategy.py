@@ -7,7 +7,9 @@ The trainer never asks which strategy it runs. Per optimizer step it calls
     norm = strategy.clip_grad_norm_(max_norm)         # global norm, across shards
     strategy.optimizer_step(lr)                       # update, then zero grads
 
-and for evaluation and snapshots `eval_loss`, `shard_pieces` / `load_shards`
+once at start `configure_compute(tcfg)` (precision, activation checkpointing)
+and `configure_optimizer(tcfg)`, and for evaluation and snapshots `eval_loss`,
+`shard_pieces` / `load_shards`
 (each rank writes and reads only what it holds) and `state_dict`, all in
 *canonical* form: the names and full shapes of the single-device model
 (`GPT.named_parameters()`, which names the tied embedding/LM-head weight once
@@ -44,6 +46,8 @@ from parallel.comm import CommCounter
 from parallel.pipeline import Pipeline
 from parallel.placement import (Placement, Region, grad_norm_squared, load_regions,
                                 snapshot_pieces, writer_among)
+from parallel.checkpointing import checkpoint_blocks
+from parallel.precision import Precision
 from parallel.tensor_parallel import apply_tensor_parallel
 
 
@@ -65,6 +69,19 @@ class Strategy:
         if grid.pp_size > 1:
             self.pipeline = Pipeline(model, grid, cfg, self.comm, self.placements)
             self.placements = self.pipeline.placements
+        self.gpt = model  # this rank's (TP-local, stage-cut) GPT, for configure_compute
+        self.precision = Precision("fp32", self.device)
+
+    def configure_compute(self, tcfg):
+        """trainer.precision and trainer.activation_checkpointing, for every strategy:
+        autocast around each forward and the fp16 loss scaler (parallel/precision.py);
+        each transformer block recomputed in backward (parallel/checkpointing.py)."""
+        self.precision = Precision(tcfg.precision, self.device, tcfg.fp16_init_scale,
+                                   tcfg.fp16_growth_interval, self.grid.world_size)
+        if self.pipeline is not None:
+            self.pipeline.precision = self.precision
+        if tcfg.activation_checkpointing:
+            checkpoint_blocks(self.gpt, self.tp.random if self.tp is not None else None)
 
     def configure_optimizer(self, tcfg):
         raise NotImplementedError
@@ -113,16 +130,37 @@ class Strategy:
     def clip_grad_norm_(self, max_norm) -> float:
         """Scale gradients so their global norm is at most max_norm; return the norm before.
         Sharded elements are summed over the ranks holding them, replicated ones counted
-        on one replica (Region.in_norm)."""
+        on one replica (Region.in_norm). fp16: gradients are unscaled first, and a step
+        whose gradients overflowed anywhere is skipped by every rank (optimizer_step)."""
+        self.precision.unscale_and_check(self.grads())
         sq = grad_norm_squared(self.regions(), self.device)
         group = self.norm_group()
         if group is not None:
             self.comm.all_reduce(sq, group=group)
         norm = sq.sqrt()
-        coef = (max_norm / (norm + 1e-6)).clamp(max=1.0)  # as torch.nn.utils.clip_grad_norm_
-        for g in self.grads():
-            g.mul_(coef)
+        if not self.precision.skip_step:
+            coef = (max_norm / (norm + 1e-6)).clamp(max=1.0)  # as torch.nn.utils.clip_grad_norm_
+            for g in self.grads():
+                g.mul_(coef)
         return norm.item()
+
+    def step_optimizer(self):
+        """optimizer.step(), unless fp16 gradients overflowed on some rank this step
+        (then every rank skips it; the gradients are dropped as usual)."""
+        if not self.precision.skip_step:
+            self.optimizer.step()
+
+    def forward_loss(self, model, x, y):
+        """One forward under the configured precision: (logits, loss)."""
+        with self.precision.autocast():
+            return model(x.to(self.device), y.to(self.device))
+
+    def backward(self, loss, divide_by):
+        """Backward of loss / divide_by, times the fp16 loss scale (if any)."""
+        loss = loss / divide_by
+        if self.precision.loss_scale != 1.0:
+            loss = loss * self.precision.loss_scale
+        loss.backward()
 
     def sharded_group(self, *dims):
         """The group over those of `dims` (dp, pp, tp) that have more than one rank,
@@ -139,7 +177,10 @@ class Strategy:
         total = torch.zeros((), device=self.device)
         for r, (x, y) in enumerate(micro_batches):
             final = r == rounds - 1
-            total += self.pipeline.run(list(zip(x.chunk(M), y.chunk(M))), 1.0 / (M * rounds),
+            scale = 1.0 / (M * rounds)  # and the fp16 loss scale, if any
+            if self.precision.loss_scale != 1.0:
+                scale *= self.precision.loss_scale
+            total += self.pipeline.run(list(zip(x.chunk(M), y.chunk(M))), scale,
                                        lambda c, last: self.backward_scope(c, last and final))
         return self.pipeline.last_stage_value(total / (M * rounds))
 
@@ -319,8 +360,8 @@ class ReplicatedStrategy(Strategy):
             total = torch.zeros((), device=self.device)
             for i, (x, y) in enumerate(micro_batches):
                 with self.no_sync(i == len(micro_batches) - 1):
-                    _, micro_loss = self.model(x.to(self.device), y.to(self.device))
-                    (micro_loss / len(micro_batches)).backward()
+                    _, micro_loss = self.forward_loss(self.model, x, y)
+                    self.backward(micro_loss, len(micro_batches))
                 total += micro_loss.detach()
             loss = total / len(micro_batches)
         self.sync_gradients()
@@ -338,7 +379,7 @@ class ReplicatedStrategy(Strategy):
                 loss = self.pipeline.eval_loss(x, y)
             else:
                 with self.comm.uncounted():  # TP's collectives here are not training traffic
-                    _, loss = self.module(x.to(self.device), y.to(self.device))
+                    _, loss = self.forward_loss(self.module, x, y)
         finally:
             self.module.train()
         return self.dp_mean(loss)
@@ -369,6 +410,6 @@ class ReplicatedStrategy(Strategy):
     def optimizer_step(self, lr):
         for group in self.optimizer.param_groups:
             group["lr"] = lr
-        self.optimizer.step()
+        self.step_optimizer()
         self.last_state_bytes = resident_bytes(self.module.parameters(), self.optimizer)
         self.optimizer.zero_grad(set_to_none=True)

@@ -45,13 +45,17 @@ class TorchFSDP(ReplicatedStrategy):
                 block.set_modules_to_backward_prefetch(blocks[max(i - 1, 0):i])
 
     def clip_grad_norm_(self, max_norm):
+        self.precision.unscale_and_check([_local(p.grad) for p in self.module.parameters()
+                                          if p.grad is not None])
+        if self.precision.skip_step:
+            max_norm = float("inf")  # the gradients are dropped: just measure
         norm = torch.nn.utils.clip_grad_norm_(self.module.parameters(), max_norm)
         return _full(norm).item()
 
     def optimizer_step(self, lr):
         for group in self.optimizer.param_groups:
             group["lr"] = lr
-        self.optimizer.step()
+        self.step_optimizer()
         tensors = [t for p in self.module.parameters() for t in (p, p.grad) if t is not None]
         tensors += [v for s in self.optimizer.state.values() for v in s.values() if torch.is_tensor(v)]
         self.last_state_bytes = sum(_local(t).numel() * _local(t).element_size() for t in tensors)

@@ -56,6 +56,15 @@ def test_defaults_and_overrides():
     (["parallel.zero_stage=4"], 1, "zero_stage"),
     (["trainer.keep_snapshots=0"], 1, "keep_snapshots"),
     (["trainer.resume_step=0"], 1, "resume_step"),
+    (["trainer.precision=fp8"], 1, "trainer.precision must be fp32, bf16 or fp16"),
+    (["trainer.precision=fp16", "trainer.fp16_growth_interval=0"], 1, "fp16_growth_interval"),
+    (["parallel.reduce_dtype=fp16"], 2, "parallel.reduce_dtype must be fp32 or bf16"),
+    (["parallel.dp=torch_ddp", "parallel.reduce_dtype=bf16"], 2, "PyTorch's reference and reduces in fp32"),
+    (["parallel.dp=torch_tp", "parallel.tp=2", "trainer.precision=bf16"], 2, "runs in fp32"),
+    (["parallel.dp=torch_pp", "parallel.pp=2", "trainer.activation_checkpointing=true"], 2,
+     "without activation checkpointing"),
+    (["mode=export"], 1, "needs export.path"),
+    (["mode=serve"], 1, "mode must be train, sample or export"),
 ])
 def test_bad_config_is_one_clear_error(overrides, world, message):
     with pytest.raises(UserError, match=message):

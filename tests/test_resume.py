@@ -13,6 +13,7 @@
 
 import contextlib
 import io
+import math
 import os
 import re
 import subprocess
@@ -209,3 +210,22 @@ def test_resume_drops_metrics_records_past_the_snapshot(grid, tmp_path_factory):
     s = crash_and_resume(grid, tmp_path_factory, "ddp_bucket", ["model.dropout=0.2"])
     steps = [r["step"] for r in s["resumed"]]
     assert steps == list(range(1, 7)), f"metrics.jsonl after resuming at step {SNAPSHOT_STEP}: {steps}"
+
+
+FP16 = ["trainer.precision=fp16", "trainer.fp16_growth_interval=1"]
+
+
+@pytest.mark.parametrize("name", ["single", "fsdp3"])
+def test_fp16_loss_scale_is_saved_and_loaded(grid, tmp_path_factory, name):
+    """fp16_growth_interval=1 doubles the loss scale after every good step until fp16
+    overflows, so steps are skipped along the way; the resumed run skips the same
+    steps, and trains the same losses, only if the scale came back from the snapshot."""
+    s = crash_and_resume(grid, tmp_path_factory, name, FP16)
+    ref, got = s["reference"], s["resumed"]
+    print("step, loss scale, skipped:", [(r["step"], r["loss_scale"], r["step_skipped"]) for r in ref])
+    assert any(r["step_skipped"] for r in ref[SNAPSHOT_STEP:]), "no overflow after the snapshot"
+    assert [r["step"] for r in got] == list(range(1, 7))
+    for a, b in zip(ref, got):
+        assert (a["loss"], a["loss_scale"], a["step_skipped"]) == \
+               (b["loss"], b["loss_scale"], b["step_skipped"]), (a, b)
+        assert a["grad_norm"] == b["grad_norm"] or not math.isfinite(a["grad_norm"])

@@ -1,0 +1,138 @@
+"""trainer.precision (bf16, fp16 + loss scaler), parallel.reduce_dtype=bf16 and
+trainer.activation_checkpointing, on every kind of layout.
+
+- tests/precision_worker.py on 2 ranks (one torchrun job for all of it):
+  bf16 and fp16 parity of ddp_naive, ddp_bucket with the ring, fsdp 1 and 3,
+  tp=2 with sequence parallelism and a 1F1B pipeline against `single` in the
+  same precision over 30 steps (losses and gradient norms within rtol 2e-2,
+  fp16 skipping the same steps on every rank); bf16 gradient reduction
+  halving exactly the gradient collectives' bytes; activation checkpointing
+  with dropout on giving bitwise the same gradients and losses as without
+  (TP random streams, fsdp stage-3 gathers, pipeline stages);
+- through main.py: bf16 reduction's halved comm_bytes in metrics.jsonl;
+  the fp16 scaler's own rules, in process. (An fp16 run that crashes and
+  resumes continues exactly, the scaler's state coming from the snapshot:
+  tests/test_resume.py::test_fp16_loss_scale_is_saved_and_loaded.)
+"""
+
+import json
+import os
+import re
+import sys
+
+import pytest
+
+from harness import (REPO, job_env, read_metrics, run_job, run_tree, snapshot_model)
+
+_result = {}
+
+
+def worker():
+    if not _result:
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+               os.path.join(REPO, "tests", "precision_worker.py")]
+        out = run_tree(cmd, 400, "precision_worker", env=job_env())
+        found = re.search(r"^RESULT (.*)$", out.stdout, re.M)
+        assert out.returncode == 0 and found, \
+            f"precision_worker failed\n{out.stdout[-3000:]}\n{out.stderr[-5000:]}"
+        _result.update(json.loads(found.group(1)))
+    return _result
+
+
+LAYOUTS = ["ddp_naive", "ddp_bucket-ring", "fsdp1", "fsdp3", "tp2-sp", "pp2-1f1b-m2"]
+
+
+@pytest.mark.parametrize("precision", ["bf16", "fp16"])
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_low_precision_matches_single_in_the_same_precision(layout, precision):
+    r = worker()["precision"][precision][layout]
+    print(f"{precision} {layout}: loss {r['loss_rel_diff']:.3g}, grad norm {r['norm_rel_diff']:.3g}, "
+          f"skipped {r['skipped']} (single {r['ref_skipped']})")
+    assert r["loss_rel_diff"] <= 2e-2, r
+    assert r["norm_rel_diff"] <= 2e-2 and r["norm_steps"] >= 10, r  # the unscaled norm
+    assert r["skip_agreed"], f"ranks skipped different steps: {r}"
+    if precision == "bf16":
+        assert not r["skipped"], r
+    elif layout.startswith(("tp", "pp")):  # the same tokens per backward as single: same overflows
+        assert r["skipped"] and r["skipped"] == r["ref_skipped"], r
+    else:
+        # data parallelism: each rank's loss is the mean over its half of the batch, so the
+        # gradients inside its backward are 2x single's and overflow fp16 at half the scale
+        # (averaging comes after, in the all-reduce): the same scaler skips earlier
+        assert r["skipped"] and r["skipped"][0] <= r["ref_skipped"][0], r
+
+
+@pytest.mark.parametrize("precision", ["bf16", "fp16"])
+def test_low_precision_single_stays_near_fp32(precision):
+    """The reference itself: 30 steps of bf16/fp16 against fp32. Clipping or logging
+    the norm of fp16 gradients before unscaling them moves both far off."""
+    r = worker()["precision"][precision]["single_vs_fp32"]
+    print(f"single {precision} vs fp32: loss {r['loss_rel_diff']:.3g}, grad norm {r['norm_rel_diff']:.3g}")
+    assert r["loss_rel_diff"] <= 2e-2 and r["norm_rel_diff"] <= 5e-2, r
+
+
+GRADIENT_KIND = {"ddp_naive": "all_reduce", "ddp_bucket-ring": "send", "fsdp1": "reduce_scatter",
+                 "fsdp3": "reduce_scatter"}
+
+
+@pytest.mark.parametrize("layout", list(GRADIENT_KIND))
+def test_bf16_reduction_halves_exactly_the_gradient_traffic(layout):
+    r = worker()["reduce"][layout]
+    fp32, bf16, kind = r["comm_fp32"], r["comm_bf16"], GRADIENT_KIND[layout]
+    print(f"{layout}: {kind} bytes {fp32[f'comm_{kind}_bytes']} -> {bf16[f'comm_{kind}_bytes']}, "
+          f"total {fp32['comm_bytes']} -> {bf16['comm_bytes']}; loss vs fp32 reduction "
+          f"{r['loss_rel_diff']:.2g}")
+    assert bf16[f"comm_{kind}_bytes"] * 2 == fp32[f"comm_{kind}_bytes"] > 0
+    for key in fp32:  # the calls, and everything else (parameter gathers, the norm), unchanged
+        if key.endswith("_calls") or (key.startswith("comm_") and key not in
+                                      (f"comm_{kind}_bytes", "comm_bytes")):
+            assert bf16[key] == fp32[key], (key, fp32, bf16)
+    assert 0 < r["loss_rel_diff"] <= 2e-2, r  # rounded, so not identical; but close
+
+
+@pytest.mark.parametrize("layout", ["single", "fsdp3", "ddp_bucket", "tp2", "tp2-sp", "pp2-1f1b-m2"])
+def test_activation_checkpointing_recomputes_the_same_gradients(layout):
+    r = worker()["recompute"][layout]
+    assert all(r["losses_equal"]), r
+    assert r["grads_bitwise_equal_on_every_rank"], r
+
+
+# ---------------------------------------------------------------- through main.py
+
+def test_bf16_reduction_shows_in_metrics(tmp_path):
+    """ddp_bucket on 2 ranks: the all-reduce carries 2 bytes a parameter, not 4."""
+    workdir = tmp_path / "job"
+    result = run_job(workdir, 2, ["parallel.dp=ddp_bucket", "parallel.reduce_dtype=bf16",
+                                  "trainer.max_steps=3"])
+    assert result.returncode == 0, result.stderr[-3000:]
+    run_dir = workdir / "runs" / "default"
+    phi = sum(t.numel() for t in snapshot_model(run_dir / "snapshot").values())
+    for r in read_metrics(run_dir):
+        assert r["comm_all_reduce_bytes"] == 2 * phi, (r, phi)
+
+
+# ---------------------------------------------------------------- the scaler, in process
+
+def test_loss_scaler_backs_off_on_overflow_and_grows_after_good_steps():
+    from parallel.precision import LossScaler
+    s = LossScaler(init_scale=8.0, growth_interval=2)
+    s.update(found_inf=True)
+    assert (s.scale, s.good_steps, s.skipped_steps) == (4.0, 0, 1)
+    s.update(False)
+    s.update(False)
+    assert (s.scale, s.good_steps) == (8.0, 0)
+    t = LossScaler()
+    t.load_state(json.loads(json.dumps(s.state())))  # JSON-able: it lives in the manifest
+    assert t.state() == s.state()
+
+
+def test_unscaling_comes_before_the_norm_and_an_overflow_skips_the_step():
+    import torch
+    from parallel.precision import Precision
+    p = Precision("fp16", init_scale=1024.0)
+    grads = [torch.full((3,), 1024.0 * 2), torch.full((2,), 1024.0 * 3)]
+    p.unscale_and_check(grads)
+    assert not p.skip_step and torch.equal(grads[0], torch.full((3,), 2.0))
+    p.unscale_and_check([torch.tensor([1.0, float("inf")])])
+    assert p.skip_step and p.scaler.scale == 1024.0 / 2
+    assert Precision("bf16").loss_scale == 1.0 and Precision("bf16").metrics() == {}
