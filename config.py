@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from omegaconf import OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
-from char_dataset import DataConfig
+from char_dataset import SAMPLERS, DataConfig
 from errors import UserError
 from model import ModelConfig
 from parallel import STRATEGIES
@@ -130,6 +130,7 @@ def validate(cfg: Config, world_size: int):
         (d.block_size >= 1, f"data.block_size must be >= 1, got {d.block_size}"),
         (d.tokenizer in ("char", "gpt2"), f"data.tokenizer must be char or gpt2, got {d.tokenizer!r}"),
         (0.0 < d.val_fraction < 1.0, f"data.val_fraction must be in (0, 1), got {d.val_fraction}"),
+        (d.sampler in SAMPLERS, f"data.sampler must be one of {sorted(SAMPLERS)}, got {d.sampler!r}"),
         (t.max_steps >= 1, f"trainer.max_steps must be >= 1, got {t.max_steps}"),
         (t.batch_size >= 1 and t.grad_accum >= 1, "trainer.batch_size and grad_accum must be >= 1"),
         (t.lr > 0 and 0 <= t.min_lr <= t.lr, "need 0 < trainer.lr and 0 <= trainer.min_lr <= lr"),

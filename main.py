@@ -27,7 +27,7 @@ from config import load_config, resolved_yaml, to_dict
 from errors import UserError
 from model import GPT, GPTConfig
 from parallel import build_strategy
-from parallel.grid import ProcessGrid
+from parallel.grid import ProcessGrid, together
 from parallel.strategy import load_named_parameters
 from snapshot import check_model_shape, open_snapshot, step_to_resume
 from trainer import Trainer, check_resumable, snapshot_location
@@ -58,32 +58,18 @@ def init_process_group(device, timeout_s, rank, world_size):
                                 timeout=timeout)
 
 
-def together(grid, what, fn):
-    """Run fn on every rank; if it fails on any rank, every rank raises, so none is left
-    waiting in the next collective for a rank that has gone."""
-    try:
-        result, error = fn(), None
-    except UserError as e:
-        result, error = None, e
-    except Exception as e:  # s3 errors, a full disk, wandb refusing to start, ...
-        result, error = None, UserError(f"{what} failed: {type(e).__name__}: {e}")
-    if not grid.all_ok(error is None):
-        raise error or UserError(f"stopping: another rank failed while {what} (see its error)")
-    return result
-
-
-def prepare(cfg, is_main):
-    """Everything each rank can check alone: snapshot, text, tokenizer, shapes,
+def read_inputs(cfg, is_main):
+    """Everything each rank can check alone: snapshot, data, tokenizer, shapes,
     the prompt of the final sample; the main rank also creates the run directory."""
     path = snapshot_location(cfg.trainer)
     step, note = step_to_resume(path, cfg.trainer.resume_step)
     snapshot = open_snapshot(path, step)
-    notes = ([note] if note else []) + (check_resumable(path, snapshot.meta["config"], cfg)
-                                        if snapshot else [])
     text = load_text(cfg.data.path)
     tokenizer = build_tokenizer(cfg.data.tokenizer, text,
                                 saved=snapshot.meta["tokenizer"] if snapshot else None)
     train_set, val_set = split_tokens(text, tokenizer, cfg.data, cfg.data.path)
+    notes = ([note] if note else []) + (check_resumable(path, snapshot.meta, cfg, len(train_set))
+                                        if snapshot else [])
     gpt_config = GPTConfig(**asdict(cfg.model), vocab_size=tokenizer.vocab_size,
                            block_size=cfg.data.block_size)
     if snapshot:
@@ -102,7 +88,7 @@ def prepare(cfg, is_main):
 def train(cfg, grid):
     """Returns what the main rank needs to print a sample once the group is gone."""
     snapshot, tokenizer, train_set, val_set, gpt_config = together(
-        grid, "reading the config, data and snapshot", lambda: prepare(cfg, grid.is_main))
+        grid, "reading the config, data and snapshot", lambda: read_inputs(cfg, grid.is_main))
     torch.manual_seed(cfg.trainer.seed)  # identical initial weights on every rank
     model = GPT(gpt_config)
     if grid.is_main:

@@ -6,7 +6,9 @@ Everything a step reads is a function of (config, step): the data position
 each step from trainer.seed, the step and the data-parallel rank). So a
 snapshot needs only the step, the model and the optimizer to continue
 exactly, under any layout, and a resumed run's losses equal an
-uninterrupted run's.
+uninterrupted run's. The snapshot also records what fixes the data order
+(the sampler and its version, the number of train windows), and
+check_resumable refuses to continue with another.
 """
 
 import json
@@ -21,8 +23,9 @@ import torch
 
 from activation_meter import ActivationMeter
 import preemption
-from char_dataset import GlobalBatches, eval_starts
+from char_dataset import LEGACY_ORDER, SAMPLERS, GlobalBatches, data_order, eval_starts
 from errors import UserError
+from parallel.grid import together
 from snapshot import save_sharded
 
 
@@ -72,18 +75,32 @@ def snapshot_location(t: TrainerConfig) -> str:
     return t.snapshot_path or os.path.join(t.run_dir, "snapshot")
 
 
-def check_resumable(path, saved_config, cfg):
+def check_resumable(path, meta, cfg, train_windows):
     """Refuse a snapshot whose data order differs from this run's; return notes on
     settings that legitimately change on resume (the LR schedule, when extending)."""
-    saved_t, saved_d = saved_config["trainer"], saved_config["data"]
+    saved_t, saved_d = meta["config"]["trainer"], meta["config"]["data"]
     for section, key, saved in (("trainer", "batch_size", saved_t), ("trainer", "seed", saved_t),
                                 ("data", "path", saved_d), ("data", "val_fraction", saved_d)):
-        now = getattr(getattr(cfg, section), key)
-        if saved[key] != now:
+        now, was = getattr(getattr(cfg, section), key), saved.get(key, "")
+        if was != now:
             raise UserError(
-                f"snapshot {path} was trained with {section}.{key}={saved[key]!r}, this run asks "
+                f"snapshot {path} was trained with {section}.{key}={was!r}, this run asks "
                 f"for {now!r}: resuming would change the data order. Use the snapshot's value "
                 "or a new trainer.snapshot_path")
+    was, now = meta.get("data_order", LEGACY_ORDER), data_order(cfg.data)
+    if was != now:
+        known = SAMPLERS.get(was["sampler"]) == was["version"] and was["sampler"] != now["sampler"]
+        hint = (f"Add data.sampler={was['sampler']} to finish it in the order it started with"
+                if known else "This version cannot reproduce that order")
+        raise UserError(
+            f"snapshot {path} was trained in data order {was['sampler']} v{was['version']}, this "
+            f"run reads in order {now['sampler']} v{now['version']}: resuming would silently change "
+            f"the data it trains on. {hint}, or use a new trainer.snapshot_path")
+    if meta.get("train_windows", train_windows) != train_windows:
+        raise UserError(
+            f"snapshot {path} was trained on {meta['train_windows']} train windows, the data now "
+            f"has {train_windows}: resuming would change the data order. Use the data it was "
+            "trained on, or a new trainer.snapshot_path")
     return [f"note: trainer.{k} is {getattr(cfg.trainer, k)} now, {saved_t[k]} when the snapshot "
             f"was written: the LR schedule changes from here on"
             for k in ("max_steps", "warmup_steps", "lr", "min_lr") if saved_t[k] != getattr(cfg.trainer, k)]
@@ -167,7 +184,8 @@ class Trainer:
         self.train_set, self.val_set = train_set, val_set
         self.snapshot_meta = snapshot_meta
         self.snapshot_path = snapshot_location(self.t)
-        self.batches = GlobalBatches(len(train_set), self.t.batch_size, self.t.seed)
+        self.batches = GlobalBatches(len(train_set), self.t.batch_size, self.t.seed,
+                                     cfg.data.sampler)
         self.step, self.wandb_id = 0, uuid.uuid4().hex[:12]
         strategy.configure_optimizer(self.t)
         self.metrics = None
@@ -194,8 +212,10 @@ class Trainer:
         while self.step < t.max_steps:
             started = time.perf_counter()
             self._reseed(self.step)
-            micro = self.batches.local_micro_batches(
-                self.train_set, self.step, g.dp_rank, g.dp_size, t.grad_accum)
+            reading = time.perf_counter()
+            micro = self._read(lambda: self.batches.local_micro_batches(
+                self.train_set, self.step, g.dp_rank, g.dp_size, t.grad_accum))
+            data_ms = 1000 * (time.perf_counter() - reading)
             if self.activations is not None:
                 with self.activations:
                     loss = self.strategy.forward_backward(micro)
@@ -216,7 +236,8 @@ class Trainer:
             stats, files = self.strategy.step_stats(last)
             record = {"step": self.step, "loss": loss, "grad_norm": grad_norm, "lr": lr,
                       "tokens_per_s": t.batch_size * self.train_set.block_size / elapsed,
-                      "step_ms": 1000 * elapsed, "peak_mem_mb": peak_memory_mb(g.device),
+                      "step_ms": 1000 * elapsed, "data_ms": data_ms,
+                      "peak_mem_mb": peak_memory_mb(g.device),
                       "state_bytes": self.strategy.state_bytes(),
                       **self.strategy.comm_stats(), **stats}
             if self.activations is not None:
@@ -246,10 +267,20 @@ class Trainer:
             f"{self.step} of {self.t.max_steps} and wrote its snapshot to {self.snapshot_path}; "
             f"run the same command to resume (exit status {preemption.EXIT_STATUS})")
 
+    def _read(self, fn):
+        """fn() reads windows. Prepared shards may turn out damaged there (one rank's
+        windows only): the ranks agree before anyone enters a collective without it."""
+        if getattr(self.train_set, "checks_contents", False):
+            return together(self.grid, "reading the data", fn)
+        return fn()
+
     def evaluate(self):
-        g, starts = self.grid, eval_starts(len(self.val_set), self.t.batch_size, self.t.eval_batches)
-        losses = [self.strategy.eval_loss(*self.val_set.batch(row.view(g.dp_size, -1)[g.dp_rank]))
-                  for row in starts]
+        """Mean val loss over fixed windows, in micro-batches of the training size."""
+        g, t = self.grid, self.t
+        starts = eval_starts(len(self.val_set), t.batch_size, t.eval_batches)
+        micro = self._read(lambda: [self.val_set.batch(part) for row in starts
+                                    for part in row.view(g.dp_size, -1)[g.dp_rank].view(t.grad_accum, -1)])
+        losses = [self.strategy.eval_loss(x, y) for x, y in micro]
         return sum(losses) / len(losses)
 
     def save(self):
@@ -258,6 +289,7 @@ class Trainer:
         pieces = self.strategy.shard_pieces()
         save_sharded(self.snapshot_path, g, self.step, pieces, keep=t.keep_snapshots, meta={
             "samples_seen": self.step * t.batch_size, "wandb_id": self.wandb_id,
+            "data_order": data_order(self.cfg.data), "train_windows": len(self.train_set),
             **self.snapshot_meta,
             "layout": {"world_size": g.world_size, "dp": g.dp_size, "pp": g.pp_size,
                        "tp": g.tp_size, "strategy": self.cfg.parallel.dp},
