@@ -2,7 +2,8 @@
 
 - Text comes from any fsspec path or URL (`data.path`); empty means the
   embedded default corpus, which this file generates (no download, no
-  third-party text).
+  third-party text). A corpus prepared by mode=prepare (`data.tokens_path`,
+  prepare.py) is read in place instead: token_shards.py.
 - Tokenizers (tokenizer.py): `char` (vocabulary = the sorted characters of
   the text, saved in snapshots) or `gpt2` (GPT-2's BPE through tiktoken, which
   needs its two files locally when offline: see TIKTOKEN_CACHE_DIR in the README).
@@ -31,7 +32,7 @@ import torch
 
 from errors import UserError
 from permutation import Permutation
-from tokenizer import build_tokenizer  # noqa: F401 (re-exported)
+from tokenizer import build_tokenizer, describe_state, same_tokenizer  # noqa: F401 (re-exported)
 
 # what a snapshot records about its data order; snapshots without it used randperm
 SAMPLERS = {"feistel": 1, "randperm": 1}  # sampler -> version of its order
@@ -42,6 +43,7 @@ LEGACY_ORDER = {"sampler": "randperm", "version": SAMPLERS["randperm"]}
 class DataConfig:
     """The `data:` section of gpt2_train_cfg.yaml."""
     path: str = ""           # fsspec path or URL; "" = embedded default corpus
+    tokens_path: str = ""    # a corpus prepared by mode=prepare; when set, training reads it
     block_size: int = 128    # context length in tokens
     tokenizer: str = "char"  # char | gpt2
     val_fraction: float = 0.1
@@ -50,6 +52,30 @@ class DataConfig:
 
 def data_order(cfg: DataConfig) -> dict:
     return {"sampler": cfg.sampler, "version": SAMPLERS[cfg.sampler]}
+
+
+def open_data(cfg: DataConfig, saved_tokenizer=None):
+    """(tokenizer, train set, val set) of the run: prepared tokens if data.tokens_path is
+    set, else the text of data.path. saved_tokenizer: the snapshot's, if resuming."""
+    if not cfg.tokens_path:
+        text = load_text(cfg.path)
+        tokenizer = build_tokenizer(cfg.tokenizer, text, saved=saved_tokenizer)
+        return (tokenizer, *split_tokens(text, tokenizer, cfg, cfg.path))
+    from token_shards import TokenCorpus
+    corpus = TokenCorpus(cfg.tokens_path)
+    state = corpus.tokenizer_state
+    if state["kind"] != cfg.tokenizer:
+        raise UserError(f"data.tokens_path {cfg.tokens_path} was prepared with the "
+                        f"{describe_state(state)} tokenizer, but data.tokenizer={cfg.tokenizer}: "
+                        f"set data.tokenizer={state['kind']}, or prepare the text again")
+    if saved_tokenizer is not None and not same_tokenizer(saved_tokenizer, state):
+        raise UserError(f"data.tokens_path {cfg.tokens_path} was prepared with the "
+                        f"{describe_state(state)} tokenizer, the snapshot was trained with "
+                        f"{describe_state(saved_tokenizer)}: its token ids mean other text. Use "
+                        "tokens prepared with the snapshot's tokenizer, or a new "
+                        "trainer.snapshot_path")
+    tokenizer = build_tokenizer(None, saved=state)
+    return (tokenizer, *corpus.splits(cfg.block_size, tokenizer.vocab_size))
 
 
 # ---------------------------------------------------------------- text

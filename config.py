@@ -19,6 +19,7 @@ from errors import UserError
 from model import ModelConfig
 from parallel import STRATEGIES
 from parallel.config import ParallelConfig
+from prepare import PrepareConfig
 from trainer import TrainerConfig
 
 DEFAULT_YAML = os.path.join(os.path.dirname(os.path.abspath(__file__)), "gpt2_train_cfg.yaml")
@@ -42,13 +43,14 @@ class SampleConfig:
 
 @dataclass
 class Config:
-    mode: str = "train"     # train | sample
+    mode: str = "train"     # train | sample | prepare
     model: ModelConfig = field(default_factory=ModelConfig)
     data: DataConfig = field(default_factory=DataConfig)
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     wandb: WandbConfig = field(default_factory=WandbConfig)
     sample: SampleConfig = field(default_factory=SampleConfig)
+    prepare: PrepareConfig = field(default_factory=PrepareConfig)
 
 
 def load_config(overrides, world_size: int, yaml_path: str = DEFAULT_YAML) -> Config:
@@ -99,7 +101,8 @@ def _first_line(e):
 def validate(cfg: Config, world_size: int):
     m, d, t, p = cfg.model, cfg.data, cfg.trainer, cfg.parallel
     checks = [
-        (cfg.mode in ("train", "sample"), f"mode must be train or sample, got {cfg.mode!r}"),
+        (cfg.mode in ("train", "sample", "prepare"),
+         f"mode must be train, sample or prepare, got {cfg.mode!r}"),
         (p.dp in STRATEGIES, f"parallel.dp={p.dp!r} is not one of {sorted(STRATEGIES)}"),
         (p.tp >= 1, f"parallel.tp must be >= 1, got {p.tp}"),
         (p.pp >= 1, f"parallel.pp must be >= 1, got {p.pp}"),
@@ -131,6 +134,15 @@ def validate(cfg: Config, world_size: int):
         (d.tokenizer in ("char", "gpt2"), f"data.tokenizer must be char or gpt2, got {d.tokenizer!r}"),
         (0.0 < d.val_fraction < 1.0, f"data.val_fraction must be in (0, 1), got {d.val_fraction}"),
         (d.sampler in SAMPLERS, f"data.sampler must be one of {sorted(SAMPLERS)}, got {d.sampler!r}"),
+        (d.sampler != "randperm" or not d.tokens_path,
+         "data.sampler=randperm (the old order: a permutation of every window in memory) is only "
+         "for finishing runs on text snapshotted before the feistel sampler; it does not read "
+         "data.tokens_path"),
+        (cfg.mode != "prepare" or (d.path and d.tokens_path),
+         "mode=prepare needs data.path (the text: a file, directory or glob) and "
+         "data.tokens_path (where the token shards go)"),
+        (cfg.prepare.workers >= 0, f"prepare.workers must be >= 0, got {cfg.prepare.workers}"),
+        (cfg.prepare.chunk_mb > 0, f"prepare.chunk_mb must be > 0, got {cfg.prepare.chunk_mb}"),
         (t.max_steps >= 1, f"trainer.max_steps must be >= 1, got {t.max_steps}"),
         (t.batch_size >= 1 and t.grad_accum >= 1, "trainer.batch_size and grad_accum must be >= 1"),
         (t.lr > 0 and 0 <= t.min_lr <= t.lr, "need 0 < trainer.lr and 0 <= trainer.min_lr <= lr"),
@@ -164,7 +176,7 @@ def validate(cfg: Config, world_size: int):
     for ok, message in checks:
         if not ok:
             raise UserError(message)
-    if cfg.mode == "sample":  # one process reads the snapshot: the layout does not matter
+    if cfg.mode in ("sample", "prepare"):  # one process: the layout does not matter
         return
 
     if world_size % (p.tp * p.pp):

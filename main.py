@@ -1,8 +1,9 @@
-"""Entry point: config, process groups, wiring; then train or sample.
+"""Entry point: config, process groups, wiring; then train, sample or prepare.
 
     torchrun --standalone --nproc_per_node=2 main.py [key=value ...]
     python main.py [key=value ...]                 # world size 1
     python main.py mode=sample sample.prompt="KING:"
+    python main.py mode=prepare data.path=SRC data.tokens_path=DST   # token shards
 
 Every failure a user can fix is a UserError: printed as one line on every
 rank, exit status 2. SIGTERM or SIGUSR1 (a cluster preempting the job) stops
@@ -22,12 +23,13 @@ import torch
 import torch.distributed as dist
 
 import preemption
-from char_dataset import build_tokenizer, load_text, split_tokens
+from char_dataset import build_tokenizer, open_data
 from config import load_config, resolved_yaml, to_dict
 from errors import UserError
 from model import GPT, GPTConfig
 from parallel import build_strategy
 from parallel.grid import ProcessGrid, together
+from prepare import prepare
 from parallel.strategy import load_named_parameters
 from snapshot import check_model_shape, open_snapshot, step_to_resume
 from trainer import Trainer, check_resumable, snapshot_location
@@ -64,10 +66,8 @@ def read_inputs(cfg, is_main):
     path = snapshot_location(cfg.trainer)
     step, note = step_to_resume(path, cfg.trainer.resume_step)
     snapshot = open_snapshot(path, step)
-    text = load_text(cfg.data.path)
-    tokenizer = build_tokenizer(cfg.data.tokenizer, text,
-                                saved=snapshot.meta["tokenizer"] if snapshot else None)
-    train_set, val_set = split_tokens(text, tokenizer, cfg.data, cfg.data.path)
+    tokenizer, train_set, val_set = open_data(
+        cfg.data, saved_tokenizer=snapshot.meta["tokenizer"] if snapshot else None)
     notes = ([note] if note else []) + (check_resumable(path, snapshot.meta, cfg, len(train_set))
                                         if snapshot else [])
     gpt_config = GPTConfig(**asdict(cfg.model), vocab_size=tokenizer.vocab_size,
@@ -132,9 +132,9 @@ def generate_text(model, tokenizer, scfg):
 
 def main(argv, rank, world_size, local_rank):
     cfg = load_config(argv, world_size)  # before any collective: bad config exits everywhere
-    if cfg.mode == "sample":
+    if cfg.mode in ("sample", "prepare"):  # one process (prepare runs its own pool)
         if rank == 0:
-            sample(cfg)
+            (sample if cfg.mode == "sample" else prepare)(cfg)
         return
     preemption.install()  # SIGTERM/SIGUSR1 now stop after a step, with a snapshot
     device = pick_device(cfg.trainer.device, local_rank)

@@ -79,10 +79,12 @@ def check_resumable(path, meta, cfg, train_windows):
     """Refuse a snapshot whose data order differs from this run's; return notes on
     settings that legitimately change on resume (the LR schedule, when extending)."""
     saved_t, saved_d = meta["config"]["trainer"], meta["config"]["data"]
+    text = not cfg.data.tokens_path  # prepared tokens carry their own split
     for section, key, saved in (("trainer", "batch_size", saved_t), ("trainer", "seed", saved_t),
-                                ("data", "path", saved_d), ("data", "val_fraction", saved_d)):
+                                ("data", "tokens_path", saved_d), ("data", "path", saved_d),
+                                ("data", "val_fraction", saved_d)):
         now, was = getattr(getattr(cfg, section), key), saved.get(key, "")
-        if was != now:
+        if was != now and (text or key not in ("path", "val_fraction")):
             raise UserError(
                 f"snapshot {path} was trained with {section}.{key}={was!r}, this run asks "
                 f"for {now!r}: resuming would change the data order. Use the snapshot's value "

@@ -56,6 +56,13 @@ def test_defaults_and_overrides():
     (["parallel.zero_stage=4"], 1, "zero_stage"),
     (["trainer.keep_snapshots=0"], 1, "keep_snapshots"),
     (["trainer.resume_step=0"], 1, "resume_step"),
+    (["mode=prepare", "data.path=a.txt"], 1, "mode=prepare needs data.path .* and data.tokens_path"),
+    (["mode=prepare", "data.tokens_path=tok"], 1, "mode=prepare needs data.path"),
+    (["mode=bake"], 1, "mode must be"),
+    (["data.sampler=shuffle"], 1, "data.sampler must be one of"),
+    (["data.sampler=randperm", "data.tokens_path=tok"], 1, "does not read data.tokens_path"),
+    (["prepare.workers=-1"], 1, "prepare.workers"),
+    (["prepare.chunk_mb=0"], 1, "prepare.chunk_mb"),
 ])
 def test_bad_config_is_one_clear_error(overrides, world, message):
     with pytest.raises(UserError, match=message):
