@@ -207,13 +207,13 @@ def _tokenize_chunk(job):
     k, url, size, start, end, file_ends, dst = job
     tokenizer = _worker["tokenizer"]
     text, exact = read_chunk(url, size, start, end)
-    ids = tokenizer.encode_array(text)
+    ids = tokenizer.encode_array(text, _worker["dtype"])
     del text
     if file_ends and tokenizer.eot is not None:
-        ids = np.append(ids, tokenizer.eot)
+        ids = np.append(ids, np.array([tokenizer.eot], dtype=ids.dtype))
     fs, root = fsspec.core.url_to_fs(dst)
     with fs.open(join(root, shard_name(k)), "wb") as f:
-        f.write(ids.astype(_worker["dtype"]).tobytes())
+        f.write(memoryview(ids))
     marker = {"tokens": int(len(ids)), "max_token": int(ids.max()) if len(ids) else -1,
               "text_bytes": end - start, "exact": exact, "source": url, "range": [start, end],
               "plan": _worker["plan"]}

@@ -31,6 +31,7 @@ GPT2_FILES = {  # tiktoken_ext/openai_public.py: URL and sha256 of GPT-2's files
                      "196139668be63f3b5d6574427317ae82f612a97c5d1cdaf36ed2256dbf636783"),
 }
 ENDOFTEXT = "<|endoftext|>"
+SLICE = 1 << 20  # characters CharTokenizer.encode_array converts at a time
 
 
 class CharTokenizer:
@@ -48,15 +49,21 @@ class CharTokenizer:
     def encode(self, text):
         return self.encode_array(text).tolist()
 
-    def encode_array(self, text):
-        points = np.frombuffer(text.encode("utf-32-le", "surrogatepass"), dtype=np.uint32)
-        at = np.searchsorted(self.codes, points).clip(0, max(self.vocab_size - 1, 0))
-        unknown = np.flatnonzero(self.codes[at] != points) if self.vocab_size else \
-            np.arange(len(points))
-        if unknown.size:
-            raise UserError(f"character {chr(points[unknown[0]])!r} is not in the vocabulary "
-                            f"({self.vocab_size} characters)")
-        return self.order[at].astype(np.int64)
+    def encode_array(self, text, dtype=np.int64):
+        """ids as a numpy array of `dtype`, a slice of the text at a time (so a big
+        chunk costs its output and a few MB, not 20 bytes per character)."""
+        out = np.empty(len(text), dtype=dtype)
+        for at in range(0, len(text), SLICE):
+            piece = text[at:at + SLICE]
+            points = np.frombuffer(piece.encode("utf-32-le", "surrogatepass"), dtype=np.uint32)
+            where = np.searchsorted(self.codes, points).clip(0, max(self.vocab_size - 1, 0))
+            unknown = np.flatnonzero(self.codes[where] != points) if self.vocab_size else \
+                np.arange(len(points))
+            if unknown.size:
+                raise UserError(f"character {piece[unknown[0]]!r} is not in the vocabulary "
+                                f"({self.vocab_size} characters)")
+            out[at:at + len(piece)] = self.order[where]
+        return out
 
     def decode(self, ids):
         return "".join(self.chars[i] for i in ids)
@@ -98,9 +105,9 @@ class GPT2Tokenizer:
     def encode(self, text):
         return self.enc.encode_ordinary(text)
 
-    def encode_array(self, text):
+    def encode_array(self, text, dtype=np.int64):
         # disallowed_special=(): "<|endoftext|>" in the text is ordinary text, as encode_ordinary
-        return self.enc.encode_to_numpy(text, disallowed_special=()).astype(np.int64)
+        return self.enc.encode_to_numpy(text, disallowed_special=()).astype(dtype)
 
     def decode(self, ids):
         return self.enc.decode(list(ids))
@@ -150,6 +157,18 @@ def data_gym_files(words):
                 encoder[left + right] = len(encoder)
     vocab_bpe = "#version: 0.2\n" + "".join(m + "\n" for m in merges)
     return {"vocab.bpe": vocab_bpe.encode(), "encoder.json": json.dumps(encoder).encode()}
+
+
+def cache_gpt2_files(directory, files):
+    """Put {"vocab.bpe": bytes, "encoder.json": bytes} into `directory` under the names
+    tiktoken's cache gives GPT-2's files (the sha1 of their URL): with
+    TIKTOKEN_CACHE_DIR=directory, data.tokenizer=gpt2 loads them. Returns directory."""
+    import os
+    os.makedirs(directory, exist_ok=True)
+    for name, (url, _) in GPT2_FILES.items():
+        with open(os.path.join(directory, hashlib.sha1(url.encode()).hexdigest()), "wb") as f:
+            f.write(files[name])
+    return str(directory)
 
 
 def build_tokenizer(kind, text=None, saved=None):

@@ -264,11 +264,5 @@ def tiny_gpt2_cache(directory, words=TINY_BPE_WORDS):
     """A TIKTOKEN_CACHE_DIR holding a small BPE in GPT-2's two files, named as tiktoken
     caches GPT-2's own (the sha1 of the download URL): data.tokenizer=gpt2 then loads it
     through the code path of the real one, with no network. Returns the directory."""
-    import hashlib
-    from tokenizer import GPT2_FILES, data_gym_files
-    os.makedirs(directory, exist_ok=True)
-    for name, content in data_gym_files(words).items():
-        url = GPT2_FILES[name][0]
-        with open(os.path.join(directory, hashlib.sha1(url.encode()).hexdigest()), "wb") as f:
-            f.write(content)
-    return str(directory)
+    from tokenizer import cache_gpt2_files, data_gym_files
+    return cache_gpt2_files(directory, data_gym_files(words))

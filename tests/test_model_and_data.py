@@ -127,6 +127,15 @@ def test_gpt2_tokenizer_loads_tiktoken_cache_files(tmp_path, monkeypatch):
     assert "\n" not in str(e.value)
 
 
+def test_char_tokenizer_encodes_slice_by_slice(monkeypatch):
+    import tokenizer
+    monkeypatch.setattr(tokenizer, "SLICE", 7)
+    text = embedded_corpus(2_000) + "caf\u00e9 \U0001F600"
+    tok = build_tokenizer("char", text)
+    assert tok.encode(text) == [tok.stoi[c] for c in text]
+    assert tok.encode_array(text, dtype="uint8").dtype == "uint8"
+
+
 def test_char_tokenizer_rejects_unknown_characters():
     tok = build_tokenizer(None, saved={"kind": "char", "chars": "abc"})
     assert tok.decode(tok.encode("cab")) == "cab"
