@@ -242,3 +242,27 @@ def test_tokens_of_another_tokenizer_than_the_snapshots_are_refused(corpus, gpt2
         open_data(cfg, saved_tokenizer={"kind": "char", "chars": "abc"})
     with pytest.raises(UserError, match="data.tokenizer=gpt2"):
         open_data(DataConfig(block_size=8, tokens_path=str(corpus), tokenizer="gpt2"))
+
+
+def test_a_remote_corpus_is_read_by_ranged_requests(tmp_path, monkeypatch):
+    """Not a local path (memory:// stands for an object store): prepare writes there, and
+    training reads a window's bytes with ranged requests, never a whole shard."""
+    import torch
+    from fsspec.implementations.memory import MemoryFileSystem
+    src = tmp_path / "t.txt"
+    src.write_text(awkward_text(20000, seed=5))
+    prepare(tmp_path, src, tmp_path / "local", "prepare.chunk_mb=0.01")
+    prepare(tmp_path, src, "memory://bench-tokens", "prepare.chunk_mb=0.01")
+    _, remote, _ = open_data(DataConfig(block_size=8, tokens_path="memory://bench-tokens"))
+    ranges, real = [], MemoryFileSystem.cat_file
+
+    def cat_file(self, path, start=None, end=None, **kw):
+        ranges.append((start, end))
+        return real(self, path, start=start, end=end, **kw)
+    monkeypatch.setattr(MemoryFileSystem, "cat_file", cat_file)
+    _, local, _ = open_data(DataConfig(block_size=8, tokens_path=str(tmp_path / "local")))
+    starts = torch.tensor([0, 3, 9000, len(local) - 1])
+    for a, b in zip(remote.batch(starts), local.batch(starts)):
+        assert torch.equal(a, b)
+    assert len(ranges) >= 4 and all(end - start <= 9 for start, end in ranges)  # block + 1 tokens
+    MemoryFileSystem().rm("/bench-tokens", recursive=True)
