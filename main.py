@@ -29,8 +29,8 @@ from errors import UserError
 from model import GPT, GPTConfig
 from parallel import build_strategy
 from parallel.grid import ProcessGrid, together
-from prepare import prepare
 from parallel.strategy import load_named_parameters
+from prepare import prepare
 from snapshot import check_model_shape, open_snapshot, step_to_resume
 from trainer import Trainer, check_resumable, snapshot_location
 

@@ -180,6 +180,21 @@ def test_prepare_never_writes_over_something_else(tmp_path, gpt2_cache, change):
     assert {p.name: p.read_bytes() for p in dst.iterdir()} == before
 
 
+@pytest.mark.parametrize("what,workers,message", [
+    ("missing", 1, "data file not found"),
+    ("empty glob", 1, "names no files"),
+    ("latin-1", 2, "is not UTF-8 text \\(byte 0xe9 at offset 20027\\)"),  # raised in a worker
+])
+def test_bad_text_is_one_line(tmp_path, what, workers, message):
+    src = {"missing": tmp_path / "none.txt", "empty glob": tmp_path / "*.none",
+           "latin-1": tmp_path / "t.txt"}[what]
+    if what == "latin-1":
+        src.write_bytes(b"plain text " * 1820 + b"abc caf\xe9" + b" more" * 9000)
+    with pytest.raises(UserError, match=message) as e:
+        prepare(tmp_path, src, tmp_path / "tok", f"prepare.workers={workers}", "prepare.chunk_mb=0.01")
+    assert "\n" not in str(e.value)
+
+
 # ---------------------------------------------------------------- damaged corpora
 
 @pytest.fixture
