@@ -55,9 +55,6 @@ def prepare(cfg):
                "chunk_bytes": max(1, int(p.chunk_mb * 2**20)), "val_fraction": d.val_fraction}
     workers = p.workers or os.cpu_count() or 1
     plan = _existing_plan(fs, root, d.tokens_path, request)
-    if plan == "done":
-        print(f"{d.tokens_path} is already prepared from {d.path}: nothing to do", flush=True)
-        return
     if plan is None:
         state = _fit_tokenizer(d.tokenizer, sources, chunks, workers)
         vocab = build_tokenizer(None, saved=state).vocab_size
@@ -67,7 +64,13 @@ def prepare(cfg):
         _write_json(fs, join(root, PLAN), plan)
     markers = _finished(fs, root, plan, len(chunks))
     todo = [k for k in range(len(chunks)) if k not in markers]
-    if markers:
+    if fs.exists(join(root, INDEX)):
+        if not todo:
+            print(f"{d.tokens_path} is already prepared from {d.path}: nothing to do", flush=True)
+            return
+        fs.rm(join(root, INDEX))  # incomplete until the repaired shards are written
+        print(f"repairing: {len(todo)} of {len(chunks)} shards are missing or truncated", flush=True)
+    elif markers:
         print(f"resuming: {len(markers)} of {len(chunks)} shards are done already", flush=True)
     jobs = [(k, *sources[chunks[k][0]], chunks[k][1], chunks[k][2],
              chunks[k][2] == sources[chunks[k][0]][1], d.tokens_path) for k in todo]
@@ -85,21 +88,23 @@ def prepare(cfg):
 
 
 def _existing_plan(fs, root, path, request):
-    """"done", the plan to resume, or None (start afresh); refuses a DST holding
-    something else."""
+    """The plan of this same preparation found at DST (to resume, repair or confirm), or
+    None for an empty DST; refuses a DST that holds anything else."""
     if not fs.exists(root):
         return None
-    for name in (INDEX, PLAN):
-        if fs.exists(join(root, name)):
-            found = _read_json(fs, join(root, name), path)
-            if found.get("format") != FORMAT or found.get("request") != request:
-                raise UserError(
-                    f"data.tokens_path {path} holds another preparation ({_differences(found, request)}): "
-                    "nothing was overwritten; use another data.tokens_path or delete it")
-            return "done" if name == INDEX else found
-    if fs.ls(root):
-        raise UserError(f"data.tokens_path {path} exists and is not a token directory: refusing "
-                        "to write into it; use a new or empty directory")
+    found = {name: _read_json(fs, join(root, name), path)
+             for name in (INDEX, PLAN) if fs.exists(join(root, name))}
+    for obj in found.values():
+        if obj.get("format") != FORMAT or obj.get("request") != request:
+            raise UserError(
+                f"data.tokens_path {path} holds another preparation ({_differences(obj, request)}): "
+                "nothing was overwritten; use another data.tokens_path or delete it")
+    if PLAN in found:
+        return found[PLAN]
+    if found or fs.ls(root):
+        raise UserError(f"data.tokens_path {path} exists and is not a token directory of this "
+                        "version (no plan.json): refusing to write into it; use a new or empty "
+                        "directory")
     return None
 
 

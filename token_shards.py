@@ -39,6 +39,8 @@ FORMAT, VERSION = "mingpt-parallel-tokens", 1
 INDEX, PLAN = "index.json", "plan.json"
 SHARD_FILE = re.compile(r"shard-\d{5,}\.bin")
 DTYPES = {"uint8": np.uint8, "uint16": np.uint16, "uint32": np.uint32}
+REPAIR = "run the mode=prepare command again (it redoes missing and truncated shards)"
+FRESH = "prepare the corpus again into an empty data.tokens_path"
 
 
 def dtype_for(vocab_size: int) -> str:
@@ -73,7 +75,7 @@ class TokenCorpus:
             assert self.tokenizer_state["kind"] in ("char", "gpt2")
         except (KeyError, TypeError, ValueError, AssertionError) as e:
             raise UserError(f"{self._where(INDEX)} is malformed ({type(e).__name__}: {e}): "
-                            "prepare the corpus again") from None
+                            f"{FRESH}") from None
         self.bounds = np.concatenate([[0], np.cumsum(self.counts)])
         mismatch = [f"the shards hold {int(self.bounds[-1])} tokens, it says {total}"
                     if self.bounds[-1] != total else None,
@@ -83,12 +85,12 @@ class TokenCorpus:
                     if dtype_for(self.vocab_size) != str(self.dtype) else None]
         if any(mismatch):
             raise UserError(f"{self._where(INDEX)} contradicts itself: "
-                            f"{'; '.join(m for m in mismatch if m)}: prepare the corpus again")
+                            f"{'; '.join(m for m in mismatch if m)}: {FRESH}")
         for name, top in zip(self.files, max_tokens):
             if top >= self.vocab_size:
                 raise UserError(f"{self._where(name)} holds token id {top}, past the vocabulary "
                                 f"of {self.vocab_size}: the index belongs to another corpus or "
-                                "tokenizer; prepare the corpus again")
+                                f"tokenizer; {FRESH}")
         self._check_files()
         self._maps = {}
 
@@ -114,7 +116,7 @@ class TokenCorpus:
             raise UserError(f"{self._where(INDEX)} is not the index of a prepared token corpus")
         if index.get("version") != VERSION:
             raise UserError(f"{self._where(INDEX)} was written by another version (format "
-                            f"{index.get('version')!r}, expected {VERSION}): prepare the corpus again")
+                            f"{index.get('version')!r}, expected {VERSION}): {FRESH}")
         return index
 
     def _check_files(self):
@@ -127,22 +129,21 @@ class TokenCorpus:
                                 "form shard-00000.bin")
             expected = count * self.dtype.itemsize
             if name not in sizes:
-                raise UserError(f"{self._where(name)} is missing (listed in {INDEX})")
+                raise UserError(f"{self._where(name)} is missing (listed in {INDEX}); {REPAIR}")
             if sizes[name] != expected:
                 raise UserError(f"{self._where(name)} has {sizes[name]} bytes, {INDEX} says "
                                 f"{count} tokens of {self.dtype} = {expected} bytes: the shard is "
-                                "truncated or the index belongs to other shards; prepare the "
-                                "corpus again")
+                                f"truncated or the index belongs to other shards; {REPAIR}")
         unlisted = sorted(set(n for n in sizes if SHARD_FILE.fullmatch(n)) - set(self.files))
         if unlisted:
             raise UserError(f"{self._where(INDEX)} does not match its shards: {unlisted[0]} is "
-                            "not in it; prepare the corpus again")
+                            f"not in it; {FRESH}")
 
     def splits(self, block_size, vocab_size):
         """(train, val) TokenWindows, checked against the run's block and tokenizer."""
         if vocab_size != self.vocab_size:
             raise UserError(f"{self._where(INDEX)} says the vocabulary has {self.vocab_size} "
-                            f"tokens, its tokenizer has {vocab_size}: prepare the corpus again")
+                            f"tokens, its tokenizer has {vocab_size}: {FRESH}")
         total = self.train_tokens + self.val_tokens
         for name, n in (("train", self.train_tokens), ("val", self.val_tokens)):
             if n <= block_size:
@@ -185,7 +186,7 @@ class TokenCorpus:
             k = next(p[2] for p in pieces if p[0] == row)
             raise UserError(f"{self._where(self.files[k])} holds token id {int(out[row].max())}, "
                             f"past the vocabulary of {self.vocab_size}: the shard is damaged or "
-                            "was not made by its index's tokenizer; prepare the corpus again")
+                            f"was not made by its index's tokenizer; delete it, then {REPAIR}")
         return out
 
     def _map(self, k):

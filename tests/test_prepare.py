@@ -149,6 +149,22 @@ def test_interrupted_prepare_finishes_without_redoing_shards(tmp_path, monkeypat
     assert shard_times(tmp_path / "tok") == after
 
 
+def test_prepare_again_redoes_a_truncated_or_missing_shard_only(tmp_path, monkeypatch):
+    src = tmp_path / "t.txt"
+    src.write_text(awkward_text(30000, seed=2))
+    prepare(tmp_path, src, tmp_path / "tok", "prepare.chunk_mb=0.01")
+    whole = all_tokens(tmp_path / "tok")
+    shard = tmp_path / "tok" / "shard-00001.bin"
+    shard.write_bytes(shard.read_bytes()[:-1])
+    (tmp_path / "tok" / "shard-00003.bin").unlink()
+    with pytest.raises(UserError, match="run the mode=prepare command again"):
+        TokenCorpus(str(tmp_path / "tok"))
+    real, calls = prepare_module._tokenize_chunk, []
+    monkeypatch.setattr(prepare_module, "_tokenize_chunk", lambda job: (calls.append(job[0]), real(job))[1])
+    prepare(tmp_path, src, tmp_path / "tok", "prepare.chunk_mb=0.01")
+    assert calls == [1, 3] and np.array_equal(all_tokens(tmp_path / "tok"), whole)
+
+
 def test_worker_processes_write_what_one_process_writes(tmp_path):
     src = tmp_path / "t.txt"
     src.write_text(awkward_text(30000, seed=3))
