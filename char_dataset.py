@@ -54,6 +54,17 @@ def data_order(cfg: DataConfig) -> dict:
     return {"sampler": cfg.sampler, "version": SAMPLERS[cfg.sampler]}
 
 
+def data_identity(train_set) -> dict:
+    """What a snapshot records of its train split: the number of windows and, for
+    prepared tokens, their fingerprint (a copy of the corpus elsewhere has the same)."""
+    return {"train_windows": len(train_set), "corpus": getattr(train_set, "fingerprint", None)}
+
+
+def describe_data(identity: dict) -> str:
+    kind = f"prepared tokens {identity['corpus'][:12]}" if identity.get("corpus") else "text"
+    return f"{kind} ({identity.get('train_windows')} train windows)"
+
+
 def open_data(cfg: DataConfig, saved_tokenizer=None):
     """(tokenizer, train set, val set) of the run: prepared tokens if data.tokens_path is
     set, else the text of data.path. saved_tokenizer: the snapshot's, if resuming."""

@@ -23,7 +23,7 @@ import torch
 import torch.distributed as dist
 
 import preemption
-from char_dataset import build_tokenizer, open_data
+from char_dataset import build_tokenizer, data_identity, open_data
 from config import load_config, resolved_yaml, to_dict
 from errors import UserError
 from model import GPT, GPTConfig
@@ -68,7 +68,8 @@ def read_inputs(cfg, is_main):
     snapshot = open_snapshot(path, step)
     tokenizer, train_set, val_set = open_data(
         cfg.data, saved_tokenizer=snapshot.meta["tokenizer"] if snapshot else None)
-    notes = ([note] if note else []) + (check_resumable(path, snapshot.meta, cfg, len(train_set))
+    notes = ([note] if note else []) + (check_resumable(path, snapshot.meta, cfg,
+                                                        data_identity(train_set))
                                         if snapshot else [])
     gpt_config = GPTConfig(**asdict(cfg.model), vocab_size=tokenizer.vocab_size,
                            block_size=cfg.data.block_size)

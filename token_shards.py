@@ -25,6 +25,7 @@ damaged shard); the trainer has the ranks agree on that before any
 collective (`checks_contents`).
 """
 
+import hashlib
 import json
 import re
 
@@ -93,6 +94,10 @@ class TokenCorpus:
                                 f"tokenizer; {FRESH}")
         self._check_files()
         self._maps = {}
+        # what the tokens are, wherever they lie: a copy has the same, a new corpus not
+        self.fingerprint = hashlib.sha256(json.dumps(
+            [self.tokenizer_state, str(self.dtype), self.train_tokens, self.val_tokens,
+             [[int(n), m] for n, m in zip(self.counts, max_tokens)]]).encode()).hexdigest()
 
     def _where(self, name):
         """A file of the corpus, named as the user named the corpus (any fsspec URL)."""
@@ -204,6 +209,7 @@ class TokenWindows:
     def __init__(self, corpus, offset, n_tokens, block_size):
         self.corpus, self.offset, self.n_tokens = corpus, offset, n_tokens
         self.block_size = block_size
+        self.fingerprint = corpus.fingerprint
 
     def __len__(self):
         return self.n_tokens - self.block_size

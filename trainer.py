@@ -7,7 +7,8 @@ each step from trainer.seed, the step and the data-parallel rank). So a
 snapshot needs only the step, the model and the optimizer to continue
 exactly, under any layout, and a resumed run's losses equal an
 uninterrupted run's. The snapshot also records what fixes the data order
-(the sampler and its version, the number of train windows), and
+(the sampler and its version, the train split's size and, for prepared
+tokens, the corpus's fingerprint), and
 check_resumable refuses to continue with another.
 """
 
@@ -23,7 +24,8 @@ import torch
 
 from activation_meter import ActivationMeter
 import preemption
-from char_dataset import LEGACY_ORDER, SAMPLERS, GlobalBatches, data_order, eval_starts
+from char_dataset import (LEGACY_ORDER, SAMPLERS, GlobalBatches, data_identity, data_order,
+                          describe_data, eval_starts)
 from errors import UserError
 from parallel.grid import together
 from snapshot import save_sharded
@@ -75,16 +77,16 @@ def snapshot_location(t: TrainerConfig) -> str:
     return t.snapshot_path or os.path.join(t.run_dir, "snapshot")
 
 
-def check_resumable(path, meta, cfg, train_windows):
+def check_resumable(path, meta, cfg, data):
     """Refuse a snapshot whose data order differs from this run's; return notes on
-    settings that legitimately change on resume (the LR schedule, when extending)."""
+    settings that legitimately change on resume (the LR schedule, when extending).
+    data: char_dataset.data_identity of this run's train split."""
     saved_t, saved_d = meta["config"]["trainer"], meta["config"]["data"]
-    text = not cfg.data.tokens_path  # prepared tokens carry their own split
+    text = not cfg.data.tokens_path  # prepared tokens are known by their fingerprint, not path
     for section, key, saved in (("trainer", "batch_size", saved_t), ("trainer", "seed", saved_t),
-                                ("data", "tokens_path", saved_d), ("data", "path", saved_d),
-                                ("data", "val_fraction", saved_d)):
+                                ("data", "path", saved_d), ("data", "val_fraction", saved_d)):
         now, was = getattr(getattr(cfg, section), key), saved.get(key, "")
-        if was != now and (text or key not in ("path", "val_fraction")):
+        if was != now and (text or section == "trainer"):
             raise UserError(
                 f"snapshot {path} was trained with {section}.{key}={was!r}, this run asks "
                 f"for {now!r}: resuming would change the data order. Use the snapshot's value "
@@ -98,11 +100,11 @@ def check_resumable(path, meta, cfg, train_windows):
             f"snapshot {path} was trained in data order {was['sampler']} v{was['version']}, this "
             f"run reads in order {now['sampler']} v{now['version']}: resuming would silently change "
             f"the data it trains on. {hint}, or use a new trainer.snapshot_path")
-    if meta.get("train_windows", train_windows) != train_windows:
+    if meta.get("data", data) != data:
         raise UserError(
-            f"snapshot {path} was trained on {meta['train_windows']} train windows, the data now "
-            f"has {train_windows}: resuming would change the data order. Use the data it was "
-            "trained on, or a new trainer.snapshot_path")
+            f"snapshot {path} was trained on {describe_data(meta['data'])}, this run reads "
+            f"{describe_data(data)}: resuming would change the data it trains on. Use the data it "
+            "was trained on, or a new trainer.snapshot_path")
     return [f"note: trainer.{k} is {getattr(cfg.trainer, k)} now, {saved_t[k]} when the snapshot "
             f"was written: the LR schedule changes from here on"
             for k in ("max_steps", "warmup_steps", "lr", "min_lr") if saved_t[k] != getattr(cfg.trainer, k)]
@@ -291,7 +293,7 @@ class Trainer:
         pieces = self.strategy.shard_pieces()
         save_sharded(self.snapshot_path, g, self.step, pieces, keep=t.keep_snapshots, meta={
             "samples_seen": self.step * t.batch_size, "wandb_id": self.wandb_id,
-            "data_order": data_order(self.cfg.data), "train_windows": len(self.train_set),
+            "data_order": data_order(self.cfg.data), "data": data_identity(self.train_set),
             **self.snapshot_meta,
             "layout": {"world_size": g.world_size, "dp": g.dp_size, "pp": g.pp_size,
                        "tp": g.tp_size, "strategy": self.cfg.parallel.dp},

@@ -297,3 +297,24 @@ def test_a_remote_corpus_is_read_by_ranged_requests(tmp_path, monkeypatch):
         assert torch.equal(a, b)
     assert len(ranges) >= 4 and all(end - start <= 9 for start, end in ranges)  # block + 1 tokens
     MemoryFileSystem().rm("/bench-tokens", recursive=True)
+
+
+def test_a_snapshot_resumes_on_a_copy_of_its_tokens_not_on_other_tokens(tmp_path, corpus):
+    """Snapshots know prepared tokens by a fingerprint of the index, not by their path."""
+    import shutil
+    from char_dataset import data_identity
+    from trainer import check_resumable
+    shutil.copytree(corpus, tmp_path / "copy")
+    other = tmp_path / "other.txt"
+    other.write_text(awkward_text(20001, seed=4))
+    prepare(tmp_path, other, tmp_path / "other", "prepare.chunk_mb=0.01")
+    ids = {name: data_identity(open_data(DataConfig(block_size=8, tokens_path=str(tmp_path / name)))[1])
+           for name in ("tok", "copy", "other")}
+    cfg = load_config([f"data.tokens_path={tmp_path / 'copy'}"], 1)
+    meta = {"config": {"trainer": {"batch_size": 32, "seed": 1337, "max_steps": 300, "lr": 2e-3,
+                                   "min_lr": 2e-4, "warmup_steps": 20}, "data": {}},
+            "data_order": {"sampler": "feistel", "version": 1}, "data": ids["tok"]}
+    assert ids["tok"] == ids["copy"] and check_resumable("snap", meta, cfg, ids["copy"]) == []
+    with pytest.raises(UserError, match=r"trained on prepared tokens \w+ \(\d+ train windows\), "
+                                        r"this run reads prepared tokens"):
+        check_resumable("snap", meta, cfg, ids["other"])
