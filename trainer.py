@@ -8,8 +8,8 @@ snapshot needs only the step, the model and the optimizer to continue
 exactly, under any layout, and a resumed run's losses equal an
 uninterrupted run's. The snapshot also records what fixes the data order
 (the sampler and its version, the train split's size and, for prepared
-tokens, the corpus's fingerprint), and
-check_resumable refuses to continue with another.
+tokens, the corpus's fingerprint), and check_resumable refuses to continue
+with another.
 """
 
 import json
@@ -282,8 +282,9 @@ class Trainer:
         """Mean val loss over fixed windows, in micro-batches of the training size."""
         g, t = self.grid, self.t
         starts = eval_starts(len(self.val_set), t.batch_size, t.eval_batches)
-        micro = self._read(lambda: [self.val_set.batch(part) for row in starts
-                                    for part in row.view(g.dp_size, -1)[g.dp_rank].view(t.grad_accum, -1)])
+        mine = [row.view(g.dp_size, -1)[g.dp_rank] for row in starts]
+        micro = self._read(lambda: [self.val_set.batch(part) for share in mine
+                                    for part in share.view(t.grad_accum, -1)])
         losses = [self.strategy.eval_loss(x, y) for x, y in micro]
         return sum(losses) / len(losses)
 
