@@ -318,3 +318,31 @@ def test_a_snapshot_resumes_on_a_copy_of_its_tokens_not_on_other_tokens(tmp_path
     with pytest.raises(UserError, match=r"trained on prepared tokens \w+ \(\d+ train windows\), "
                                         r"this run reads prepared tokens"):
         check_resumable("snap", meta, cfg, ids["other"])
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/status"), reason="reads Linux's RssFile")
+def test_reading_windows_does_not_keep_the_corpus_resident(tmp_path):
+    """Memory-mapped shards: what training touched must not stay mapped (a fault maps a
+    whole page-cache folio, so without letting go the RSS grows toward the corpus)."""
+    import re
+    import torch
+    tokens = tmp_path / "tok"
+    tokens.mkdir()
+    n = 48 * 2**20
+    (tokens / "shard-00000.bin").write_bytes(np.random.default_rng(0).integers(0, 50, n, np.uint8).tobytes())
+    (tokens / "index.json").write_text(json.dumps({
+        "format": "mingpt-parallel-tokens", "version": 1, "tokenizer": {"kind": "char", "chars": "x" * 50},
+        "vocab_size": 50, "dtype": "uint8", "tokens": n,
+        "split": {"train_tokens": n - 1000, "val_tokens": 1000},
+        "shards": [{"file": "shard-00000.bin", "tokens": n, "max_token": 49}]}))
+    corpus = TokenCorpus(str(tokens))
+    train, _ = corpus.splits(128, 50)
+
+    def resident_file_mb():
+        with open("/proc/self/status") as f:
+            return int(re.search(r"RssFile:\s+(\d+)", f.read()).group(1)) / 1024
+    before = resident_file_mb()
+    rng = np.random.default_rng(1)
+    for _ in range(50):  # 50 steps of 16 windows
+        train.batch(torch.from_numpy(rng.integers(0, len(train), 16)))
+    assert resident_file_mb() - before < 8, f"{resident_file_mb() - before:.0f} MB of the shard stayed mapped"
