@@ -22,8 +22,9 @@ present and of this format; every shard listed exists with exactly
 tokens x itemsize bytes (a truncated shard, or an index of other shards);
 no shard file the index does not list; recorded token ids below the
 vocabulary. Each window read is checked too (ids past the vocabulary: a
-damaged shard); the trainer has the ranks agree on that before any
-collective (`checks_contents`).
+damaged shard); a damaged window shows on one rank only, so the trainer has
+the ranks agree on it before their next collective (in the step's scalar
+all-reduce; before an evaluation for `checks_contents` sets).
 """
 
 import hashlib

@@ -30,6 +30,8 @@ from errors import UserError
 from parallel.grid import together
 from snapshot import save_sharded
 
+AGREED_READ_FAILURE = "stopping: another rank failed while reading the data (see its error)"
+
 
 @dataclass
 class TrainerConfig:
@@ -213,13 +215,13 @@ class Trainer:
 
     def train(self):
         t, g = self.t, self.grid
+        if self.step < t.max_steps:
+            micro, data_ms, error = self._read_step(self.step)
+            if not g.all_ok(error is None):
+                raise error or UserError(AGREED_READ_FAILURE)
         while self.step < t.max_steps:
             started = time.perf_counter()
             self._reseed(self.step)
-            reading = time.perf_counter()
-            micro = self._read(lambda: self.batches.local_micro_batches(
-                self.train_set, self.step, g.dp_rank, g.dp_size, t.grad_accum))
-            data_ms = 1000 * (time.perf_counter() - reading)
             if self.activations is not None:
                 with self.activations:
                     loss = self.strategy.forward_backward(micro)
@@ -234,7 +236,7 @@ class Trainer:
             grad_norm = self.strategy.clip_grad_norm_(t.grad_clip if t.grad_clip > 0 else math.inf)
             self.strategy.optimizer_step(lr)
             self.step += 1
-            elapsed = time.perf_counter() - started
+            elapsed = time.perf_counter() - started + data_ms / 1000  # read at the previous step's end
 
             last = self.step == t.max_steps
             stats, files = self.strategy.step_stats(last)
@@ -257,9 +259,29 @@ class Trainer:
             saved = (t.save_every and self.step % t.save_every == 0) or last
             if saved:
                 self.save()
-            if not last and (signum := preemption.agreed_signal(g.device)):  # every rank
-                self._stop_preempted(signum, saved)
+            if not last:  # read the next step's windows, then agree (every rank) on two things
+                micro, data_ms, error = self._read_step(self.step)
+                signum, failed = preemption.agreed_signal(g.device, failed=error is not None)
+                if signum:  # a stop signal: snapshot this step (the next one's data waits)
+                    self._stop_preempted(signum, saved)
+                if failed:  # one rank's windows are damaged: all stop before any collective
+                    raise error or UserError(AGREED_READ_FAILURE)
         return self.step
+
+    def _read_step(self, step):
+        """(micro-batches of `step` for this rank, ms it took, error or None). An error is
+        returned, not raised: a damaged shard shows on one rank only, and the ranks agree
+        on it in the step's one scalar all-reduce (preemption.agreed_signal) before the
+        next collective, instead of leaving the others waiting in it."""
+        started = time.perf_counter()
+        try:
+            micro = self.batches.local_micro_batches(self.train_set, step, self.grid.dp_rank,
+                                                     self.grid.dp_size, self.t.grad_accum)
+        except UserError as e:
+            return None, 0.0, e
+        except Exception as e:  # s3 errors, a vanished file, ...
+            return None, 0.0, UserError(f"reading the data failed: {type(e).__name__}: {e}")
+        return micro, 1000 * (time.perf_counter() - started), None
 
     def _stop_preempted(self, signum, saved):
         """A rank got SIGTERM/SIGUSR1 (preemption.py): every rank is here after the same
@@ -271,20 +293,16 @@ class Trainer:
             f"{self.step} of {self.t.max_steps} and wrote its snapshot to {self.snapshot_path}; "
             f"run the same command to resume (exit status {preemption.EXIT_STATUS})")
 
-    def _read(self, fn):
-        """fn() reads windows. Prepared shards may turn out damaged there (one rank's
-        windows only): the ranks agree before anyone enters a collective without it."""
-        if getattr(self.train_set, "checks_contents", False):
-            return together(self.grid, "reading the data", fn)
-        return fn()
-
     def evaluate(self):
         """Mean val loss over fixed windows, in micro-batches of the training size."""
         g, t = self.grid, self.t
         starts = eval_starts(len(self.val_set), t.batch_size, t.eval_batches)
         mine = [row.view(g.dp_size, -1)[g.dp_rank] for row in starts]
-        micro = self._read(lambda: [self.val_set.batch(part) for share in mine
-                                    for part in share.view(t.grad_accum, -1)])
+        read = lambda: [self.val_set.batch(part) for share in mine  # noqa: E731
+                        for part in share.view(t.grad_accum, -1)]
+        # prepared shards can turn out damaged on one rank: agree first (text cannot)
+        micro = together(g, "reading the val data", read) \
+            if getattr(self.val_set, "checks_contents", False) else read()
         losses = [self.strategy.eval_loss(x, y) for x, y in micro]
         return sum(losses) / len(losses)
 

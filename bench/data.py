@@ -19,7 +19,8 @@ over files of `--file-mb`; nothing is downloaded):
 2. The first `--small-mb` of the corpus prepared the same way (char).
 3. `--rounds` rounds of 2-rank torchrun trainings (`--nproc`) of the default model
    for `--steps` steps on the small and on the large char corpus, alternating, plus
-   the small corpus through the text path (data.path) for reference. Each rank
+   the small corpus through the text path (data.path) for reference (the order
+   rotates each round). Each rank
    reports its peak RSS; time to the first step is from the launch of torchrun to
    the end of step 1 (the main rank's clock; every rank ends step 1 together);
    data share = median data_ms / median step_ms over the steps after the first 2.
@@ -170,7 +171,7 @@ def main(argv=None):
     p.add_argument("--workers", type=int, default=0, help="prepare.workers (0: one per core)")
     p.add_argument("--nproc", type=int, default=2)
     p.add_argument("--steps", type=int, default=20)
-    p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--rounds", type=int, default=5)
     p.add_argument("--set", action="append", default=[], help="extra key=value for the trainings")
     p.add_argument("--out", default="docs/bench/data")
     args, overrides = p.parse_known_args(argv)
@@ -204,8 +205,10 @@ def main(argv=None):
                     f"{args.size_mb} MB tokens": f"data.tokens_path={os.path.join(tmp, 'tokens-char')}",
                     f"{args.small_mb} MB text path": f"data.path={os.path.join(small, os.listdir(small)[0])}"}
         rounds = []
-        for i in range(args.rounds):
-            for name, data_arg in variants.items():
+        names = list(variants)
+        for i in range(args.rounds):  # rotated each round: no variant always runs first
+            for name in names[i % len(names):] + names[:i % len(names)]:
+                data_arg = variants[name]
                 r = train(name, data_arg, tmp, args, env)
                 rounds.append({"round": i, **r})
                 print(f"round {i} {name}: first step {r['first_step_s']:.2f} s, RSS per rank "

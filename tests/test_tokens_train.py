@@ -55,9 +55,10 @@ def test_shards_train_as_the_text_does_and_resume_exactly(tmp_path, shards_run):
 
 
 def test_a_shard_damaged_mid_run_stops_every_rank_with_one_line(tmp_path, shards_run):
-    """Step 7 (after resuming at 6) reads a window rank 0 alone holds, damaged (ids past
-    the vocabulary, the shard's size unchanged): rank 0 finds it, and rank 1, whose
-    windows are fine, must stop too instead of waiting for rank 0 in a collective."""
+    """Step 8 (resumed at 6: read at the end of step 7) has a window rank 0 alone reads,
+    damaged (ids past the vocabulary, the shard's size unchanged): rank 0 finds it, and
+    rank 1, whose windows are fine, must stop too instead of waiting for rank 0 in the
+    next collective."""
     from char_dataset import GlobalBatches
     from token_shards import TokenCorpus
     root, tokens, _, _ = shards_run
@@ -65,7 +66,7 @@ def test_a_shard_damaged_mid_run_stops_every_rank_with_one_line(tmp_path, shards
     shutil.copytree(root / "run" / "runs" / "default" / "snapshot", tmp_path / "snapshot")
     corpus = TokenCorpus(str(tmp_path / "tokens"))
     train, _ = corpus.splits(16, 50)  # TINY: block 16, batch 12; seed 1337
-    starts = GlobalBatches(len(train), 12, 1337).indices(6).tolist()
+    starts = GlobalBatches(len(train), 12, 1337).indices(7).tolist()  # 0-based: step 8
     mine, theirs = starts[0], starts[6:]  # rank 0 reads positions 0-5, rank 1 positions 6-11
     assert all(abs(mine - s) > 17 for s in theirs)
     shard = int((corpus.bounds <= mine).sum()) - 1
@@ -78,7 +79,7 @@ def test_a_shard_damaged_mid_run_stops_every_rank_with_one_line(tmp_path, shards
     result = run_job(tmp_path / "job", 2, COMMON + [
         f"data.tokens_path={tmp_path / 'tokens'}", f"trainer.snapshot_path={tmp_path / 'snapshot'}",
         "trainer.max_steps=12"], timeout=120)
-    assert "at step 6" in result.stdout, result.stdout
+    assert "at step 6" in result.stdout and "step 7/12" in result.stdout, result.stdout
     assert result.returncode != 0 and not our_frames(result.stderr), result.stderr
     lines = [ln for ln in result.stderr.splitlines() if ln.startswith("error on rank")]
     assert sorted(ln[:15] for ln in lines) == ["error on rank 0", "error on rank 1"], result.stderr
