@@ -245,7 +245,15 @@ def write_results(args, command, prepared, rounds, names):
                      f"{m['data_ms']:.2f} | {100 * m['data_share']:.1f}% |")
     lines += ["", f"Large vs small prepared corpus: time to first step "
               f"{med[big]['first_step_s'] / med[small]['first_step_s']:.2f}x, peak RSS "
-              f"{med[big]['rss_mb'] / med[small]['rss_mb']:.2f}x (target: within 10%)."]
+              f"{med[big]['rss_mb'] / med[small]['rss_mb']:.2f}x (target: within 10%).", "",
+              "Notes: `bpe` is the gpt2 code path (tiktoken, GPT-2's pre-tokenizer) with a "
+              "generated BPE that spells the corpus's words, far fewer merges than GPT-2's 50,000 "
+              "(whose files need a download). MB/s and tokens/s are over the whole command "
+              "(start-up, and for char the vocabulary pass, included). A prepare worker is forked "
+              "after main.py imported torch, so its RSS includes the ~300 MB it shares with its "
+              "parent. Time to first step runs from launching torchrun to the end of step 1. "
+              "Training reads step s+1's windows at the end of step s (memory-mapped shards, the "
+              "pages let go of after each read); data ms is that read, counted in step ms."]
     with open(os.path.join(args.out, "results.md"), "w") as f:
         f.write("\n".join(lines) + "\n")
     print("\n".join(lines))
