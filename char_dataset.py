@@ -32,7 +32,7 @@ import torch
 
 from errors import UserError
 from permutation import Permutation
-from tokenizer import build_tokenizer, describe_state, same_tokenizer  # noqa: F401 (re-exported)
+from tokenizer import build_tokenizer, describe_state, same_tokenizer  # noqa: F401 (build_tokenizer: re-exported)
 
 # what a snapshot records about its data order; snapshots without it used randperm
 SAMPLERS = {"feistel": 1, "randperm": 1}  # sampler -> version of its order
