@@ -2,37 +2,91 @@
 
 - Text comes from any fsspec path or URL (`data.path`); empty means the
   embedded default corpus, which this file generates (no download, no
-  third-party text).
-- Tokenizers: `char` (vocabulary = the sorted characters of the text, saved
-  in snapshots) or `gpt2` (tiktoken's BPE, which needs its two encoding files
-  locally when offline: see TIKTOKEN_CACHE_DIR in the README).
+  third-party text). A corpus prepared by mode=prepare (`data.tokens_path`,
+  prepare.py) is read in place instead: token_shards.py.
+- Tokenizers (tokenizer.py): `char` (vocabulary = the sorted characters of
+  the text, saved in snapshots) or `gpt2` (GPT-2's BPE through tiktoken, which
+  needs its two files locally when offline: see TIKTOKEN_CACHE_DIR in the README).
 - Train/val split: the first (1 - val_fraction) of the tokens train, the rest
   validate. Contiguous, so no window straddles both, and identical on every
   rank because it involves no randomness at all.
 - Sample order: a sample is the window starting at token i. Each epoch is a
-  permutation of all windows drawn from a generator seeded by (seed, epoch),
-  so the order changes per epoch and is reproducible. Optimizer step s reads
-  global-batch positions [s*B, (s+1)*B) of that stream; data-parallel rank r
-  takes its contiguous 1/dp of them. The position is therefore a function of
-  the step alone, which is what lets a snapshot resume under another layout.
+  pseudo-random permutation of all windows keyed by (seed, epoch)
+  (permutation.py: entry i costs O(1), so a step costs O(batch) whatever the
+  corpus size), so the order changes per epoch and is reproducible.
+  Optimizer step s reads global-batch positions [s*B, (s+1)*B) of that
+  stream; data-parallel rank r takes its contiguous 1/dp of them, and computes
+  only those. The position is therefore a function of the step alone, which
+  is what lets a snapshot resume under another layout. `data.sampler=randperm`
+  is the order before the permutation existed (torch.randperm over all
+  windows each epoch), kept only so that snapshots written with it can finish
+  their runs with the data they started with.
 """
 
 import random
 from dataclasses import dataclass
 
 import fsspec
+import numpy as np
 import torch
 
 from errors import UserError
+from permutation import Permutation
+from tokenizer import build_tokenizer, describe_state, same_tokenizer  # noqa: F401 (build_tokenizer: re-exported)
+
+# what a snapshot records about its data order; snapshots without it used randperm
+SAMPLERS = {"feistel": 1, "randperm": 1}  # sampler -> version of its order
+LEGACY_ORDER = {"sampler": "randperm", "version": SAMPLERS["randperm"]}
 
 
 @dataclass
 class DataConfig:
     """The `data:` section of gpt2_train_cfg.yaml."""
     path: str = ""           # fsspec path or URL; "" = embedded default corpus
+    tokens_path: str = ""    # a corpus prepared by mode=prepare; when set, training reads it
     block_size: int = 128    # context length in tokens
     tokenizer: str = "char"  # char | gpt2
     val_fraction: float = 0.1
+    sampler: str = "feistel"  # feistel | randperm (the old order, to finish old snapshots)
+
+
+def data_order(cfg: DataConfig) -> dict:
+    return {"sampler": cfg.sampler, "version": SAMPLERS[cfg.sampler]}
+
+
+def data_identity(train_set) -> dict:
+    """What a snapshot records of its train split: the number of windows and, for
+    prepared tokens, their fingerprint (a copy of the corpus elsewhere has the same)."""
+    return {"train_windows": len(train_set), "corpus": getattr(train_set, "fingerprint", None)}
+
+
+def describe_data(identity: dict) -> str:
+    kind = f"prepared tokens {identity['corpus'][:12]}" if identity.get("corpus") else "text"
+    return f"{kind} ({identity.get('train_windows')} train windows)"
+
+
+def open_data(cfg: DataConfig, saved_tokenizer=None):
+    """(tokenizer, train set, val set) of the run: prepared tokens if data.tokens_path is
+    set, else the text of data.path. saved_tokenizer: the snapshot's, if resuming."""
+    if not cfg.tokens_path:
+        text = load_text(cfg.path)
+        tokenizer = build_tokenizer(cfg.tokenizer, text, saved=saved_tokenizer)
+        return (tokenizer, *split_tokens(text, tokenizer, cfg, cfg.path))
+    from token_shards import TokenCorpus
+    corpus = TokenCorpus(cfg.tokens_path)
+    state = corpus.tokenizer_state
+    if state["kind"] != cfg.tokenizer:
+        raise UserError(f"data.tokens_path {cfg.tokens_path} was prepared with the "
+                        f"{describe_state(state)} tokenizer, but data.tokenizer={cfg.tokenizer}: "
+                        f"set data.tokenizer={state['kind']}, or prepare the text again")
+    if saved_tokenizer is not None and not same_tokenizer(saved_tokenizer, state):
+        raise UserError(f"data.tokens_path {cfg.tokens_path} was prepared with the "
+                        f"{describe_state(state)} tokenizer, the snapshot was trained with "
+                        f"{describe_state(saved_tokenizer)}: its token ids mean other text. Use "
+                        "tokens prepared with the snapshot's tokenizer, or a new "
+                        "trainer.snapshot_path")
+    tokenizer = build_tokenizer(None, saved=state)
+    return (tokenizer, *corpus.splits(cfg.block_size, tokenizer.vocab_size))
 
 
 # ---------------------------------------------------------------- text
@@ -81,66 +135,6 @@ def load_text(path: str) -> str:
                         f"(byte 0x{raw[e.start]:02x} at offset {e.start})") from None
 
 
-# ---------------------------------------------------------------- tokenizers
-
-class CharTokenizer:
-    kind = "char"
-
-    def __init__(self, chars):
-        self.chars = list(chars)
-        self.stoi = {c: i for i, c in enumerate(self.chars)}
-        self.vocab_size = len(self.chars)
-
-    def encode(self, text):
-        try:
-            return [self.stoi[c] for c in text]
-        except KeyError as e:
-            raise UserError(f"character {e.args[0]!r} is not in the vocabulary "
-                            f"({self.vocab_size} characters)") from None
-
-    def decode(self, ids):
-        return "".join(self.chars[i] for i in ids)
-
-    def state(self):
-        return {"kind": self.kind, "chars": "".join(self.chars)}
-
-
-class GPT2Tokenizer:
-    kind = "gpt2"
-
-    def __init__(self):
-        import tiktoken
-        try:
-            self.enc = tiktoken.get_encoding("gpt2")
-        except Exception as e:
-            raise UserError(
-                "tiktoken's gpt2 encoding files are not available offline "
-                f"({type(e).__name__}). Copy vocab.bpe and encoder.json into a directory, "
-                "named by the sha1 of their download URL, and set TIKTOKEN_CACHE_DIR to it "
-                "(see README, 'GPT-2 tokenizer offline').") from None
-        self.vocab_size = self.enc.n_vocab
-
-    def encode(self, text):
-        return self.enc.encode_ordinary(text)
-
-    def decode(self, ids):
-        return self.enc.decode(list(ids))
-
-    def state(self):
-        return {"kind": self.kind}
-
-
-def build_tokenizer(kind, text=None, saved=None):
-    """A tokenizer from a snapshot's saved state, or else fitted to `text`."""
-    if saved is not None:
-        kind = saved["kind"]
-    if kind == "gpt2":
-        return GPT2Tokenizer()
-    if kind == "char":
-        return CharTokenizer(saved["chars"] if saved else sorted(set(text)))
-    raise UserError(f"data.tokenizer must be 'char' or 'gpt2', got {kind!r}")
-
-
 # ---------------------------------------------------------------- samples
 
 class CharDataset:
@@ -162,7 +156,7 @@ class CharDataset:
 
 def split_tokens(text, tokenizer, cfg: DataConfig, source):
     """Train and val CharDatasets, with a clear error if either is too short."""
-    tokens = torch.tensor(tokenizer.encode(text), dtype=torch.long)
+    tokens = torch.from_numpy(tokenizer.encode_array(text))
     n_val = int(len(tokens) * cfg.val_fraction)
     train, val = tokens[:len(tokens) - n_val], tokens[len(tokens) - n_val:]
     for name, part in (("train", train), ("val", val)):
@@ -177,25 +171,37 @@ def split_tokens(text, tokenizer, cfg: DataConfig, source):
 class GlobalBatches:
     """Which windows each optimizer step reads, as a function of the step alone."""
 
-    def __init__(self, n_samples, global_batch, seed):
+    def __init__(self, n_samples, global_batch, seed, sampler="feistel"):
         if n_samples < global_batch:
             raise UserError(f"the train split has {n_samples} samples, fewer than one "
                             f"global batch of {global_batch}")
-        self.n, self.batch_size, self.seed = n_samples, global_batch, seed
+        self.n, self.batch_size, self.seed, self.sampler = n_samples, global_batch, seed, sampler
         self.steps_per_epoch = n_samples // global_batch  # the ragged tail is dropped
-        self._epoch, self._perm = None, None
+        self._epoch, self._order = None, None
 
-    def indices(self, step):
-        """Global-batch window starts for 0-based optimizer step `step`."""
+    def indices(self, step, start=0, stop=None):
+        """Window starts at positions [start, stop) (default: all) of the global batch of
+        0-based optimizer step `step`: O(stop - start) time and memory."""
+        stop = self.batch_size if stop is None else stop
         epoch, pos = divmod(step, self.steps_per_epoch)
         if epoch != self._epoch:
+            self._epoch, self._order = epoch, self._epoch_order(epoch)
+        first = pos * self.batch_size
+        if self.sampler == "randperm":
+            return self._order[first + start:first + stop]
+        return torch.from_numpy(self._order(np.arange(first + start, first + stop)))
+
+    def _epoch_order(self, epoch):
+        if self.sampler == "randperm":  # the old order: all n windows, O(n) per epoch
             g = torch.Generator().manual_seed(self.seed * 1_000_003 + epoch)
-            self._epoch, self._perm = epoch, torch.randperm(self.n, generator=g)
-        return self._perm[pos * self.batch_size:(pos + 1) * self.batch_size]
+            return torch.randperm(self.n, generator=g)
+        return Permutation(self.n, self.seed, epoch)
 
     def local_micro_batches(self, dataset, step, dp_rank, dp_size, grad_accum):
-        """This dp rank's share of step `step`, as grad_accum (x, y) micro-batches."""
-        mine = self.indices(step).view(dp_size, -1)[dp_rank]
+        """This dp rank's share of step `step` (contiguous positions, only those computed
+        and read), as grad_accum (x, y) micro-batches."""
+        share = self.batch_size // dp_size
+        mine = self.indices(step, dp_rank * share, (dp_rank + 1) * share)
         return [dataset.batch(part) for part in mine.view(grad_accum, -1)]
 
 

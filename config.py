@@ -14,11 +14,12 @@ from dataclasses import dataclass, field
 from omegaconf import OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
-from char_dataset import DataConfig
+from char_dataset import SAMPLERS, DataConfig
 from errors import UserError
 from model import ModelConfig
 from parallel import STRATEGIES
 from parallel.config import ParallelConfig
+from prepare import PrepareConfig
 from trainer import TrainerConfig
 
 DEFAULT_YAML = os.path.join(os.path.dirname(os.path.abspath(__file__)), "gpt2_train_cfg.yaml")
@@ -47,7 +48,7 @@ class ExportConfig:
 
 @dataclass
 class Config:
-    mode: str = "train"     # train | sample | export
+    mode: str = "train"     # train | sample | export | prepare
     model: ModelConfig = field(default_factory=ModelConfig)
     data: DataConfig = field(default_factory=DataConfig)
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
@@ -55,6 +56,7 @@ class Config:
     wandb: WandbConfig = field(default_factory=WandbConfig)
     sample: SampleConfig = field(default_factory=SampleConfig)
     export: ExportConfig = field(default_factory=ExportConfig)
+    prepare: PrepareConfig = field(default_factory=PrepareConfig)
 
 
 def load_config(overrides, world_size: int, yaml_path: str = DEFAULT_YAML) -> Config:
@@ -105,8 +107,8 @@ def _first_line(e):
 def validate(cfg: Config, world_size: int):
     m, d, t, p = cfg.model, cfg.data, cfg.trainer, cfg.parallel
     checks = [
-        (cfg.mode in ("train", "sample", "export"),
-         f"mode must be train, sample or export, got {cfg.mode!r}"),
+        (cfg.mode in ("train", "sample", "export", "prepare"),
+         f"mode must be train, sample, export or prepare, got {cfg.mode!r}"),
         (cfg.mode != "export" or bool(cfg.export.path),
          "mode=export needs export.path=DIR: the Hugging Face GPT-2 folder to write"),
         (t.precision in ("fp32", "bf16", "fp16"),
@@ -145,6 +147,16 @@ def validate(cfg: Config, world_size: int):
         (d.block_size >= 1, f"data.block_size must be >= 1, got {d.block_size}"),
         (d.tokenizer in ("char", "gpt2"), f"data.tokenizer must be char or gpt2, got {d.tokenizer!r}"),
         (0.0 < d.val_fraction < 1.0, f"data.val_fraction must be in (0, 1), got {d.val_fraction}"),
+        (d.sampler in SAMPLERS, f"data.sampler must be one of {sorted(SAMPLERS)}, got {d.sampler!r}"),
+        (d.sampler != "randperm" or not d.tokens_path,
+         "data.sampler=randperm (the old order: a permutation of every window in memory) is only "
+         "for finishing runs on text snapshotted before the feistel sampler; it does not read "
+         "data.tokens_path"),
+        (cfg.mode != "prepare" or (d.path and d.tokens_path),
+         "mode=prepare needs data.path (the text: a file, directory or glob) and "
+         "data.tokens_path (where the token shards go)"),
+        (cfg.prepare.workers >= 0, f"prepare.workers must be >= 0, got {cfg.prepare.workers}"),
+        (cfg.prepare.chunk_mb > 0, f"prepare.chunk_mb must be > 0, got {cfg.prepare.chunk_mb}"),
         (t.max_steps >= 1, f"trainer.max_steps must be >= 1, got {t.max_steps}"),
         (t.batch_size >= 1 and t.grad_accum >= 1, "trainer.batch_size and grad_accum must be >= 1"),
         (t.lr > 0 and 0 <= t.min_lr <= t.lr, "need 0 < trainer.lr and 0 <= trainer.min_lr <= lr"),
@@ -178,7 +190,7 @@ def validate(cfg: Config, world_size: int):
     for ok, message in checks:
         if not ok:
             raise UserError(message)
-    if cfg.mode in ("sample", "export"):  # one process reads the snapshot: the layout does not matter
+    if cfg.mode in ("sample", "export", "prepare"):  # one process: the layout does not matter
         return
     validate_references(cfg)
 

@@ -1,9 +1,10 @@
-"""Entry point: config, process groups, wiring; then train or sample.
+"""Entry point: config, process groups, wiring; then train, sample, export or prepare.
 
     torchrun --standalone --nproc_per_node=2 main.py [key=value ...]
     python main.py [key=value ...]                 # world size 1
     python main.py mode=sample sample.prompt="KING:"
     python main.py mode=export export.path=DIR     # a Hugging Face GPT-2 folder (export.py)
+    python main.py mode=prepare data.path=SRC data.tokens_path=DST   # token shards
 
 Every failure a user can fix is a UserError: printed as one line on every
 rank, exit status 2. SIGTERM or SIGUSR1 (a cluster preempting the job) stops
@@ -23,15 +24,16 @@ import torch
 import torch.distributed as dist
 
 import preemption
-from char_dataset import build_tokenizer, load_text, split_tokens
+from char_dataset import build_tokenizer, data_identity, open_data
 from config import load_config, resolved_yaml, to_dict
 import hf_gpt2
 from errors import UserError
 from export import export
 from model import GPT, GPTConfig
 from parallel import build_strategy
-from parallel.grid import ProcessGrid
+from parallel.grid import ProcessGrid, together
 from parallel.strategy import load_named_parameters
+from prepare import prepare
 from snapshot import check_model_shape, open_snapshot, step_to_resume
 from trainer import Trainer, check_resumable, snapshot_location
 
@@ -61,39 +63,24 @@ def init_process_group(device, timeout_s, rank, world_size):
                                 timeout=timeout)
 
 
-def together(grid, what, fn):
-    """Run fn on every rank; if it fails on any rank, every rank raises, so none is left
-    waiting in the next collective for a rank that has gone."""
-    try:
-        result, error = fn(), None
-    except UserError as e:
-        result, error = None, e
-    except Exception as e:  # s3 errors, a full disk, wandb refusing to start, ...
-        result, error = None, UserError(f"{what} failed: {type(e).__name__}: {e}")
-    if not grid.all_ok(error is None):
-        raise error or UserError(f"stopping: another rank failed while {what} (see its error)")
-    return result
-
-
-def prepare(cfg, is_main):
-    """Everything each rank can check alone: snapshot, text, tokenizer, shapes,
+def read_inputs(cfg, is_main):
+    """Everything each rank can check alone: snapshot, data, tokenizer, shapes,
     the prompt of the final sample; the main rank also creates the run directory."""
     path = snapshot_location(cfg.trainer)
     step, note = step_to_resume(path, cfg.trainer.resume_step)
     snapshot = open_snapshot(path, step)
-    notes = ([note] if note else []) + (check_resumable(path, snapshot.meta["config"], cfg)
-                                        if snapshot else [])
-    text = load_text(cfg.data.path)
     init = None
-    if cfg.model.init_from and snapshot:
-        notes.append(f"note: model.init_from is ignored: resuming from the snapshot at {path}")
-    elif cfg.model.init_from:
+    if cfg.model.init_from and not snapshot:
         init = hf_gpt2.read_folder(cfg.model.init_from)
     saved_tokenizer = snapshot.meta["tokenizer"] if snapshot else None
-    if init is not None:
+    if init is not None:  # the data must be read with the folder's tokenizer
         saved_tokenizer = init_tokenizer(cfg, *init)
-    tokenizer = build_tokenizer(cfg.data.tokenizer, text, saved=saved_tokenizer)
-    train_set, val_set = split_tokens(text, tokenizer, cfg.data, cfg.data.path)
+    tokenizer, train_set, val_set = open_data(cfg.data, saved_tokenizer=saved_tokenizer)
+    notes = ([note] if note else []) + (check_resumable(path, snapshot.meta, cfg,
+                                                        data_identity(train_set))
+                                        if snapshot else [])
+    if cfg.model.init_from and snapshot:
+        notes.append(f"note: model.init_from is ignored: resuming from the snapshot at {path}")
     shape = {k: v for k, v in asdict(cfg.model).items() if k != "init_from"}
     gpt_config = GPTConfig(**shape, vocab_size=tokenizer.vocab_size, block_size=cfg.data.block_size)
     if snapshot:
@@ -126,7 +113,7 @@ def init_tokenizer(cfg, hf, tensors, chars):
 def train(cfg, grid):
     """Returns what the main rank needs to print a sample once the group is gone."""
     snapshot, tokenizer, train_set, val_set, gpt_config, init_state = together(
-        grid, "reading the config, data and snapshot", lambda: prepare(cfg, grid.is_main))
+        grid, "reading the config, data and snapshot", lambda: read_inputs(cfg, grid.is_main))
     torch.manual_seed(cfg.trainer.seed)  # identical initial weights on every rank
     model = GPT(gpt_config)
     if init_state is not None:  # into the full model, before any strategy shards it
@@ -172,9 +159,9 @@ def generate_text(model, tokenizer, scfg):
 
 def main(argv, rank, world_size, local_rank):
     cfg = load_config(argv, world_size)  # before any collective: bad config exits everywhere
-    if cfg.mode == "sample":
+    if cfg.mode in ("sample", "prepare"):  # one process (prepare runs its own pool)
         if rank == 0:
-            sample(cfg)
+            (sample if cfg.mode == "sample" else prepare)(cfg)
         return
     if cfg.mode == "export":
         if rank == 0:

@@ -10,7 +10,8 @@ torchrun forwards the signal it gets to every worker. So each worker:
 2. `agreed_signal(device)` at the end of every step: one all-reduce (MAX) of a
    scalar over all ranks, so a rank that got no signal learns that another did
    and every rank stops after the same step. Not training traffic: it does not
-   go through the strategies' counters (parallel/comm.py).
+   go through the strategies' counters (parallel/comm.py). (It carries a
+   second flag: whether a rank failed to read the next step's data.)
 3. The trainer writes the snapshot of that step (unless it just did) and raises
    `Preempted`; main.py closes metrics and wandb on the way out, the main rank
    prints one line, and every rank exits with EXIT_STATUS.
@@ -54,12 +55,14 @@ def received() -> int:
     return _received
 
 
-def agreed_signal(device) -> int:
-    """Collective over every rank: the largest signal number any rank got, 0 if none."""
-    flag = torch.tensor([_received], dtype=torch.int32, device=device)
+def agreed_signal(device, failed=False):
+    """Collective over every rank: (the largest signal number any rank got, 0 if none;
+    whether any rank passed failed=True). The trainer has the ranks agree on a damaged
+    read of the next step's data in this same all-reduce."""
+    flag = torch.tensor([_received, int(failed)], dtype=torch.int32, device=device)
     if dist.is_initialized() and dist.get_world_size() > 1:
         dist.all_reduce(flag, op=dist.ReduceOp.MAX)
-    return int(flag.item())
+    return int(flag[0].item()), bool(flag[1].item())
 
 
 def signal_name(signum: int) -> str:

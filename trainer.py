@@ -6,7 +6,10 @@ Everything a step reads is a function of (config, step): the data position
 each step from trainer.seed, the step and the data-parallel rank). So a
 snapshot needs only the step, the model and the optimizer to continue
 exactly, under any layout, and a resumed run's losses equal an
-uninterrupted run's.
+uninterrupted run's. The snapshot also records what fixes the data order
+(the sampler and its version, the train split's size and, for prepared
+tokens, the corpus's fingerprint), and check_resumable refuses to continue
+with another.
 """
 
 import json
@@ -22,9 +25,13 @@ import torch
 from activation_meter import ActivationMeter
 import mfu
 import preemption
-from char_dataset import GlobalBatches, eval_starts
+from char_dataset import (LEGACY_ORDER, SAMPLERS, GlobalBatches, data_identity, data_order,
+                          describe_data, eval_starts)
 from errors import UserError
+from parallel.grid import together
 from snapshot import save_sharded
+
+AGREED_READ_FAILURE = "stopping: another rank failed while reading the data (see its error)"
 
 
 @dataclass
@@ -77,18 +84,34 @@ def snapshot_location(t: TrainerConfig) -> str:
     return t.snapshot_path or os.path.join(t.run_dir, "snapshot")
 
 
-def check_resumable(path, saved_config, cfg):
+def check_resumable(path, meta, cfg, data):
     """Refuse a snapshot whose data order differs from this run's; return notes on
-    settings that legitimately change on resume (the LR schedule, when extending)."""
-    saved_t, saved_d = saved_config["trainer"], saved_config["data"]
+    settings that legitimately change on resume (the LR schedule, when extending).
+    data: char_dataset.data_identity of this run's train split."""
+    saved_t, saved_d = meta["config"]["trainer"], meta["config"]["data"]
+    text = not cfg.data.tokens_path  # prepared tokens are known by their fingerprint, not path
     for section, key, saved in (("trainer", "batch_size", saved_t), ("trainer", "seed", saved_t),
                                 ("data", "path", saved_d), ("data", "val_fraction", saved_d)):
-        now = getattr(getattr(cfg, section), key)
-        if saved[key] != now:
+        now, was = getattr(getattr(cfg, section), key), saved.get(key, "")
+        if was != now and (text or section == "trainer"):
             raise UserError(
-                f"snapshot {path} was trained with {section}.{key}={saved[key]!r}, this run asks "
+                f"snapshot {path} was trained with {section}.{key}={was!r}, this run asks "
                 f"for {now!r}: resuming would change the data order. Use the snapshot's value "
                 "or a new trainer.snapshot_path")
+    was, now = meta.get("data_order", LEGACY_ORDER), data_order(cfg.data)
+    if was != now:
+        known = SAMPLERS.get(was["sampler"]) == was["version"] and was["sampler"] != now["sampler"]
+        hint = (f"Add data.sampler={was['sampler']} to finish it in the order it started with"
+                if known else "This version cannot reproduce that order")
+        raise UserError(
+            f"snapshot {path} was trained in data order {was['sampler']} v{was['version']}, this "
+            f"run reads in order {now['sampler']} v{now['version']}: resuming would silently change "
+            f"the data it trains on. {hint}, or use a new trainer.snapshot_path")
+    if meta.get("data", data) != data:
+        raise UserError(
+            f"snapshot {path} was trained on {describe_data(meta['data'])}, this run reads "
+            f"{describe_data(data)}: resuming would change the data it trains on. Use the data it "
+            "was trained on, or a new trainer.snapshot_path")
     return [f"note: trainer.{k} is {getattr(cfg.trainer, k)} now, {saved_t[k]} when the snapshot "
             f"was written: the LR schedule changes from here on"
             for k in ("max_steps", "warmup_steps", "lr", "min_lr") if saved_t[k] != getattr(cfg.trainer, k)]
@@ -176,7 +199,8 @@ class Trainer:
         self.train_set, self.val_set = train_set, val_set
         self.snapshot_meta = snapshot_meta
         self.snapshot_path = snapshot_location(self.t)
-        self.batches = GlobalBatches(len(train_set), self.t.batch_size, self.t.seed)
+        self.batches = GlobalBatches(len(train_set), self.t.batch_size, self.t.seed,
+                                     cfg.data.sampler)
         self.step, self.wandb_id = 0, uuid.uuid4().hex[:12]
         strategy.configure_compute(self.t)
         strategy.configure_optimizer(self.t)
@@ -205,11 +229,13 @@ class Trainer:
 
     def train(self):
         t, g = self.t, self.grid
+        if self.step < t.max_steps:
+            micro, data_ms, error = self._read_step(self.step)
+            if not g.all_ok(error is None):
+                raise error or UserError(AGREED_READ_FAILURE)
         while self.step < t.max_steps:
             started = time.perf_counter()
             self._reseed(self.step)
-            micro = self.batches.local_micro_batches(
-                self.train_set, self.step, g.dp_rank, g.dp_size, t.grad_accum)
             if self.activations is not None:
                 with self.activations:
                     loss = self.strategy.forward_backward(micro)
@@ -224,13 +250,14 @@ class Trainer:
             grad_norm = self.strategy.clip_grad_norm_(t.grad_clip if t.grad_clip > 0 else math.inf)
             self.strategy.optimizer_step(lr)
             self.step += 1
-            elapsed = time.perf_counter() - started
+            elapsed = time.perf_counter() - started + data_ms / 1000  # read at the previous step's end
 
             last = self.step == t.max_steps
             stats, files = self.strategy.step_stats(last)
             record = {"step": self.step, "loss": loss, "grad_norm": grad_norm, "lr": lr,
                       "tokens_per_s": t.batch_size * self.train_set.block_size / elapsed,
-                      "step_ms": 1000 * elapsed, "peak_mem_mb": peak_memory_mb(g.device),
+                      "step_ms": 1000 * elapsed, "data_ms": data_ms,
+                      "peak_mem_mb": peak_memory_mb(g.device),
                       "state_bytes": self.strategy.state_bytes(),
                       **self.strategy.comm_stats(), **stats, **self.strategy.precision.metrics()}
             if self.peak_flops:
@@ -249,9 +276,29 @@ class Trainer:
             saved = (t.save_every and self.step % t.save_every == 0) or last
             if saved:
                 self.save()
-            if not last and (signum := preemption.agreed_signal(g.device)):  # every rank
-                self._stop_preempted(signum, saved)
+            if not last:  # read the next step's windows, then agree (every rank) on two things
+                micro, data_ms, error = self._read_step(self.step)
+                signum, failed = preemption.agreed_signal(g.device, failed=error is not None)
+                if signum:  # a stop signal: snapshot this step (the next one's data waits)
+                    self._stop_preempted(signum, saved)
+                if failed:  # one rank's windows are damaged: all stop before any collective
+                    raise error or UserError(AGREED_READ_FAILURE)
         return self.step
+
+    def _read_step(self, step):
+        """(micro-batches of `step` for this rank, ms it took, error or None). An error is
+        returned, not raised: a damaged shard shows on one rank only, and the ranks agree
+        on it in the step's one scalar all-reduce (preemption.agreed_signal) before the
+        next collective, instead of leaving the others waiting in it."""
+        started = time.perf_counter()
+        try:
+            micro = self.batches.local_micro_batches(self.train_set, step, self.grid.dp_rank,
+                                                     self.grid.dp_size, self.t.grad_accum)
+        except UserError as e:
+            return None, 0.0, e
+        except Exception as e:  # s3 errors, a vanished file, ...
+            return None, 0.0, UserError(f"reading the data failed: {type(e).__name__}: {e}")
+        return micro, 1000 * (time.perf_counter() - started), None
 
     def _stop_preempted(self, signum, saved):
         """A rank got SIGTERM/SIGUSR1 (preemption.py): every rank is here after the same
@@ -264,9 +311,16 @@ class Trainer:
             f"run the same command to resume (exit status {preemption.EXIT_STATUS})")
 
     def evaluate(self):
-        g, starts = self.grid, eval_starts(len(self.val_set), self.t.batch_size, self.t.eval_batches)
-        losses = [self.strategy.eval_loss(*self.val_set.batch(row.view(g.dp_size, -1)[g.dp_rank]))
-                  for row in starts]
+        """Mean val loss over fixed windows, in micro-batches of the training size."""
+        g, t = self.grid, self.t
+        starts = eval_starts(len(self.val_set), t.batch_size, t.eval_batches)
+        mine = [row.view(g.dp_size, -1)[g.dp_rank] for row in starts]
+        read = lambda: [self.val_set.batch(part) for share in mine  # noqa: E731
+                        for part in share.view(t.grad_accum, -1)]
+        # prepared shards can turn out damaged on one rank: agree first (text cannot)
+        micro = together(g, "reading the val data", read) \
+            if getattr(self.val_set, "checks_contents", False) else read()
+        losses = [self.strategy.eval_loss(x, y) for x, y in micro]
         return sum(losses) / len(losses)
 
     def save(self):
@@ -275,6 +329,7 @@ class Trainer:
         pieces = self.strategy.shard_pieces()
         save_sharded(self.snapshot_path, g, self.step, pieces, keep=t.keep_snapshots, meta={
             "samples_seen": self.step * t.batch_size, "wandb_id": self.wandb_id,
+            "data_order": data_order(self.cfg.data), "data": data_identity(self.train_set),
             **self.snapshot_meta,
             "layout": {"world_size": g.world_size, "dp": g.dp_size, "pp": g.pp_size,
                        "tp": g.tp_size, "strategy": self.cfg.parallel.dp},

@@ -9,6 +9,8 @@ ranks of one TP group are neighbours (same node), as Megatron arranges them.
 import torch
 import torch.distributed as dist
 
+from errors import UserError
+
 DIMS = ("dp", "pp", "tp")  # the grid's axes, slowest- to fastest-varying
 
 
@@ -65,3 +67,17 @@ class ProcessGrid:
     def __repr__(self):
         return (f"ProcessGrid(dp={self.dp_size}, pp={self.pp_size}, tp={self.tp_size}; rank {self.rank} "
                 f"at dp={self.dp_rank} pp={self.pp_rank} tp={self.tp_rank})")
+
+
+def together(grid, what, fn):
+    """Run fn on every rank; if it fails on any rank, every rank raises, so none is left
+    waiting in the next collective for a rank that has gone."""
+    try:
+        result, error = fn(), None
+    except UserError as e:
+        result, error = None, e
+    except Exception as e:  # s3 errors, a full disk, wandb refusing to start, ...
+        result, error = None, UserError(f"{what} failed: {type(e).__name__}: {e}")
+    if not grid.all_ok(error is None):
+        raise error or UserError(f"stopping: another rank failed while {what} (see its error)")
+    return result

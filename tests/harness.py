@@ -252,3 +252,17 @@ def assert_layout_matches(r):
     # so elements whose gradient is ~1e-8 may differ by a fraction of that; a wrong slice
     # or a lost update would differ by whole steps
     assert r["param_max_abs_diff"] < 1e-3, r
+
+
+# words of the embedded corpus, and runs of spaces and line breaks: merges that make a
+# tokenization change when a chunk boundary splits a pre-tokenizer piece
+TINY_BPE_WORDS = ["the", " the", " river", " crown", " tower", "KING", "QUEEN", " old", " my",
+                  " lord", "ing", " sh", " shall", "  ", "   ", "\n\n", " \n", "ab", " a"]
+
+
+def tiny_gpt2_cache(directory, words=TINY_BPE_WORDS):
+    """A TIKTOKEN_CACHE_DIR holding a small BPE in GPT-2's two files, named as tiktoken
+    caches GPT-2's own (the sha1 of the download URL): data.tokenizer=gpt2 then loads it
+    through the code path of the real one, with no network. Returns the directory."""
+    from tokenizer import cache_gpt2_files, data_gym_files
+    return cache_gpt2_files(directory, data_gym_files(words))

@@ -64,7 +64,13 @@ def test_defaults_and_overrides():
     (["parallel.dp=torch_pp", "parallel.pp=2", "trainer.activation_checkpointing=true"], 2,
      "without activation checkpointing"),
     (["mode=export"], 1, "needs export.path"),
-    (["mode=serve"], 1, "mode must be train, sample or export"),
+    (["mode=serve"], 1, "mode must be train, sample, export or prepare"),
+    (["mode=prepare", "data.path=a.txt"], 1, "mode=prepare needs data.path .* and data.tokens_path"),
+    (["mode=prepare", "data.tokens_path=tok"], 1, "mode=prepare needs data.path"),
+    (["data.sampler=shuffle"], 1, "data.sampler must be one of"),
+    (["data.sampler=randperm", "data.tokens_path=tok"], 1, "does not read data.tokens_path"),
+    (["prepare.workers=-1"], 1, "prepare.workers"),
+    (["prepare.chunk_mb=0"], 1, "prepare.chunk_mb"),
 ])
 def test_bad_config_is_one_clear_error(overrides, world, message):
     with pytest.raises(UserError, match=message):

@@ -6,6 +6,7 @@ import torch
 from char_dataset import (CharDataset, DataConfig, GlobalBatches, build_tokenizer,
                           embedded_corpus, eval_starts, load_text, split_tokens)
 from errors import UserError
+from harness import tiny_gpt2_cache
 from model import GPT, GPTConfig
 
 
@@ -108,6 +109,31 @@ def test_gpt2_tokenizer_offline_error(tmp_path, monkeypatch):
     monkeypatch.setattr(tiktoken.registry, "ENCODINGS", {})
     with pytest.raises(UserError, match="TIKTOKEN_CACHE_DIR"):
         build_tokenizer("gpt2", "text")
+
+
+def test_gpt2_tokenizer_loads_tiktoken_cache_files(tmp_path, monkeypatch):
+    """data.tokenizer=gpt2 through the code that loads GPT-2's own files, fed a small BPE
+    in their format from a TIKTOKEN_CACHE_DIR: no network."""
+    monkeypatch.setenv("TIKTOKEN_CACHE_DIR", tiny_gpt2_cache(tmp_path))
+    tok = build_tokenizer("gpt2")
+    text = "KING: the river<|endoftext|> caf\u00e9 \U0001F600"
+    ids = tok.encode(text)
+    assert tok.decode(ids) == text and tok.encode_array(text).tolist() == ids
+    assert tok.encode(" river") == [tok.enc.encode_single_token(b" river")]  # a merge applies
+    assert tok.eot == tok.vocab_size - 1 and tok.eot not in ids  # special text stays text
+    assert tok.state()["kind"] == "gpt2" and len(tok.state()["sha256"]) == 64
+    with pytest.raises(UserError, match="not the ones") as e:
+        build_tokenizer(None, saved={"kind": "gpt2", "sha256": "0" * 64})
+    assert "\n" not in str(e.value)
+
+
+def test_char_tokenizer_encodes_slice_by_slice(monkeypatch):
+    import tokenizer
+    monkeypatch.setattr(tokenizer, "SLICE", 7)
+    text = embedded_corpus(2_000) + "caf\u00e9 \U0001F600"
+    tok = build_tokenizer("char", text)
+    assert tok.encode(text) == [tok.stoi[c] for c in text]
+    assert tok.encode_array(text, dtype="uint8").dtype == "uint8"
 
 
 def test_char_tokenizer_rejects_unknown_characters():

@@ -198,8 +198,10 @@ def test_dropout_under_tp_resumes_exactly(tmp_path):
 
 def test_previous_snapshot_format_resumes_under_tp(tmp_path):
     """tests/data/snapshot-v2 (flat ranges, written by fsdp on 2 ranks before boxes
-    existed) resumes under tp=2 with the losses of an uninterrupted run."""
-    fixture = ["model.n_head=2", "model.n_embd=16"] + CONSTANT
+    existed) resumes under tp=2 with the losses of an uninterrupted run. It was trained
+    in the old data order: data.sampler=randperm reproduces it (without it, resuming is
+    refused: tests/test_sampler.py), so the resumed steps still equal an uninterrupted run's."""
+    fixture = ["model.n_head=2", "model.n_embd=16", "data.sampler=randperm"] + CONSTANT
     reference = run_metrics(tmp_path, 1, ["parallel.dp=single", "trainer.max_steps=6"] + fixture)
     snapshot = tmp_path / "snapshot"
     shutil.copytree(os.path.join(REPO, "tests", "data", "snapshot-v2"), snapshot)
