@@ -65,9 +65,10 @@ def describe_data(identity: dict) -> str:
     return f"{kind} ({identity.get('train_windows')} train windows)"
 
 
-def open_data(cfg: DataConfig, saved_tokenizer=None):
+def open_data(cfg: DataConfig, saved_tokenizer=None, saved_by="the snapshot"):
     """(tokenizer, train set, val set) of the run: prepared tokens if data.tokens_path is
-    set, else the text of data.path. saved_tokenizer: the snapshot's, if resuming."""
+    set, else the text of data.path. saved_tokenizer: the one the model was trained with
+    (`saved_by`: the snapshot's when resuming, or a model.init_from folder's)."""
     if not cfg.tokens_path:
         text = load_text(cfg.path)
         tokenizer = build_tokenizer(cfg.tokenizer, text, saved=saved_tokenizer)
@@ -81,10 +82,10 @@ def open_data(cfg: DataConfig, saved_tokenizer=None):
                         f"set data.tokenizer={state['kind']}, or prepare the text again")
     if saved_tokenizer is not None and not same_tokenizer(saved_tokenizer, state):
         raise UserError(f"data.tokens_path {cfg.tokens_path} was prepared with the "
-                        f"{describe_state(state)} tokenizer, the snapshot was trained with "
+                        f"{describe_state(state)} tokenizer, {saved_by} was trained with "
                         f"{describe_state(saved_tokenizer)}: its token ids mean other text. Use "
-                        "tokens prepared with the snapshot's tokenizer, or a new "
-                        "trainer.snapshot_path")
+                        f"tokens prepared with the tokenizer of {saved_by}"
+                        + (", or a new trainer.snapshot_path" if saved_by == "the snapshot" else ""))
     tokenizer = build_tokenizer(None, saved=state)
     return (tokenizer, *corpus.splits(cfg.block_size, tokenizer.vocab_size))
 

@@ -29,11 +29,11 @@ import hf_gpt2
 from errors import UserError
 from model import GPT, GPTConfig
 from snapshot import open_snapshot
+from tokenizer import GPT2_FILES, files_sha256
 from trainer import snapshot_location
 
-# tiktoken's cache names files by the sha1 of their download URL (README, "GPT-2 tokenizer offline")
-TIKTOKEN_FILES = {"vocab.json": "6c7ea1a7e38e3a7f062df639a5b80947f075ffe6",   # encoder.json
-                  "merges.txt": "6d1cbeee0f20b3d9449abfede4726ed8212e3aee"}   # vocab.bpe
+# HF's names for tiktoken's two GPT-2 files (the same content)
+HF_NAMES = {"encoder.json": "vocab.json", "vocab.bpe": "merges.txt"}
 
 
 def export(cfg):
@@ -47,17 +47,23 @@ def export(cfg):
     state = {n: snap.read_full(f"model/{n}") for n in names}
     kind = snap.meta["tokenizer"]["kind"]
     out = cfg.export.path
-    fs, root = fsspec.core.url_to_fs(out)
-    if fs.exists(root + "/latest.json"):
-        raise UserError(f"export.path={out} holds a snapshot (latest.json): choose another directory")
-    fs.makedirs(root, exist_ok=True)
-    write_folder(out, state, gpt, snap.meta["tokenizer"])
+    try:
+        fs, root = fsspec.core.url_to_fs(out)
+        if fs.exists(root) and (not fs.isdir(root) or fs.ls(root)):
+            # files left from another export would be read with this one (vocab_char.json)
+            raise UserError(f"export.path={out} exists and is not an empty directory: export "
+                            "into a new or empty one")
+        fs.makedirs(root, exist_ok=True)
+        write_folder(out, state, gpt, snap.meta["tokenizer"])
+    except OSError as e:  # a path under a file, no permission, a full disk, ...
+        raise UserError(f"cannot write export.path={out}: {type(e).__name__}: {e}") from None
     notes = [f"exported step {snap.meta['step']} of {path} ({len(names)} tensors, "
              f"{sum(t.numel() for t in state.values()) / 1e6:.2f}M parameters) to {out}"]
     if kind == "gpt2" and not fs.exists(root + "/vocab.json"):
-        notes.append("note: tiktoken's gpt2 files (encoder.json, vocab.bpe) are not in its cache "
-                     "here, so no tokenizer files were written; load the tokenizer with "
-                     "GPT2TokenizerFast.from_pretrained('gpt2') where you have a network")
+        notes.append("note: tiktoken's cache here has no gpt2 files (encoder.json, vocab.bpe) "
+                     "with the sha256 this snapshot was trained with, so no tokenizer files were "
+                     "written; point TIKTOKEN_CACHE_DIR at them and export again, or, for OpenAI's "
+                     "GPT-2 BPE, load GPT2TokenizerFast.from_pretrained('gpt2')")
     return notes
 
 
@@ -65,13 +71,13 @@ def write_folder(out, state, gpt, tokenizer_saved):
     """Our canonical state + its gpt_config and tokenizer state -> the folder at `out`."""
     kind = tokenizer_saved["kind"]
     with fsspec.open(_join(out, hf_gpt2.CONFIG), "w") as f:
-        json.dump(hf_gpt2.hf_config(gpt, kind), f, indent=2)
+        json.dump(hf_gpt2.hf_config(gpt, tokenizer_saved), f, indent=2)
         f.write("\n")
     hf_gpt2.write_safetensors(_join(out, hf_gpt2.WEIGHTS), hf_gpt2.to_hf(state, gpt))
     if kind == "char":
         with fsspec.open(_join(out, hf_gpt2.CHAR_VOCAB), "w") as f:
             json.dump({"chars": list(tokenizer_saved["chars"])}, f, ensure_ascii=False)
-    elif copy_gpt2_tokenizer(out):
+    elif copy_gpt2_tokenizer(out, tokenizer_saved.get("sha256")):
         with fsspec.open(_join(out, "tokenizer_config.json"), "w") as f:
             json.dump({"tokenizer_class": "GPT2Tokenizer", "model_max_length": gpt["block_size"],
                        "bos_token": "<|endoftext|>", "eos_token": "<|endoftext|>",
@@ -80,17 +86,27 @@ def write_folder(out, state, gpt, tokenizer_saved):
         f.write(readme(gpt, kind))
 
 
-def copy_gpt2_tokenizer(out):
+def copy_gpt2_tokenizer(out, expected_sha256):
     """Copy tiktoken's cached encoder.json / vocab.bpe as HF's vocab.json / merges.txt
-    (the same files). False if they are not cached here (nothing is downloaded)."""
+    (the same files). False if they are not cached here (nothing is downloaded), or are
+    not the BPE the snapshot was trained with (a snapshot from before the digest was
+    recorded takes what is cached)."""
+    # tiktoken's cache names each file by the sha1 of its download URL (README, "GPT-2 tokenizer offline")
     cache = os.environ.get("TIKTOKEN_CACHE_DIR") or os.environ.get("DATA_GYM_CACHE_DIR") or \
         os.path.join(tempfile.gettempdir(), "data-gym-cache")
-    sources = {name: os.path.join(cache, sha) for name, sha in TIKTOKEN_FILES.items()}
+    sources = {name: os.path.join(cache, hashlib.sha1(url.encode()).hexdigest())
+               for name, (url, _) in GPT2_FILES.items()}
     if not all(os.path.isfile(p) for p in sources.values()):
         return False
+    files = {}
     for name, src in sources.items():
-        with open(src, "rb") as f, fsspec.open(_join(out, name), "wb") as g:
-            g.write(f.read())
+        with open(src, "rb") as f:
+            files[name] = f.read()
+    if expected_sha256 and files_sha256(files) != expected_sha256:
+        return False
+    for name, data in files.items():
+        with fsspec.open(_join(out, HF_NAMES[name]), "wb") as g:
+            g.write(data)
     return True
 
 

@@ -104,8 +104,15 @@ def from_hf(tensors, gpt, where):
 
 # ---------------------------------------------------------------- config.json
 
-def hf_config(gpt, tokenizer_kind):
-    gpt2_bpe = tokenizer_kind == "gpt2"
+def hf_config(gpt, tokenizer_saved):
+    """config.json for a model of shape `gpt` trained with the tokenizer `tokenizer_saved`
+    (our saved state: its kind, and for gpt2 the sha256 of its BPE files, so that
+    model.init_from reads the data with the same BPE)."""
+    gpt2_bpe = tokenizer_saved["kind"] == "gpt2"
+    eot = gpt["vocab_size"] - 1 if gpt2_bpe else None  # <|endoftext|>: the id after the merges
+    ours = {"bias": bool(gpt.get("bias", True)), "tokenizer": tokenizer_saved["kind"]}
+    if gpt2_bpe and tokenizer_saved.get("sha256"):
+        ours["tokenizer_sha256"] = tokenizer_saved["sha256"]
     return {
         "architectures": ["GPT2LMHeadModel"], "model_type": "gpt2",
         "vocab_size": gpt["vocab_size"], "n_positions": gpt["block_size"], "n_ctx": gpt["block_size"],
@@ -115,9 +122,9 @@ def hf_config(gpt, tokenizer_kind):
         "layer_norm_epsilon": 1e-5, "initializer_range": 0.02,
         "scale_attn_weights": True, "scale_attn_by_inverse_layer_idx": False,
         "reorder_and_upcast_attn": False, "tie_word_embeddings": True, "use_cache": True,
-        "bos_token_id": 50256 if gpt2_bpe else None, "eos_token_id": 50256 if gpt2_bpe else None,
+        "bos_token_id": eot, "eos_token_id": eot,
         "torch_dtype": "float32",
-        "mingpt_parallel": {"bias": bool(gpt.get("bias", True)), "tokenizer": tokenizer_kind},
+        "mingpt_parallel": ours,
     }
 
 
@@ -181,15 +188,21 @@ def read_safetensors(path):
     for name, info in header.items():
         if name == "__metadata__":
             continue
-        if info["dtype"] not in FROM_ST:
+        try:
+            dtype, (a, b), shape = FROM_ST.get(info["dtype"]), info["data_offsets"], info["shape"]
+        except (KeyError, TypeError, ValueError):
+            raise UserError(f"{path}: the header entry of {name} is damaged") from None
+        if dtype is None:
             raise UserError(f"{path}: tensor {name} has dtype {info['dtype']}; expected F32, F16 or BF16")
-        a, b = info["data_offsets"]
         if base + b > len(data):
             raise UserError(f"{path} is truncated ({name} ends past the file)")
-        dtype = FROM_ST[info["dtype"]]
         raw = bytearray(data[base + a:base + b])
-        out[name] = torch.frombuffer(raw, dtype=dtype).reshape(info["shape"]) if raw else \
-            torch.zeros(info["shape"], dtype=dtype)
+        try:
+            out[name] = torch.frombuffer(raw, dtype=dtype).reshape(shape) if raw else \
+                torch.zeros(shape, dtype=dtype)
+        except (RuntimeError, TypeError, ValueError):
+            raise UserError(f"{path}: tensor {name} has {len(raw)} bytes, not a {info['dtype']} "
+                            f"tensor of shape {shape}") from None
     return out
 
 
@@ -212,21 +225,35 @@ def read_folder(where):
             hf = json.load(f)
     except ValueError as e:
         raise UserError(f"model.init_from={where}: config.json is not JSON ({e})") from None
+    if not isinstance(hf, dict):
+        raise UserError(f"model.init_from={where}: config.json is not a JSON object")
     chars = None
     if fs.exists(_join(root, CHAR_VOCAB)):
-        with fs.open(_join(root, CHAR_VOCAB)) as f:
-            chars = json.load(f)["chars"]
+        try:
+            with fs.open(_join(root, CHAR_VOCAB)) as f:
+                chars = json.load(f)["chars"]
+            assert isinstance(chars, list) and all(isinstance(c, str) and len(c) == 1 for c in chars)
+        except (ValueError, KeyError, TypeError, AssertionError):
+            raise UserError(f"model.init_from={where}: {CHAR_VOCAB} is damaged (expected "
+                            '{"chars": [one character per token id]})') from None
     return hf, read_safetensors(_join(where, WEIGHTS)), chars
 
 
 def tokenizer_state(hf, chars, where):
-    """The tokenizer a folder's model was trained with, as char_dataset's saved state."""
-    kind = (hf.get("mingpt_parallel") or {}).get("tokenizer")
-    if chars is not None:
+    """The tokenizer a folder's model was trained with, as tokenizer.py's saved state: our
+    export says so in config.json (for gpt2 with its BPE's sha256); any other GPT-2 folder
+    of 50257 tokens is taken to be OpenAI's GPT-2, whose BPE files have a known digest."""
+    from tokenizer import files_sha256
+    ours = hf.get("mingpt_parallel") or {}
+    kind = ours.get("tokenizer")
+    if kind == "char" or (kind is None and chars is not None):
+        if chars is None:
+            raise UserError(f"model.init_from={where}: a char-tokenizer model without {CHAR_VOCAB}")
         return {"kind": "char", "chars": "".join(chars)}
-    if kind == "char":
-        raise UserError(f"model.init_from={where}: a char-tokenizer model without {CHAR_VOCAB}")
+    if kind == "gpt2":
+        return {"kind": "gpt2", **({"sha256": ours["tokenizer_sha256"]}
+                                   if ours.get("tokenizer_sha256") else {})}
     if hf.get("vocab_size") == 50257:
-        return {"kind": "gpt2"}
+        return {"kind": "gpt2", "sha256": files_sha256(None)}
     raise UserError(f"model.init_from={where}: cannot tell its tokenizer (no {CHAR_VOCAB}, "
                     f"vocab_size {hf.get('vocab_size')} is not GPT-2's 50257)")

@@ -72,10 +72,11 @@ def read_inputs(cfg, is_main):
     init = None
     if cfg.model.init_from and not snapshot:
         init = hf_gpt2.read_folder(cfg.model.init_from)
-    saved_tokenizer = snapshot.meta["tokenizer"] if snapshot else None
+    saved_tokenizer, saved_by = (snapshot.meta["tokenizer"] if snapshot else None), "the snapshot"
     if init is not None:  # the data must be read with the folder's tokenizer
         saved_tokenizer = init_tokenizer(cfg, *init)
-    tokenizer, train_set, val_set = open_data(cfg.data, saved_tokenizer=saved_tokenizer)
+        saved_by = f"model.init_from={cfg.model.init_from}"
+    tokenizer, train_set, val_set = open_data(cfg.data, saved_tokenizer, saved_by)
     notes = ([note] if note else []) + (check_resumable(path, snapshot.meta, cfg,
                                                         data_identity(train_set))
                                         if snapshot else [])

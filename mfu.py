@@ -15,18 +15,24 @@ plain fp32 peak (torch does not use TF32 for matmuls by default). A device
 not in the table, and every CPU, gets no MFU at all -- never a made-up one.
 """
 
-# (substring of torch.cuda.get_device_name(), {precision: peak FLOP/s}); first match wins,
-# so more specific names come first
+import re
+
+# (model name in torch.cuda.get_device_name(), {precision: peak FLOP/s}). A name matches
+# as whole words ("A100" in "NVIDIA A100-SXM4-80GB", not in "RTX A1000"); the first match
+# wins, so more specific names come first; {} = a variant whose peak we do not list
 PEAKS = [
     ("H100 PCIe", {"bf16": 756e12, "fp16": 756e12, "fp32": 51e12}),
+    ("H100 NVL", {}),
     ("H100", {"bf16": 989e12, "fp16": 989e12, "fp32": 67e12}),      # SXM
     ("H200", {"bf16": 989e12, "fp16": 989e12, "fp32": 67e12}),
     ("A100", {"bf16": 312e12, "fp16": 312e12, "fp32": 19.5e12}),
     ("A10G", {}),  # AWS's A10 variant: no published tensor peak we trust -> no MFU
     ("A10", {"bf16": 125e12, "fp16": 125e12, "fp32": 31.2e12}),
     ("L40S", {"bf16": 362e12, "fp16": 362e12, "fp32": 91.6e12}),
+    ("L40", {}),
     ("L4", {"bf16": 121e12, "fp16": 121e12, "fp32": 30.3e12}),
     ("RTX 4090", {"bf16": 165e12, "fp16": 165e12, "fp32": 82.6e12}),
+    ("RTX 3090 Ti", {}),
     ("RTX 3090", {"bf16": 71e12, "fp16": 71e12, "fp32": 35.6e12}),
     ("V100", {"fp16": 125e12, "fp32": 15.7e12}),                      # no bf16 tensor cores
     ("T4", {"fp16": 65e12, "fp32": 8.1e12}),
@@ -44,8 +50,8 @@ def flops_per_token(gpt_config: dict) -> float:
 
 def peak_flops(device_name: str, precision: str):
     """Peak FLOP/s of one device of this name in this precision, or None if unknown."""
-    for needle, peaks in PEAKS:
-        if needle in device_name:
+    for name, peaks in PEAKS:
+        if re.search(rf"(?<![\w-]){re.escape(name)}(?![\w])", device_name):
             return peaks.get(precision)
     return None
 

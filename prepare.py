@@ -49,9 +49,10 @@ class PrepareConfig:
 def prepare(cfg):
     d, p = cfg.data, cfg.prepare
     fs, root = fsspec.core.url_to_fs(d.tokens_path)
-    sources, chunk_bytes = list_sources(d.path), max(1, int(p.chunk_mb * 2**20))
+    listed, chunk_bytes = list_sources(d.path, exclude=d.tokens_path), max(1, int(p.chunk_mb * 2**20))
+    sources = [(url, size) for url, size, _ in listed]
     chunks = plan_chunks(sources, chunk_bytes)
-    request = {"sources": [[url, size] for url, size in sources], "tokenizer": d.tokenizer,
+    request = {"sources": [list(source) for source in listed], "tokenizer": d.tokenizer,
                "chunk_bytes": chunk_bytes, "val_fraction": d.val_fraction}
     workers = p.workers or os.cpu_count() or 1
     plan = _existing_plan(fs, root, d.tokens_path, request)

@@ -1,7 +1,9 @@
 """UTF-8 text from fsspec paths, in chunks that tokenize exactly as the whole does.
 
-`list_sources(spec)`: a file, a directory (every file below it), or a glob,
-as [(url, size)] in sorted order. `plan_chunks` cuts each file at nominal
+`list_sources(spec)`: a file, a directory (every file below it that is not
+hidden), or a glob, as [(url, size, version)] in sorted order (version: the
+store's ETag or modification time, so a file edited in place is not taken for
+the one an interrupted prepare began on). `plan_chunks` cuts each file at nominal
 offsets k * chunk_bytes; `read_chunk` returns the text between the safe cut
 at or after its start and the one at or after its end. The cut after a
 nominal offset x depends only on the file's bytes near x, so the worker
@@ -35,15 +37,18 @@ CUT = re.compile(rb"(?<=[\x21-\x7e])(?= [\x21-\x7e])|(?<=[\x21-\x7e]\n)(?=[\x21-
 FIRST_SEARCH, MAX_SEARCH = 1 << 16, 1 << 20
 
 
-def list_sources(spec):
-    """[(url, size)] of the text files `spec` names, sorted; a UserError if none."""
+def list_sources(spec, exclude=None):
+    """[(url, size, version)] of the text files `spec` names, sorted, leaving out hidden
+    files under a directory and anything under `exclude` (prepare's own output, were it
+    put inside its source directory); a UserError if none."""
     try:
         fs, root = fsspec.core.url_to_fs(spec)
         if any(c in root for c in "*?["):
             found = fs.glob(root, detail=True)
             found = {p: i for p, i in found.items() if i.get("type") == "file"}
         elif fs.isdir(root):
-            found = fs.find(root, detail=True)
+            found = {p: i for p, i in fs.find(root, detail=True).items()
+                     if not any(part.startswith(".") for part in p[len(root):].split("/"))}
         elif fs.exists(root):
             found = {root: fs.info(root)}
         else:
@@ -52,10 +57,23 @@ def list_sources(spec):
         raise
     except Exception as e:  # network, permissions, unknown protocol, ...
         raise UserError(f"cannot list data.path {spec}: {type(e).__name__}: {e}") from None
+    if exclude:
+        _, skip = fsspec.core.url_to_fs(exclude)
+        skip = skip.rstrip("/")
+        found = {p: i for p, i in found.items() if p != skip and not p.startswith(skip + "/")}
     if not found:
         raise UserError(f"data.path {spec} names no files")
-    return [(fs.unstrip_protocol(p) if not isinstance(fs, _local()) else p, int(found[p]["size"]))
-            for p in sorted(found)]
+    return [(fs.unstrip_protocol(p) if not isinstance(fs, _local()) else p, int(found[p]["size"]),
+             _version(found[p])) for p in sorted(found)]
+
+
+def _version(info):
+    """What the store says identifies this content of the file: an ETag where there is
+    one (s3, gcs, http), else the modification time; None if the store gives neither."""
+    for key in ("ETag", "etag", "md5Hash", "mtime", "LastModified", "last_modified", "created"):
+        if info.get(key) is not None:
+            return str(info[key])
+    return None
 
 
 def _local():

@@ -128,24 +128,41 @@ class TokenCorpus:
         return index
 
     def _check_files(self):
-        """One listing: every shard present with its exact size, none unlisted."""
-        sizes = {e["name"].rstrip("/").rsplit("/", 1)[-1]: e["size"]
-                 for e in self.fs.ls(self.root, detail=True)}
+        """Every shard present with its exact size, none unlisted: one listing where the
+        store can list, one size request per shard it did not list (plain HTTP servers
+        list nothing)."""
+        sizes = self._listing()
         for name, count in zip(self.files, self.counts.tolist()):
             if not SHARD_FILE.fullmatch(str(name)):
                 raise UserError(f"{self._where(INDEX)} names a shard {name!r} that is not of the "
                                 "form shard-00000.bin")
             expected = count * self.dtype.itemsize
-            if name not in sizes:
+            size = sizes[name] if name in sizes else self._size(name)
+            if size is None:
                 raise UserError(f"{self._where(name)} is missing (listed in {INDEX}); {REPAIR}")
-            if sizes[name] != expected:
-                raise UserError(f"{self._where(name)} has {sizes[name]} bytes, {INDEX} says "
+            if size != expected:
+                raise UserError(f"{self._where(name)} has {size} bytes, {INDEX} says "
                                 f"{count} tokens of {self.dtype} = {expected} bytes: the shard is "
                                 f"truncated or the index belongs to other shards; {REPAIR}")
         unlisted = sorted(set(n for n in sizes if SHARD_FILE.fullmatch(n)) - set(self.files))
         if unlisted:
             raise UserError(f"{self._where(INDEX)} does not match its shards: {unlisted[0]} is "
                             f"not in it; {FRESH}")
+
+    def _listing(self):
+        """{file name: size} of the corpus directory; {} where the store cannot list it."""
+        try:
+            entries = self.fs.ls(self.root, detail=True)
+        except (FileNotFoundError, NotImplementedError, OSError):
+            return {}
+        return {e["name"].rstrip("/").rsplit("/", 1)[-1]: e.get("size") for e in entries
+                if e.get("type", "file") == "file" and e.get("size") is not None}
+
+    def _size(self, name):
+        try:
+            return self.fs.size(join(self.root, name))
+        except FileNotFoundError:
+            return None
 
     def splits(self, block_size, vocab_size):
         """(train, val) TokenWindows, checked against the run's block and tokenizer."""

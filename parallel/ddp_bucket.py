@@ -127,7 +127,9 @@ class DDPBucket(DDPNaive):
         while (self.next_launch < len(self.buckets)
                and all(self.buckets[self.next_launch].ready)):
             bucket = self.buckets[self.next_launch]
-            bucket.wire = bucket.buffer if bucket.buffer.dtype == self.reduce_dtype \
+            # one dp rank sends nothing: no rounding to the wire dtype either
+            bucket.wire = bucket.buffer if (bucket.buffer.dtype == self.reduce_dtype
+                                            or self.dp_size == 1) \
                 else bucket.buffer.to(self.reduce_dtype)
             bucket.handle = self.start_all_reduce(bucket.wire)
             self.next_launch += 1

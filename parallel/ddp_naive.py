@@ -50,7 +50,8 @@ class DDPNaive(ReplicatedStrategy):
                 p.grad.div_(self.dp_size)
 
 
-# parallel.reduce_dtype: the dtype gradients travel in (they are kept and summed into fp32)
+# parallel.reduce_dtype: the dtype gradients travel and are summed in (a bf16 collective
+# sums in bf16); the sum is copied back into the fp32 .grad the optimizer reads
 REDUCE_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
 

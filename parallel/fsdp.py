@@ -65,8 +65,8 @@ class FSDP(Strategy):
                                self.stage, grid.dp_group)
                       for names in names_per_block + own + [root] if names]
         self.blocks, self.root = self.units[:len(names_per_block)], self.units[-1]
-        for unit in self.units:
-            unit.reduce_dtype = REDUCE_DTYPES[cfg.reduce_dtype]
+        for unit in self.units:  # one dp rank sends nothing: no rounding to bf16 either
+            unit.reduce_dtype = REDUCE_DTYPES[cfg.reduce_dtype] if N > 1 else unit.full.dtype
         self._chunk_units = self._units_per_chunk()
         self._regions = None
         self._ready = {}        # unit -> gradient hooks fired in the current backward

@@ -101,21 +101,74 @@ def test_export_without_biases_writes_zero_biases(one_rank_grid, tmp_path):
         hf_gpt2.from_hf(tensors, gpt, "DIR")
 
 
-def test_gpt2_tokenizer_files_are_copied_from_tiktokens_cache(one_rank_grid, tmp_path, monkeypatch):
-    gpt = dict(n_layer=1, n_head=2, n_embd=4, vocab_size=50257, block_size=8, dropout=0.0, bias=True)
-    write_snapshot(one_rank_grid, tmp_path / "snapshot", gpt, {"kind": "gpt2"})
-    monkeypatch.setenv("TIKTOKEN_CACHE_DIR", str(tmp_path / "empty"))
+def test_gpt2_tokenizer_files_go_with_the_bpe_the_snapshot_was_trained_with(one_rank_grid, tmp_path,
+                                                                            monkeypatch):
+    """The folder's vocab.json / merges.txt are tiktoken's cached files only when they are
+    the BPE the snapshot recorded (sha256); config.json carries that digest and the
+    tokenizer's own end-of-text id, so model.init_from reads the data with the same BPE."""
+    from harness import tiny_gpt2_cache
+    import hashlib
+    from tokenizer import GPT2_FILES, build_tokenizer, cache_gpt2_files, data_gym_files
+    ours = tiny_gpt2_cache(tmp_path / "ours")
+    monkeypatch.setenv("TIKTOKEN_CACHE_DIR", ours)
+    tok = build_tokenizer("gpt2")
+    gpt = dict(n_layer=1, n_head=2, n_embd=4, vocab_size=tok.vocab_size, block_size=8, dropout=0.0,
+               bias=True)
+    write_snapshot(one_rank_grid, tmp_path / "snapshot", gpt, tok.state())
+    monkeypatch.setenv("TIKTOKEN_CACHE_DIR", cache_gpt2_files(tmp_path / "other",
+                                                              data_gym_files(["zebra"])))
     notes = export_to(tmp_path / "snapshot", tmp_path / "bare")
-    assert any("not in its cache" in n for n in notes) and not (tmp_path / "bare" / "vocab.json").exists()
-    cache = tmp_path / "cache"
-    cache.mkdir()
-    (cache / "6c7ea1a7e38e3a7f062df639a5b80947f075ffe6").write_text('{"stand-in": 0}')  # encoder.json
-    (cache / "6d1cbeee0f20b3d9449abfede4726ed8212e3aee").write_text("#version: 0.2\n")  # vocab.bpe
-    monkeypatch.setenv("TIKTOKEN_CACHE_DIR", str(cache))
+    assert any("sha256 this snapshot was trained with" in n for n in notes), notes
+    assert not (tmp_path / "bare" / "vocab.json").exists()
+    monkeypatch.setenv("TIKTOKEN_CACHE_DIR", ours)
     export_to(tmp_path / "snapshot", tmp_path / "hf")
-    assert (tmp_path / "hf" / "vocab.json").read_text() == '{"stand-in": 0}'
-    assert (tmp_path / "hf" / "merges.txt").read_text() == "#version: 0.2\n"
-    assert json.loads((tmp_path / "hf" / "config.json").read_text())["eos_token_id"] == 50256
+    config = json.loads((tmp_path / "hf" / "config.json").read_text())
+    assert config["eos_token_id"] == config["bos_token_id"] == tok.eot == tok.vocab_size - 1
+    assert config["mingpt_parallel"]["tokenizer_sha256"] == tok.state()["sha256"]
+    hf, _, chars = hf_gpt2.read_folder(str(tmp_path / "hf"))
+    assert hf_gpt2.tokenizer_state(hf, chars, "hf") == tok.state()
+    for hf_name, tiktoken_name in [("vocab.json", "encoder.json"), ("merges.txt", "vocab.bpe")]:
+        cached = os.path.join(ours, hashlib.sha1(GPT2_FILES[tiktoken_name][0].encode()).hexdigest())
+        assert (tmp_path / "hf" / hf_name).read_bytes() == open(cached, "rb").read()
+    # a GPT-2 folder from elsewhere (no mingpt_parallel): OpenAI's BPE, whose digest is known
+    from tokenizer import files_sha256
+    assert hf_gpt2.tokenizer_state({"vocab_size": 50257}, None, "x") == \
+        {"kind": "gpt2", "sha256": files_sha256(None)}
+
+
+def test_export_into_a_used_place_or_a_bad_path_is_one_line(one_rank_grid, tmp_path):
+    write_snapshot(one_rank_grid, tmp_path / "snapshot", dict(
+        n_layer=1, n_head=2, n_embd=4, vocab_size=3, block_size=8, dropout=0.0, bias=True),
+        {"kind": "char", "chars": "abc"})
+    (tmp_path / "used").mkdir()
+    (tmp_path / "used" / "vocab_char.json").write_text("{}")  # another export's leftovers
+    (tmp_path / "a-file").write_text("x")
+    for out, needle in [(tmp_path / "used", "not an empty directory"),
+                        (tmp_path / "a-file", "not an empty directory"),
+                        (tmp_path / "a-file" / "below", "cannot write export.path")]:
+        with pytest.raises(UserError, match=needle):
+            export_to(tmp_path / "snapshot", out)
+    assert (tmp_path / "used" / "vocab_char.json").read_text() == "{}"
+
+
+def test_a_damaged_init_from_folder_is_one_line(one_rank_grid, tmp_path):
+    write_snapshot(one_rank_grid, tmp_path / "snapshot", dict(
+        n_layer=1, n_head=2, n_embd=4, vocab_size=3, block_size=8, dropout=0.0, bias=True),
+        {"kind": "char", "chars": "abc"})
+    export_to(tmp_path / "snapshot", tmp_path / "hf")
+    (tmp_path / "hf" / "vocab_char.json").write_text('{"letters": "abc"}')
+    with pytest.raises(UserError, match="vocab_char.json is damaged"):
+        hf_gpt2.read_folder(str(tmp_path / "hf"))
+    weights = tmp_path / "hf" / "model.safetensors"
+    data = weights.read_bytes()
+    n = int.from_bytes(data[:8], "little")
+    header = json.loads(data[8:8 + n])
+    name = next(k for k in header if k != "__metadata__")
+    header[name]["shape"] = [7, 7, 7]
+    text = json.dumps(header).encode()
+    weights.write_bytes(len(text).to_bytes(8, "little") + text + data[8 + n:])
+    with pytest.raises(UserError, match=f"tensor {name} has .* bytes, not a F32 tensor of shape"):
+        hf_gpt2.read_safetensors(str(weights))
 
 
 def test_export_refuses_what_it_cannot_do(tmp_path):
@@ -192,5 +245,31 @@ def test_init_from_a_folder_of_another_shape_is_one_clear_error(one_rank_grid, t
     cfg = load_config(TINY + [f"model.init_from={tmp_path / 'hf'}", f"trainer.run_dir={tmp_path / 'run'}",
                               "parallel.dp=single"] + overrides, 1)
     with pytest.raises(UserError) as e:
-        main.prepare(cfg, True)
+        main.read_inputs(cfg, True)
     assert needle in str(e.value), str(e.value)
+
+
+def test_init_from_reads_prepared_tokens_only_of_its_own_tokenizer(one_rank_grid, tmp_path):
+    """model.init_from with data.tokens_path: the folder's tokenizer must be the corpus's."""
+    import main
+    import prepare
+    text = tmp_path / "t.txt"
+    text.write_text("abcab cabba " * 400)
+    prepare.prepare(load_config([f"data.path={text}", f"data.tokens_path={tmp_path / 'tok'}",
+                                 "mode=prepare", "prepare.workers=1"], 1))
+    for chars, fits in [(" abc", True), (" abd", False)]:
+        write_snapshot(one_rank_grid, tmp_path / f"snap{chars}", dict(
+            n_layer=1, n_head=2, n_embd=4, vocab_size=4, block_size=8, dropout=0.0, bias=True),
+            {"kind": "char", "chars": chars})
+        export_to(tmp_path / f"snap{chars}", tmp_path / f"hf{chars}")
+        cfg = load_config(TINY + [f"model.init_from={tmp_path / f'hf{chars}'}", "parallel.dp=single",
+                                  f"data.tokens_path={tmp_path / 'tok'}", "data.block_size=8",
+                                  "model.n_layer=1", "model.n_head=2", "model.n_embd=4",
+                                  f"trainer.run_dir={tmp_path / 'run'}"], 1)
+        if fits:
+            tokenizer = main.read_inputs(cfg, True)[1]
+            assert tokenizer.state() == {"kind": "char", "chars": chars}
+        else:
+            with pytest.raises(UserError, match=r"prepared with the char \(4 characters\) tokenizer, "
+                                                r"model.init_from=.* was trained with char"):
+                main.read_inputs(cfg, True)

@@ -32,7 +32,7 @@ def test_preset_is_gpt2_small():
 SCALED = ["model.n_layer=1", "model.n_embd=48", "data.block_size=32", "trainer.batch_size=4",
           "trainer.grad_accum=2", "trainer.max_steps=3", "trainer.eval_every=3",
           "trainer.eval_batches=1", "trainer.log_every=1", "sample.length=8",
-          "wandb.mode=disabled", "parallel.timeout_s=60"]
+          "wandb.mode=disabled", "parallel.timeout_s=60", "trainer.device=cpu"]
 
 
 def test_preset_trains_its_first_steps_on_cpu(tmp_path, monkeypatch):

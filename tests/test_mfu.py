@@ -24,6 +24,11 @@ def test_peak_comes_from_the_device_name_and_precision():
     assert mfu.peak_flops("Tesla V100-SXM2-16GB", "bf16") is None  # no bf16 tensor cores
     assert mfu.peak_flops("NVIDIA A10G", "bf16") is None
     assert mfu.peak_flops("Some Future GPU", "bf16") is None
+    # whole names only: a longer model number, or a variant not listed, gets no peak
+    assert mfu.peak_flops("NVIDIA L40", "bf16") is None  # not L4's
+    assert mfu.peak_flops("NVIDIA RTX A1000", "bf16") is None  # not A100's
+    assert mfu.peak_flops("NVIDIA H100 NVL", "bf16") is None  # not SXM's
+    assert mfu.peak_flops("NVIDIA L4", "bf16") == 121e12 and mfu.peak_flops("Tesla T4", "fp16") == 65e12
     assert mfu.device_peak(torch.device("cpu"), "fp32") is None  # never a made-up CPU number
     assert mfu.mfu(1e9, 1e5, 1e15, 2) == pytest.approx(0.05)
 

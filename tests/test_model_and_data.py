@@ -105,8 +105,11 @@ def test_short_corpus_error():
 
 def test_gpt2_tokenizer_offline_error(tmp_path, monkeypatch):
     monkeypatch.setenv("TIKTOKEN_CACHE_DIR", str(tmp_path))  # empty: nothing cached
-    import tiktoken.registry
-    monkeypatch.setattr(tiktoken.registry, "ENCODINGS", {})
+
+    def offline(url):  # what read_file_cached meets without a network, online or not
+        raise ConnectionError(f"cannot reach {url}")
+    import tiktoken.load
+    monkeypatch.setattr(tiktoken.load, "read_file", offline)
     with pytest.raises(UserError, match="TIKTOKEN_CACHE_DIR"):
         build_tokenizer("gpt2", "text")
 

@@ -58,7 +58,7 @@ def test_chunks_tokenize_like_the_whole_text(tmp_path, gpt2_cache, monkeypatch, 
     text = awkward_text(6000)
     path = tmp_path / "t.txt"
     path.write_text(text)
-    (url, size), = list_sources(str(path))
+    (url, size, _), = list_sources(str(path))
     parts = [read_chunk(url, size, a, b) for _, a, b in plan_chunks([(url, size)], chunk_bytes)]
     assert "".join(p for p, _ in parts) == text  # every byte in exactly one chunk
     assert all(exact for _, exact in parts)
@@ -346,3 +346,82 @@ def test_reading_windows_does_not_keep_the_corpus_resident(tmp_path):
     for _ in range(50):  # 50 steps of 16 windows
         train.batch(torch.from_numpy(rng.integers(0, len(train), 16)))
     assert resident_file_mb() - before < 8, f"{resident_file_mb() - before:.0f} MB of the shard stayed mapped"
+
+
+class _RangedFiles(__import__("http.server").server.SimpleHTTPRequestHandler):
+    """Files with Range requests and without directory listings: a plain static host
+    (a CDN, a bucket's website endpoint), not an object store's API."""
+
+    def list_directory(self, path):
+        self.send_error(404)
+
+    def send_head(self):
+        import re
+        path = self.translate_path(self.path)
+        if os.path.isdir(path) or not os.path.exists(path):
+            self.send_error(404)
+            return None
+        data = open(path, "rb").read()
+        wanted = re.fullmatch(r"bytes=(\d+)-(\d*)", self.headers.get("Range", ""))
+        if wanted:
+            start, end = int(wanted[1]), int(wanted[2] or len(data) - 1)
+            body = data[start:end + 1]
+            self.send_response(206)
+            self.send_header("Content-Range", f"bytes {start}-{start + len(body) - 1}/{len(data)}")
+        else:
+            body = data
+            self.send_response(200)
+        self.send_header("Content-Length", str(len(body)))
+        self.send_header("Accept-Ranges", "bytes")
+        self.end_headers()
+        import io
+        return io.BytesIO(b"" if self.command == "HEAD" else body)
+
+    def log_message(self, *args):
+        pass
+
+
+def test_a_corpus_on_a_plain_http_server_is_read_by_ranged_requests(tmp_path):
+    """https:// is the commonest remote: no directory listing there, so each shard is
+    checked by its own size, and windows come by Range requests."""
+    import functools
+    import threading
+    import torch
+    from http.server import ThreadingHTTPServer
+    src = tmp_path / "t.txt"
+    src.write_text(awkward_text(20000, seed=5))
+    prepare(tmp_path, src, tmp_path / "site" / "tok", "prepare.chunk_mb=0.01")
+    server = ThreadingHTTPServer(("127.0.0.1", 0),
+                                 functools.partial(_RangedFiles, directory=str(tmp_path / "site")))
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        url = f"http://127.0.0.1:{server.server_address[1]}/tok"
+        _, remote, _ = open_data(DataConfig(block_size=8, tokens_path=url))
+        _, local, _ = open_data(DataConfig(block_size=8, tokens_path=str(tmp_path / "site" / "tok")))
+        starts = torch.tensor([0, 3, 9000, len(local) - 1])
+        for a, b in zip(remote.batch(starts), local.batch(starts)):
+            assert torch.equal(a, b)
+        (tmp_path / "site" / "tok" / "shard-00001.bin").unlink()
+        with pytest.raises(UserError, match=r"shard-00001.bin is missing"):
+            open_data(DataConfig(block_size=8, tokens_path=url))
+    finally:
+        server.shutdown()
+
+
+def test_sources_skip_hidden_files_and_the_output_and_know_an_edit_in_place(tmp_path):
+    """A directory's hidden files (.git, editor swaps) and DST put inside the source are
+    not text to train on; a file rewritten to the same size is not the file an
+    interrupted prepare began on (its modification time, or ETag, is part of the plan)."""
+    src = tmp_path / "src"
+    (src / ".git").mkdir(parents=True)
+    (src / ".git" / "HEAD").write_text("ref: refs/heads/main\n")
+    (src / "a.txt").write_text(awkward_text(3000, seed=1))
+    prepare(tmp_path, src, src / "tok", "prepare.chunk_mb=0.01")
+    index = json.loads((src / "tok" / "index.json").read_text())
+    assert [s[0] for s in index["request"]["sources"]] == [str(src / "a.txt")]
+    prepare(tmp_path, src, src / "tok", "prepare.chunk_mb=0.01")  # the same: nothing to do
+    text = (src / "a.txt").read_text()
+    (src / "a.txt").write_text(text[::-1])
+    os.utime(src / "a.txt", (1, 1))
+    with pytest.raises(UserError, match="holds another preparation .*sources"):
+        prepare(tmp_path, src, src / "tok", "prepare.chunk_mb=0.01")

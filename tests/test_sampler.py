@@ -44,7 +44,7 @@ def test_order_looks_random_and_depends_on_seed_and_epoch():
     assert 0.30 < np.abs(order - np.arange(n)).mean() / n < 0.37
     assert abs(np.corrcoef(order[:-1], order[1:])[0, 1]) < 0.05
     first = [Permutation(n, seed=3, epoch=e)(np.arange(8)).tolist() for e in range(3)]
-    assert first[0] != first[1] != first[2]
+    assert first[0] != first[1] and first[1] != first[2] and first[0] != first[2]
     assert Permutation(n, seed=4, epoch=0)(np.arange(8)).tolist() != first[0]
     # position 0 over many epochs: roughly uniform over 10 windows
     hits = np.bincount([Permutation(10, 5, e)(np.array([0]))[0] for e in range(3000)], minlength=10)
