@@ -21,7 +21,7 @@ import torch.distributed as dist
 
 from errors import UserError
 from parallel.ring import ring_all_reduce
-from parallel.strategy import ReplicatedStrategy
+from parallel.replicated import ReplicatedStrategy
 
 
 class DDPNaive(ReplicatedStrategy):

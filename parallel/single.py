@@ -1,6 +1,6 @@
 """`single`: one process, no communication. The reference every layout must reproduce."""
 
-from parallel.strategy import ReplicatedStrategy
+from parallel.replicated import ReplicatedStrategy
 
 
 class Single(ReplicatedStrategy):

@@ -31,9 +31,8 @@ it holds as Regions of those parameters (parallel/placement.py); snapshots,
 state_dict(), the global gradient norm and the sequence-parallel gradient
 sums below are written once, against that description.
 
-`ReplicatedStrategy` is the shared base for strategies where every dp rank
-holds the whole (TP-local) model (single, torch_ddp, ddp_naive, ddp_bucket):
-they differ only in how gradients get averaged.
+`ReplicatedStrategy` (parallel/replicated.py) is the shared base for the
+strategies where every dp rank holds the whole (TP-local) model.
 """
 
 from contextlib import nullcontext
@@ -44,8 +43,7 @@ import torch.distributed as dist
 from errors import UserError
 from parallel.comm import CommCounter
 from parallel.pipeline import Pipeline
-from parallel.placement import (Placement, Region, grad_norm_squared, load_regions,
-                                snapshot_pieces, writer_among)
+from parallel.placement import Placement, grad_norm_squared, load_regions, snapshot_pieces
 from parallel.checkpointing import checkpoint_blocks
 from parallel.precision import Precision
 from parallel.tensor_parallel import apply_tensor_parallel
@@ -323,93 +321,3 @@ def build_adamw(named_params: dict, groups, tcfg, **kwargs):
         [{**g, "params": [named_params[n] for n in g["params"] if n in named_params]}
          for g in groups],
         lr=tcfg.lr, betas=(tcfg.beta1, tcfg.beta2), weight_decay=tcfg.weight_decay, **kwargs)
-
-
-# ---------------------------------------------------------------- full replicas
-
-class ReplicatedStrategy(Strategy):
-    """Every dp rank holds the whole (TP-local) GPT; subclasses say how gradients are averaged.
-
-    Hooks for subclasses: `self.model` is what forward runs through (the GPT
-    or a wrapper), `no_sync(last)` is a context for each micro-step, and
-    `sync_gradients()` runs once after the last backward.
-    """
-
-    def __init__(self, model, grid, cfg):
-        super().__init__(model, grid, cfg)
-        self.module = model.to(self.device)
-        self.model = self.module
-        self._regions = None
-
-    def no_sync(self, last_micro_step):
-        return nullcontext()
-
-    def sync_gradients(self):
-        pass
-
-    def configure_optimizer(self, tcfg):
-        self.named = dict(self.module.named_parameters())
-        groups = self.module.optim_groups(tcfg.weight_decay)
-        self.group_names = [g["params"] for g in groups]
-        self.optimizer = build_adamw(self.named, groups, tcfg)
-
-    def forward_backward(self, micro_batches):
-        if self.pipeline is not None:
-            loss = self.pipeline_forward_backward(micro_batches)
-        else:
-            total = torch.zeros((), device=self.device)
-            for i, (x, y) in enumerate(micro_batches):
-                with self.no_sync(i == len(micro_batches) - 1):
-                    _, micro_loss = self.forward_loss(self.model, x, y)
-                    self.backward(micro_loss, len(micro_batches))
-                total += micro_loss.detach()
-            loss = total / len(micro_batches)
-        self.sync_gradients()
-        self.finish_gradients()
-        return self.dp_mean(loss)
-
-    def backward_scope(self, chunk, last):
-        return self.no_sync(last)
-
-    @torch.no_grad()
-    def eval_loss(self, x, y):
-        self.module.eval()
-        try:
-            if self.pipeline is not None:
-                loss = self.pipeline.eval_loss(x, y)
-            else:
-                with self.comm.uncounted():  # TP's collectives here are not training traffic
-                    _, loss = self.forward_loss(self.module, x, y)
-        finally:
-            self.module.train()
-        return self.dp_mean(loss)
-
-    def regions(self):
-        """One region per parameter. Replicas: every dp rank, and every TP rank for a
-        tensor TP does not split; one of them (spread by name) writes it (and of the
-        tied embedding's two pipeline copies, the first stage's)."""
-        if self._regions is None:
-            g, self._regions = self.grid, []
-            for name, p in self.module.named_parameters():
-                placement = self.placements[name]
-                tp_copies = g.tp_size if placement.tp_replicated else 1
-                me = g.dp_rank * tp_copies + (g.tp_rank if placement.tp_replicated else 0)
-                self._regions.append(Region(
-                    placement, 0, p.numel(), p, 0,
-                    writes=writer_among(name, g.dp_size * tp_copies) == me
-                    and placement.tied != "last",
-                    in_norm=placement.counted_in_norm(g.tp_rank)))
-        return self._regions
-
-    def norm_group(self):
-        return self.sharded_group("pp", "tp")
-
-    def grads(self):
-        return [p.grad for p in self.module.parameters() if p.grad is not None]
-
-    def optimizer_step(self, lr):
-        for group in self.optimizer.param_groups:
-            group["lr"] = lr
-        self.step_optimizer()
-        self.last_state_bytes = resident_bytes(self.module.parameters(), self.optimizer)
-        self.optimizer.zero_grad(set_to_none=True)

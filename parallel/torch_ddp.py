@@ -8,7 +8,7 @@ during backward, and skips that on accumulation micro-steps under no_sync().
 
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from parallel.strategy import ReplicatedStrategy
+from parallel.replicated import ReplicatedStrategy
 
 
 class TorchDDP(ReplicatedStrategy):

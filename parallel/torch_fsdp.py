@@ -20,7 +20,8 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DTensor, distribute_tensor
 
-from parallel.strategy import ReplicatedStrategy, check_state_names, optimizer_state_from
+from parallel.replicated import ReplicatedStrategy
+from parallel.strategy import check_state_names, optimizer_state_from
 
 
 def _local(t):

@@ -20,7 +20,7 @@ import torch.nn.functional as F
 from torch.distributed.pipelining import (PipelineStage, Schedule1F1B, ScheduleGPipe,
                                           ScheduleInterleaved1F1B)
 
-from parallel.strategy import ReplicatedStrategy
+from parallel.replicated import ReplicatedStrategy
 
 SCHEDULES = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B, "interleaved": ScheduleInterleaved1F1B}
 

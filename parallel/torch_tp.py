@@ -25,7 +25,8 @@ from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tenso
 from torch.distributed.tensor.parallel import (ColwiseParallel, RowwiseParallel, loss_parallel,
                                                parallelize_module)
 
-from parallel.strategy import ReplicatedStrategy, check_state_names, optimizer_state_from
+from parallel.replicated import ReplicatedStrategy
+from parallel.strategy import check_state_names, optimizer_state_from
 
 
 def _full(t):

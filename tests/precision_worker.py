@@ -49,13 +49,15 @@ LAYOUTS = {
     "ddp_naive": ("ddp_naive", (2, 1, 1), {}),
     "ddp_bucket-ring": ("ddp_bucket", (2, 1, 1), {"allreduce": "ring", "bucket_cap_mb": 0.001}),
     "fsdp1": ("fsdp", (2, 1, 1), {"zero_stage": 1}),
+    "fsdp2": ("fsdp", (2, 1, 1), {"zero_stage": 2}),
     "fsdp3": ("fsdp", (2, 1, 1), {"zero_stage": 3}),
     "tp2-sp": ("single", (1, 1, 2), {"sequence_parallel": True}),
     "pp2-1f1b-m2": ("single", (1, 2, 1), {"pp_schedule": "1f1b", "microbatches": 2}),
 }
-REDUCE = ["ddp_naive", "ddp_bucket-ring", "fsdp1", "fsdp3"]
+REDUCE = ["ddp_naive", "ddp_bucket-ring", "fsdp1", "fsdp2", "fsdp3"]
 RECOMPUTE = {  # name: layout, dropout
     "single": ("single", (1, 1, 1), {}),
+    "fsdp1": LAYOUTS["fsdp1"],
     "fsdp3": LAYOUTS["fsdp3"],
     "ddp_bucket": ("ddp_bucket", (2, 1, 1), {}),
     "tp2": ("single", (1, 1, 2), {}),

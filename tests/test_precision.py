@@ -2,7 +2,7 @@
 trainer.activation_checkpointing, on every kind of layout.
 
 - tests/precision_worker.py on 2 ranks (one torchrun job for all of it):
-  bf16 and fp16 parity of ddp_naive, ddp_bucket with the ring, fsdp 1 and 3,
+  bf16 and fp16 parity of ddp_naive, ddp_bucket with the ring, fsdp 1, 2 and 3,
   tp=2 with sequence parallelism and a 1F1B pipeline against `single` in the
   same precision over 30 steps (losses and gradient norms within rtol 2e-2,
   fp16 skipping the same steps on every rank); bf16 gradient reduction
@@ -39,7 +39,7 @@ def worker():
     return _result
 
 
-LAYOUTS = ["ddp_naive", "ddp_bucket-ring", "fsdp1", "fsdp3", "tp2-sp", "pp2-1f1b-m2"]
+LAYOUTS = ["ddp_naive", "ddp_bucket-ring", "fsdp1", "fsdp2", "fsdp3", "tp2-sp", "pp2-1f1b-m2"]
 
 
 @pytest.mark.parametrize("precision", ["bf16", "fp16"])
@@ -72,7 +72,7 @@ def test_low_precision_single_stays_near_fp32(precision):
 
 
 GRADIENT_KIND = {"ddp_naive": "all_reduce", "ddp_bucket-ring": "send", "fsdp1": "reduce_scatter",
-                 "fsdp3": "reduce_scatter"}
+                 "fsdp2": "reduce_scatter", "fsdp3": "reduce_scatter"}
 
 
 @pytest.mark.parametrize("layout", list(GRADIENT_KIND))
@@ -90,7 +90,8 @@ def test_bf16_reduction_halves_exactly_the_gradient_traffic(layout):
     assert 0 < r["loss_rel_diff"] <= 2e-2, r  # rounded, so not identical; but close
 
 
-@pytest.mark.parametrize("layout", ["single", "fsdp3", "ddp_bucket", "tp2", "tp2-sp", "pp2-1f1b-m2"])
+@pytest.mark.parametrize("layout", ["single", "fsdp1", "fsdp3", "ddp_bucket", "tp2", "tp2-sp",
+                                    "pp2-1f1b-m2"])
 def test_activation_checkpointing_recomputes_the_same_gradients(layout):
     r = worker()["recompute"][layout]
     assert all(r["losses_equal"]), r
