@@ -198,19 +198,6 @@ class FSDP(Strategy):
         self.finish_gradients()
         return self.dp_mean(loss)
 
-    @torch.no_grad()
-    def eval_loss(self, x, y):
-        self.module.eval()
-        try:
-            if self.pipeline is not None:
-                loss = self.pipeline.eval_loss(x, y)
-            else:
-                with self.comm.uncounted():  # evaluation's gathers are not training traffic
-                    _, loss = self.forward_loss(self.module, x, y)
-        finally:
-            self.module.train()
-        return self.dp_mean(loss)
-
     def grads(self):
         return [t.grad for ps in self.pieces for *_, t in ps]  # shards only: no padding
 

@@ -54,19 +54,6 @@ class ReplicatedStrategy(Strategy):
     def backward_scope(self, chunk, last):
         return self.no_sync(last)
 
-    @torch.no_grad()
-    def eval_loss(self, x, y):
-        self.module.eval()
-        try:
-            if self.pipeline is not None:
-                loss = self.pipeline.eval_loss(x, y)
-            else:
-                with self.comm.uncounted():  # TP's collectives here are not training traffic
-                    _, loss = self.forward_loss(self.module, x, y)
-        finally:
-            self.module.train()
-        return self.dp_mean(loss)
-
     def regions(self):
         """One region per parameter. Replicas: every dp rank, and every TP rank for a
         tensor TP does not split; one of them (spread by name) writes it (and of the

@@ -90,9 +90,20 @@ class Strategy:
         loss over the global batch, on every rank."""
         raise NotImplementedError
 
-    def eval_loss(self, x, y) -> float:
-        """Mean loss over the global eval batch (x, y is this rank's share)."""
-        raise NotImplementedError
+    @torch.no_grad()
+    def eval_loss(self, x, y):
+        """Mean loss over the global eval batch (x, y is this rank's share), through
+        `self.module` (the strategy's model) or its pipeline stages."""
+        self.module.eval()
+        try:
+            if self.pipeline is not None:
+                loss = self.pipeline.eval_loss(x, y)
+            else:
+                with self.comm.uncounted():  # TP's collectives, fsdp's gathers: not training traffic
+                    _, loss = self.forward_loss(self.module, x, y)
+        finally:
+            self.module.train()
+        return self.dp_mean(loss)
 
     def optimizer_step(self, lr):
         raise NotImplementedError
