@@ -337,8 +337,9 @@ class Trainer:
             "lr_schedule": {"warmup_steps": t.warmup_steps, "max_steps": t.max_steps,
                             "lr": t.lr, "min_lr": t.min_lr},
             "rng": {"scheme": "torch.manual_seed((seed*1000003 + step)*1009 + dp_rank) "
-                              "at the start of each step; TP ranks derive their own streams "
-                              "from it (parallel/tensor_parallel.py)", "seed": t.seed},
+                              "at the start of each step; pipeline stages and TP ranks derive "
+                              "their streams from it (Strategy.reseed, parallel/grid.derive_seed)",
+                    "seed": t.seed},
         })
 
     def close(self):

@@ -6,6 +6,8 @@ reads environment variables or global state. Rank r sits at coordinates
 ranks of one TP group are neighbours (same node), as Megatron arranges them.
 """
 
+import hashlib
+
 import torch
 import torch.distributed as dist
 
@@ -81,3 +83,11 @@ def together(grid, what, fn):
     if not grid.all_ok(error is None):
         raise error or UserError(f"stopping: another rank failed while {what} (see its error)")
     return result
+
+
+def derive_seed(*parts):
+    """A 63-bit seed for one random stream of one grid coordinate, from ints and names:
+    distinct tuples give unrelated seeds (sums or products of the parts can collide:
+    rank 0's stream 2 would be rank 1's stream 1)."""
+    digest = hashlib.blake2b(repr(parts).encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little") >> 1

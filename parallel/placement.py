@@ -1,5 +1,7 @@
 """Where each canonical tensor lives on this rank: the one description that
-snapshots, state_dict() gathering, the global gradient norm and state_bytes read.
+snapshots, state_dict() gathering and the global gradient norm read (state_bytes
+is measured instead: the bytes this rank's parameters, gradients and optimizer
+state really occupy; the benchmark's per-rank parameter split reads placements).
 
 Two layers, one per kind of sharding:
 

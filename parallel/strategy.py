@@ -42,6 +42,7 @@ import torch.distributed as dist
 
 from errors import UserError
 from parallel.comm import CommCounter
+from parallel.grid import derive_seed
 from parallel.pipeline import Pipeline
 from parallel.placement import Placement, grad_norm_squared, load_regions, snapshot_pieces
 from parallel.checkpointing import checkpoint_blocks
@@ -131,10 +132,15 @@ class Strategy:
     def reseed(self, seed):
         """Random state for one step: `seed` depends on (trainer.seed, step) only, so a
         resumed run draws what an uninterrupted one would. dp ranks differ (their
-        batches do); TP ranks share the stream where their activations are the same."""
-        torch.manual_seed(seed + self.grid.dp_rank)
+        batches do), and so do pipeline stages (their layers do: the same stream on
+        two stages would give layer 0 and layer L/P the same masks); TP ranks share
+        the stream where their activations are the same."""
+        base = seed + self.grid.dp_rank
+        if self.grid.pp_size > 1:
+            base = derive_seed(base, "pipeline stage", self.grid.pp_rank)
+        torch.manual_seed(base)
         if self.tp is not None:
-            self.tp.reseed(seed + self.grid.dp_rank)
+            self.tp.reseed(base)
 
     def clip_grad_norm_(self, max_norm) -> float:
         """Scale gradients so their global norm is at most max_norm; return the norm before.

@@ -41,6 +41,7 @@ from dataclasses import dataclass
 
 import torch
 
+from parallel.grid import derive_seed
 from parallel.placement import Placement
 from parallel.tp_layers import (ColumnParallelLinear, RowParallelLinear, SequenceShardPositions,
                                 TPRandom, VocabParallelEmbedding, VocabParallelLMHead,
@@ -59,10 +60,9 @@ class TPContext:
 
     def reseed(self, seed):
         """`seed` is the same on every TP rank of a step; derive this rank's streams."""
-        mix = lambda salt: (seed * 1_000_003 + salt * 7_919 * (self.rank + 1)) % 2**63
         if self.sequence_parallel:  # every activation outside attention is split too
-            torch.manual_seed(mix(2))
-        self.random.seed_own(mix(1))
+            torch.manual_seed(derive_seed(seed, "tp sequence shard", self.rank))
+        self.random.seed_own(derive_seed(seed, "tp own", self.rank))
 
 
 def padded_vocab(vocab_size, tp):

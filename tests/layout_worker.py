@@ -15,7 +15,8 @@ global batch) that it trains itself:
   layouts with the textbook counts);
 - the final canonical parameters (state_dict(), gathered) against the replica's.
 Then the random streams under dropout (RNG): a digest of the generator state
-at every Dropout module and at every attention call, per TP rank.
+at every Dropout module and at every attention call, per TP rank, and at
+every Dropout of every stage of a pipeline.
 
 The worker only measures and reports (rank 0 prints `RESULT <json>`), so all
 ranks always reach the same collectives and a wrong result cannot hang.
@@ -160,6 +161,16 @@ def tied_equal(strategy):
     return torch.equal(*both)
 
 
+def on_every_rank(flags):
+    """Per step: True only if the flag holds on every rank that has one (rank 0 reports
+    for all of them); None where no rank has one (no pipeline: no tied copies)."""
+    value = torch.tensor([1 if f is None else int(f) for f in flags], dtype=torch.int64)
+    has = torch.tensor([0 if f is None else 1 for f in flags], dtype=torch.int64)
+    dist.all_reduce(value, op=dist.ReduceOp.MIN)
+    dist.all_reduce(has, op=dist.ReduceOp.MAX)
+    return [bool(v) if h else None for v, h in zip(value.tolist(), has.tolist())]
+
+
 def check_case(case):
     grid = ProcessGrid(case.dp, case.pp, case.tp, torch.device("cpu"))
     tcfg = TrainerConfig(lr=3e-3, weight_decay=0.1)
@@ -193,6 +204,8 @@ def check_case(case):
         out["norm_rel_diff"] = max(out["norm_rel_diff"], abs(norm - ref_norm) / abs(ref_norm))
         out["replicated_equal"].append(replicated_equal(strategy, grid))
         out["tied_equal"].append(tied_equal(strategy))
+    out["replicated_equal"] = on_every_rank(out["replicated_equal"])
+    out["tied_equal"] = on_every_rank(out["tied_equal"])
     state = strategy.state_dict()
     if grid.is_main:
         ref_state = dict(ref.module.named_parameters())
@@ -240,8 +253,45 @@ def check_random_streams(sequence_parallel):
     everyone = [None] * grid.tp_size
     dist.all_gather_object(everyone, seen, group=grid.tp_group)
     same = lambda kind: [len({s[kind][i] for s in everyone}) == 1 for i in range(len(seen[kind]))]
+    # a generator state met at two different call sites (on any ranks) is one stream
+    # reused where two independent ones were meant: the masks would repeat each other
+    sites = {}
+    for s in everyone:
+        for kind in s:
+            for i, d in enumerate(s[kind]):
+                sites.setdefault(d, set()).add((kind, i))
     return {"dropout_same_across_tp": same("dropout"), "attention_same_across_tp": same("attention"),
-            "replicated_equal": equal}
+            "replicated_equal": on_every_rank(equal),
+            "states_reused_across_call_sites": sum(len(v) > 1 for v in sites.values())}
+
+
+def check_pipeline_streams():
+    """Generator state at every Dropout of every stage of a pure pipeline with dropout
+    on: a state seen on two stages means two layers draw the same masks."""
+    world = dist.get_world_size()
+    grid = ProcessGrid(1, world, 1, torch.device("cpu"))
+    torch.manual_seed(7)
+    model = GPT(gpt_config(64, n_layer=world, dropout=0.1))
+    strategy = build_strategy(model, grid, ParallelConfig(dp="single", pp=world, pp_schedule="1f1b",
+                                                          microbatches=2))
+    strategy.configure_optimizer(TrainerConfig())
+    seen = []
+    for m in model.modules():
+        if isinstance(m, torch.nn.Dropout):
+            m.register_forward_pre_hook(lambda mod, args: seen.append(digest()))
+    for step in range(2):
+        x, y = global_batch(step, 64)
+        strategy.reseed(step * 1009)
+        strategy.forward_backward([(x, y)])
+        strategy.optimizer_step(1e-3)
+    everyone = [None] * world
+    dist.all_gather_object(everyone, seen)
+    stages_of = {}
+    for stage, states in enumerate(everyone):
+        for d in states:
+            stages_of.setdefault(d, set()).add(stage)
+    return {"dropout_calls_per_stage": [len(s) for s in everyone],
+            "states_on_two_stages": sum(len(v) > 1 for v in stages_of.values())}
 
 
 def main():
@@ -254,6 +304,7 @@ def main():
     if world in (2, 4):  # the random streams of a TP group of all ranks
         for sp in (False, True):
             result["random"][f"sp={sp}"] = check_random_streams(sp)
+        result["random"]["pp"] = check_pipeline_streams()
     dist.barrier()
     if dist.get_rank() == 0:
         print("RESULT " + json.dumps(result), flush=True)

@@ -84,6 +84,15 @@ def test_pp_layout_matches_single_process(world, name):
         f"the first and last stage's copies of the tied embedding differ: {r['tied_equal']}"
 
 
+@pytest.mark.parametrize("world", [2, 4])
+def test_pipeline_stages_draw_their_own_dropout_masks(world):
+    """Every stage seeded alike would give layer 0 and the first layer of stage 1 the
+    same masks (a single process draws a fresh one per layer)."""
+    r = layout_worker_result(world)["random"]["pp"]
+    assert all(n > 0 for n in r["dropout_calls_per_stage"]), r
+    assert r["states_on_two_stages"] == 0, r
+
+
 PURE_PP = [(world, case.name) for world in CASES for case in CASES[world]
            if case.pp > 1 and case.dp == case.tp == 1]
 

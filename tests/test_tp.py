@@ -93,6 +93,9 @@ def test_dropout_masks_shared_where_replicated_and_own_where_split(world):
     assert seq["dropout_same_across_tp"] and not any(seq["dropout_same_across_tp"])
     assert not any(seq["attention_same_across_tp"])
     assert all(plain["replicated_equal"]) and all(seq["replicated_equal"])
+    # and no stream is another's under another name (rank 0's sequence-shard stream
+    # must not be rank 1's attention stream)
+    assert plain["states_reused_across_call_sites"] == 0 == seq["states_reused_across_call_sites"]
 
 
 # ---------------------------------------------------------------- through main.py
