@@ -95,6 +95,9 @@ def read_inputs(cfg, is_main):
         tokenizer.encode(cfg.sample.prompt)  # fail now, not after the whole run
     if is_main:
         os.makedirs(cfg.trainer.run_dir, exist_ok=True)
+        stale = os.path.join(cfg.trainer.run_dir, preemption.MARKER)
+        if os.path.exists(stale):  # the preempted run this one resumes
+            os.remove(stale)
         with open(os.path.join(cfg.trainer.run_dir, "config.yaml"), "w") as f:
             f.write(resolved_yaml(cfg))
         for note in notes:
@@ -185,7 +188,7 @@ def main(argv, rank, world_size, local_rank):
 
 def run_and_exit():
     """Exit through os._exit after flushing: torch 2.13's interpreter teardown after
-    destroy_process_group sometimes aborts (SIGABRT, DESIGN.md section 6), which
+    destroy_process_group sometimes aborts (SIGABRT), which
     would turn a finished job into a failed one."""
     rank = int(os.environ.get("RANK", 0))
     world_size = int(os.environ.get("WORLD_SIZE", 1))

@@ -14,7 +14,10 @@ torchrun forwards the signal it gets to every worker. So each worker:
    second flag: whether a rank failed to read the next step's data.)
 3. The trainer writes the snapshot of that step (unless it just did) and raises
    `Preempted`; main.py closes metrics and wandb on the way out, the main rank
-   prints one line, and every rank exits with EXIT_STATUS.
+   prints one line, and every rank exits with EXIT_STATUS. The main rank also
+   writes MARKER in the run directory (the next run of it removes it): torchrun
+   reports any worker's non-zero exit as its own 1, so a job script tells
+   "preempted, resumable" from a crash by this file (scripts/slurm_train.sbatch).
 
 EXIT_STATUS is 75 (EX_TEMPFAIL in sysexits.h: "temporary failure, retry"):
 distinct from 0 (finished), 1 (a crash), 2 (bad input, errors.UserError) and
@@ -29,6 +32,7 @@ import torch
 import torch.distributed as dist
 
 EXIT_STATUS = 75
+MARKER = "preempted"  # in trainer.run_dir: this run stopped on a signal, with a snapshot
 SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
 
 _received = 0  # the signal number noted by the handler, 0 if none

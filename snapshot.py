@@ -90,7 +90,8 @@ def save_sharded(path, grid, step, pieces, meta, keep=1):
     error, ids = None, [uuid.uuid4().hex]
     if grid.is_main:
         try:
-            if fs.exists(step_dir):  # left by a job killed while writing this very step
+            if fs.exists(step_dir):  # a write killed at this very step, or a kept snapshot
+                _step_back_from(fs, root, step_name)  # past the step a run resumed from
                 fs.rm(step_dir, recursive=True)
             fs.makedirs(step_dir, exist_ok=True)
         except Exception as e:
@@ -119,6 +120,22 @@ def save_sharded(path, grid, step, pieces, meta, keep=1):
     agree(error)
     if grid.is_main:
         remove_stale(fs, root, _join, step, keep)
+
+
+def _step_back_from(fs, root, step_name):
+    """Before `step_name` is removed to be written again: if latest.json names it (a run
+    resumed from an older kept snapshot, trainer.resume_step, and reached this step
+    again), point latest.json at the newest complete snapshot before it first, so no
+    moment leaves the commit point naming a directory that is gone."""
+    latest = _join(root, "latest.json")
+    if not fs.exists(latest) or _read_json(fs, latest).get("step_dir") != step_name:
+        return
+    older = [s for s in kept_steps(fs, root, _join) if step_dir_name(s) < step_name]
+    if older:
+        name = step_dir_name(older[-1])
+        manifest = _read_json(fs, _join(_join(root, name), "manifest.json"))
+        _write_json(fs, latest, {"step_dir": name, "snapshot_id": manifest["snapshot_id"]},
+                    atomic=True)
 
 
 def _write_part(fs, step_dir, rank, snapshot_id, pieces):
@@ -153,6 +170,11 @@ def _as_boxes(pieces):
                 at += n
         else:
             yield key, shape, tuple(where), data
+
+
+def _read_json(fs, path):
+    with fs.open(path, "r") as f:
+        return json.load(f)
 
 
 def _write_json(fs, path, obj, atomic=False):
@@ -192,7 +214,7 @@ class SnapshotReader:
                             f"this code reads versions {', '.join(map(str, READABLE_VERSIONS))}")
         if latest is not None and latest.get("snapshot_id") != self.meta.get("snapshot_id"):
             raise UserError(f"snapshot {path}: latest.json and {manifest} disagree")
-        if self.meta.get("step") != int(STEP_DIR.match(name).group(1)):
+        if self.meta.get("step") != int(STEP_DIR.fullmatch(name).group(1)):
             raise UserError(f"snapshot {path}: {manifest} is of step {self.meta.get('step')!r}, "
                             f"not the step its directory {name} names")
         try:

@@ -19,9 +19,10 @@ import re
 
 from errors import UserError
 
-STEP_DIR = re.compile(r"^step-(\d{8,})$")
-PART_FILE = re.compile(r"^part-\d{5,}\.bin$")
-TEMP_FILE = re.compile(r"^latest\.json\.tmp-.+$")
+# matched whole (fullmatch) and ASCII only: "step-00000004\n" or non-ASCII digits are no names
+STEP_DIR = re.compile(r"step-(\d{8,})", re.ASCII)
+PART_FILE = re.compile(r"part-\d{5,}\.bin", re.ASCII)
+TEMP_FILE = re.compile(r"latest\.json\.tmp-.+", re.ASCII)
 
 
 def step_dir_name(step: int) -> str:
@@ -30,7 +31,7 @@ def step_dir_name(step: int) -> str:
 
 def checked_name(value, pattern, example, where, path):
     """`value` if it is a plain name matching `pattern`, else one clear UserError."""
-    if not isinstance(value, str) or not pattern.match(value):
+    if not isinstance(value, str) or not pattern.fullmatch(value):
         raise UserError(f"snapshot {path}: {where} names {value!r} where a plain name like "
                         f"{example} belongs: refused (names in a snapshot must not lead outside it)")
     return value
@@ -45,23 +46,23 @@ def kept_steps(fs, root, join):
     ascending. A directory without one is a write that never finished."""
     steps = []
     for name in _names(fs, root):
-        m = STEP_DIR.match(name)
+        m = STEP_DIR.fullmatch(name)
         if m and fs.exists(join(join(root, name), "manifest.json")):
             steps.append(int(m.group(1)))
     return sorted(steps)
 
 
 def remove_stale(fs, root, join, step, keep):
-    """After the commit at `step`: keep the `keep` newest step directories up to `step`,
-    remove the others, the ones past `step` and leftover temporary files. Best effort:
-    the snapshot is committed already, so a failure here only costs disk space."""
+    """After the commit at `step`: keep the `keep` newest complete snapshots up to `step`,
+    remove the other step directories (older ones, unfinished writes, the ones past
+    `step`) and leftover temporary files. Best effort: the snapshot is committed
+    already, so a failure here only costs disk space."""
     try:
         names = _names(fs, root)
-        upto = sorted((int(m.group(1)), name) for name in names
-                      if (m := STEP_DIR.match(name)) and int(m.group(1)) <= step)
-        survivors = {name for _, name in upto[-keep:]} | {step_dir_name(step)}
+        complete = [s for s in kept_steps(fs, root, join) if s <= step]
+        survivors = {step_dir_name(s) for s in complete[-keep:]} | {step_dir_name(step)}
         for name in names:
-            if (STEP_DIR.match(name) and name not in survivors) or TEMP_FILE.match(name):
+            if (STEP_DIR.fullmatch(name) and name not in survivors) or TEMP_FILE.fullmatch(name):
                 fs.rm(join(root, name), recursive=True)
     except Exception as e:
         print(f"warning: could not remove old snapshot files under {root}: {e}", flush=True)

@@ -305,10 +305,14 @@ class Trainer:
         step; snapshot it, so nothing trained is lost, and leave with EXIT_STATUS."""
         if not saved:
             self.save()
-        raise preemption.Preempted(
-            f"preempted: {preemption.signal_name(signum)} received, stopped after step "
-            f"{self.step} of {self.t.max_steps} and wrote its snapshot to {self.snapshot_path}; "
-            f"run the same command to resume (exit status {preemption.EXIT_STATUS})")
+        message = (f"preempted: {preemption.signal_name(signum)} received, stopped after step "
+                   f"{self.step} of {self.t.max_steps} and wrote its snapshot to "
+                   f"{self.snapshot_path}; run the same command to resume (exit status "
+                   f"{preemption.EXIT_STATUS})")
+        if self.grid.is_main:
+            with open(os.path.join(self.t.run_dir, preemption.MARKER), "w") as f:
+                f.write(message + "\n")
+        raise preemption.Preempted(message)
 
     def evaluate(self):
         """Mean val loss over fixed windows, in micro-batches of the training size."""

@@ -1,1 +1,1 @@
-"""Benchmark commands (DESIGN.md section 5): `python -m bench.run`, `python -m bench.allreduce`."""
+"""Benchmark commands (bench/README.md): `python -m bench.run`, `python -m bench.allreduce`, ..."""

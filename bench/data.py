@@ -128,7 +128,7 @@ def prepare(src, dst, tokenizer, workers, env):
                                      env, f"prepare {tokenizer}")
     with open(os.path.join(dst, "index.json")) as f:
         index = json.load(f)
-    mb = sum(size for _, size in index["request"]["sources"]) / 2**20
+    mb = sum(source[1] for source in index["request"]["sources"]) / 2**20  # [url, size, version]
     return {"tokenizer": tokenizer, "text_mb": mb, "tokens": index["tokens"], "seconds": seconds,
             "mb_per_s": mb / seconds, "tokens_per_s": index["tokens"] / seconds,
             "shards": len(index["shards"]), "dtype": index["dtype"], **result}

@@ -1,4 +1,4 @@
-"""`python -m bench.run`: own and reference strategies side by side (DESIGN.md section 5).
+"""`python -m bench.run`: own and reference strategies side by side (bench/README.md).
 
     python -m bench.run --preset ddp                      # -> docs/bench/ddp-default/
     python -m bench.run --preset fsdp --model thin12 --rounds 6

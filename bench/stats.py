@@ -112,7 +112,7 @@ def tp_textbook(cfg, n):
 
 
 def textbook(params, n, zero_stage):
-    """Per rank per step for fp32 + Adam on n ranks (DESIGN.md section 5).
+    """Per rank per step for fp32 + Adam on n ranks (the ZeRO paper's formulas).
     payload: what our counter would record; wire: what a ring makes a rank send;
     state: parameters + gradients + Adam's two moments, 16 bytes/param, /n where sharded."""
     if not params:

@@ -7,8 +7,8 @@ the same command picks them up the day they land.
 
 `ranks=0` means "the --nproc of this invocation" (2 by default), and `{nproc}`
 in an override is replaced by it (a TP degree spanning every rank). The single
-process gets as many threads as the others have ranks (DESIGN.md section 5
-compares 2 ranks x 1 thread with one process x 2 threads: same cores).
+process gets as many threads as the others have ranks (2 ranks x 1 thread
+against one process x 2 threads: the same cores).
 """
 
 from dataclasses import dataclass
@@ -132,7 +132,7 @@ PRESETS = {
 
 # the same model, data and GLOBAL batch for every variant
 MODELS = {
-    # DESIGN.md section 5: ~3.2M parameters, 4 layers x 256, 128 tokens, global batch 16
+    # the default benchmark model: ~3.2M parameters, 4 layers x 256, 128 tokens, global batch 16
     "default": ["model.n_layer=4", "model.n_head=4", "model.n_embd=256",
                 "data.block_size=128", "trainer.batch_size=16"],
     # many small parameters: per-parameter collectives (ddp_naive) pay their latency 12x

@@ -196,7 +196,7 @@ def main():
 
 def report_and_exit(main):
     """Run a worker's main; rank 0 prints RESULT inside it. Exit through os._exit: the
-    teardown after destroy_process_group sometimes aborts (DESIGN.md section 6)."""
+    teardown after destroy_process_group sometimes aborts (SIGABRT)."""
     code = 0
     try:
         main()

@@ -46,7 +46,7 @@ def test_bench_reports_the_jobs_numbers(tmp_path):
     ratio = doc["variants"]["torch_ddp"]["vs_single"]["median"]
     assert ratio == pytest.approx(medians["torch_ddp"] / medians["single"])
     assert f"{ratio:.2f}x" in md
-    # same run under both layouts (DESIGN.md section 4), so the ratio compares like with like
+    # same run under both layouts (the parity rule), so the ratio compares like with like
     assert doc["variants"]["torch_ddp"]["loss_rel_diff_vs_single"] <= 1e-5
 
 

@@ -1,5 +1,5 @@
 """Snapshots stay canonical under fsdp: a run saved under one layout resumes under
-another with the losses of an uninterrupted run (DESIGN.md section 3).
+another with the losses of an uninterrupted run (README, "Stopping and resuming").
 
 Job A trains steps 1-3 and snapshots; job B, same run directory and snapshot,
 continues to step 6. The LR is constant after warm-up (min_lr = lr), so A's

@@ -1,5 +1,5 @@
 """fsdp (ZeRO 1/2/3) and torch_fsdp must compute the same training run as one process
-(DESIGN.md section 4), and fsdp's per-rank memory must follow the ZeRO formulas.
+(the parity rule), and fsdp's per-rank memory must follow the ZeRO formulas.
 
 Each job also leaves its final snapshot, so besides the per-step losses we
 compare the final parameters and the canonical optimizer state with the

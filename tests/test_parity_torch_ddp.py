@@ -1,4 +1,4 @@
-"""torch_ddp must compute the same training run as one process (DESIGN.md section 4)."""
+"""torch_ddp must compute the same training run as one process (the parity rule: same global batch, seed and weights)."""
 
 import pytest
 

@@ -19,7 +19,7 @@ import time
 
 import pytest
 
-from harness import TINY, command, job_env, read_metrics, run_job, run_metrics
+from harness import TINY, command, job_env, kill_tree, read_metrics, run_job, run_metrics
 from snapshot import open_snapshot
 from test_elastic import rank_of, workers_of
 
@@ -60,8 +60,7 @@ def run_and_signal(workdir, nproc, args, launcher_args, at_step, send, timeout=2
             time.sleep(0.002)
         output, _ = proc.communicate(timeout=max(1, deadline - time.time()))
     except subprocess.TimeoutExpired:
-        for pid in workers_of(proc.pid) + [proc.pid]:  # the workers live in their own sessions
-            os.kill(pid, signal.SIGKILL)
+        kill_tree(proc.pid)  # the workers live in sessions of their own
         raise AssertionError("job hung after the signal")
     assert sent is not None, f"the job ended before step {at_step}:\n{output[-3000:]}"
     return proc.returncode, output, time.time() - sent
@@ -122,7 +121,8 @@ def test_signal_snapshots_the_step_reached_and_resumes_exactly(tmp_path, case):
 
     resumed = run_job(workdir, nproc, args)
     assert resumed.returncode == 0, resumed.stderr[-3000:]
-    assert f"at step {step}" in resumed.stdout
+    assert re.search(rf"^resuming from snapshot \S+ at step {step}$", resumed.stdout, re.M), \
+        resumed.stdout[-2000:]
     got = read_metrics(os.path.join(workdir, "runs", "default"))
     assert [r["step"] for r in got] == [r["step"] for r in ref]
     for a, b in zip(ref, got):
@@ -163,8 +163,8 @@ def test_slurm_script_requeues_a_preempted_job(tmp_path):
     run_dir = tmp_path / "run"
     env = dict(job_env(), PATH=f"{bin_dir}:{os.environ['PATH']}", SLURM_JOB_ID="4242",
                SLURM_NNODES="1", SLURM_JOB_NODELIST="localhost", GPUS_PER_NODE="2",
-               RDZV_PORT=str(port), REQUEUED=str(tmp_path / "requeued"))
-    args = TINY + ["parallel.dp=ddp_bucket"] + ARGS + [f"trainer.run_dir={run_dir}"]
+               RDZV_PORT=str(port), REQUEUED=str(tmp_path / "requeued"), RUN_DIR=str(run_dir))
+    args = TINY + ["parallel.dp=ddp_bucket"] + ARGS
     proc = subprocess.Popen(["bash", os.path.join(REPO, "scripts", "slurm_train.sbatch"), *args],
                             cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                             text=True)
@@ -173,7 +173,11 @@ def test_slurm_script_requeues_a_preempted_job(tmp_path):
             metrics.exists() and metrics.read_text().count("\n") >= 5):
         time.sleep(0.01)
     proc.send_signal(signal.SIGUSR1)  # what --signal=B:USR1@180 does
-    output, _ = proc.communicate(timeout=max(1, deadline - time.time()))
+    try:
+        output, _ = proc.communicate(timeout=max(1, deadline - time.time()))
+    except subprocess.TimeoutExpired:
+        kill_tree(proc.pid)  # bash, srun, torchrun and the ranks below it
+        raise AssertionError("the sbatch script hung after USR1")
     assert proc.returncode == 0, output[-4000:]
     assert (tmp_path / "requeued").read_text().split() == ["requeue", "4242"], output[-4000:]
     stopped = re.search(r"stopped after step (\d+) of 30", output)
@@ -181,3 +185,6 @@ def test_slurm_script_requeues_a_preempted_job(tmp_path):
     step = int(stopped.group(1))
     assert 5 <= step < 30
     assert open_snapshot(str(run_dir / "snapshot")).meta["step"] == step
+    # what made the script requeue: rank 0's file, not just "a signal came and torchrun
+    # exited non-zero" (a crash after the signal must not be requeued)
+    assert f"stopped after step {step} of 30" in (run_dir / "preempted").read_text()

@@ -92,3 +92,14 @@ def test_commit_point_is_written_last_so_a_failed_write_keeps_previous_snapshot(
     # the next successful write cleans up the dead one's leftovers
     save_sharded(path, one_rank_grid, 3, [("model/w", (3,), 0, torch.full((3,), 3.0))], META)
     assert sorted(os.listdir(path)) == ["latest.json", "step-00000003"]
+
+
+@pytest.mark.parametrize("name", ["step-00000004\n", "step-\u0660\u0660\u0660\u0660\u0660\u0660\u0660\u0664",
+                                  "/step-00000004", "a/step-00000004", "../step-00000004", "step-0000004"])
+def test_names_from_a_snapshot_must_be_plain_and_whole(name):
+    """Names read from latest.json and manifests are matched whole, in ASCII: a trailing
+    newline, other digits, a path, or a short number is no step directory."""
+    from snapshot_dirs import STEP_DIR, checked_name
+    assert checked_name("step-00000004", STEP_DIR, "step-00000120", "latest.json", "snap") == "step-00000004"
+    with pytest.raises(UserError, match="must not lead outside it"):
+        checked_name(name, STEP_DIR, "step-00000120", "latest.json", "snap")

@@ -59,6 +59,30 @@ def test_going_back_drops_the_abandoned_future_at_the_next_write(tmp_path, one_r
     assert open_snapshot(path).meta["step"] == 3
 
 
+def test_writing_a_resumed_runs_step_again_never_leaves_the_commit_point_dangling(
+        tmp_path, one_rank_grid, monkeypatch):
+    """Resumed from step 8 (kept: 8, 16; latest.json names 16), the run reaches 16 again:
+    latest.json is pointed back at 8 before step 16's directory goes, so a write that
+    dies half-way leaves a loadable snapshot (in process: the part write fails)."""
+    import snapshot
+    path = str(tmp_path / "snap")
+    for step in (8, 16):
+        write(path, one_rank_grid, step, keep=2)
+    monkeypatch.setattr(snapshot, "_write_part", lambda *a: (_ for _ in ()).throw(OSError("disk full")))
+    with pytest.raises(UserError, match="disk full"):
+        write(path, one_rank_grid, 16, keep=2, resume_step=8)
+    assert open_snapshot(path).meta["step"] == 8
+
+
+def test_unfinished_writes_do_not_count_toward_keep(tmp_path, one_rank_grid):
+    path = str(tmp_path / "snap")
+    for step in (4, 8):
+        write(path, one_rank_grid, step, keep=2)
+    os.makedirs(os.path.join(path, "step-00000010"))  # a writer killed before its manifest
+    write(path, one_rank_grid, 12, keep=2)
+    assert step_dirs(path) == ["step-00000008", "step-00000012"]
+
+
 def test_the_same_resume_step_command_again_continues_from_the_newest(tmp_path, one_rank_grid):
     """Preempted and requeued with `trainer.resume_step=2` still on the command line:
     continue from what that run wrote since, not from step 2 again."""
