@@ -95,7 +95,8 @@ def generate(directory, size_mb, file_mb):
             if f:
                 f.close()
             f, in_file = open(os.path.join(directory, f"part-{written // 2**20:06d}.txt"), "w"), 0
-        text = embedded_corpus(min(4 * 2**20, int(size_mb * 2**20) - written), seed=block)
+        want = min(4 * 2**20, int(size_mb * 2**20) - written)
+        text = embedded_corpus(want, seed=block)[:want]  # it ends at a line's end past `want`
         f.write(text)
         written, in_file, block = written + len(text), in_file + len(text), block + 1
     f.close()

@@ -76,3 +76,15 @@ def test_committed_results_name_no_path_of_one_machine():
             found += [f"{os.path.relpath(path, REPO)}:{n}: {m.group(0)}"
                       for n, line in enumerate(f, 1) if (m := machine_path.search(line))]
     assert len(files) > 8 and not found, found
+
+
+def test_bench_data_prepare_reports_what_prepare_wrote(tmp_path):
+    """bench.data's prepare step on a 1 MB generated corpus, as the command runs it (a
+    worker process): its MB and tokens are the index's own (the full command takes
+    minutes; this is the part that reads prepare's output format)."""
+    from bench import data
+    size = data.generate(str(tmp_path / "text"), 1, 1)
+    got = data.prepare(str(tmp_path / "text"), str(tmp_path / "tokens"), "char", 1, job_env())
+    index = json.loads((tmp_path / "tokens" / "index.json").read_text())
+    assert size == 2**20 and got["text_mb"] == pytest.approx(1.0, rel=0.01)
+    assert got["tokens"] == index["tokens"] > 0 and got["shards"] == len(index["shards"])
