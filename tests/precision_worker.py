@@ -25,14 +25,13 @@ import datetime
 import json
 import os
 import sys
-import traceback
 
 import torch
 import torch.distributed as dist
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from dp_worker import OneRank  # noqa: E402
+from dp_worker import OneRank, report_and_exit  # noqa: E402
 from layout_worker import global_batch, gpt_config  # noqa: E402
 from model import GPT  # noqa: E402
 from parallel import build_strategy  # noqa: E402
@@ -179,12 +178,4 @@ def main():
 
 
 if __name__ == "__main__":
-    code = 0
-    try:
-        main()
-    except BaseException:
-        traceback.print_exc()
-        code = 1
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(code)
+    report_and_exit(main)
