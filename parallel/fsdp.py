@@ -45,6 +45,7 @@ class FSDP(Strategy):
         self.stage, self.prefetch = cfg.zero_stage, cfg.prefetch
         self.reshard_after_forward = cfg.reshard_after_forward
         self.module = model.to(self.device)
+        self.model = self.module  # what forward runs through (Strategy.forward_backward)
         self.canonical = dict(self.module.named_parameters())  # TP-local; the tied weight once
         groups = self.module.optim_groups(0.0)
         group_of = {n: g for g, grp in enumerate(groups) for n in grp["params"]}
@@ -183,20 +184,6 @@ class FSDP(Strategy):
         self._last_micro = last
         yield
         self._finish_backward(units)
-
-    def forward_backward(self, micro_batches):
-        if self.pipeline is not None:
-            loss = self.pipeline_forward_backward(micro_batches)
-        else:
-            total = torch.zeros((), device=self.device)
-            for i, (x, y) in enumerate(micro_batches):
-                _, micro_loss = self.forward_loss(self.module, x, y)
-                with self.backward_scope(None, i == len(micro_batches) - 1):
-                    self.backward(micro_loss, len(micro_batches))
-                total += micro_loss.detach()
-            loss = total / len(micro_batches)
-        self.finish_gradients()
-        return self.dp_mean(loss)
 
     def grads(self):
         return [t.grad for ps in self.pieces for *_, t in ps]  # shards only: no padding

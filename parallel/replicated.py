@@ -4,8 +4,6 @@ torch_pp references, which wrap it). They differ only in how gradients get avera
 
 from contextlib import nullcontext
 
-import torch
-
 from parallel.placement import Region, writer_among
 from parallel.strategy import Strategy, build_adamw, resident_bytes
 
@@ -27,29 +25,11 @@ class ReplicatedStrategy(Strategy):
     def no_sync(self, last_micro_step):
         return nullcontext()
 
-    def sync_gradients(self):
-        pass
-
     def configure_optimizer(self, tcfg):
         self.named = dict(self.module.named_parameters())
         groups = self.module.optim_groups(tcfg.weight_decay)
         self.group_names = [g["params"] for g in groups]
         self.optimizer = build_adamw(self.named, groups, tcfg)
-
-    def forward_backward(self, micro_batches):
-        if self.pipeline is not None:
-            loss = self.pipeline_forward_backward(micro_batches)
-        else:
-            total = torch.zeros((), device=self.device)
-            for i, (x, y) in enumerate(micro_batches):
-                with self.no_sync(i == len(micro_batches) - 1):
-                    _, micro_loss = self.forward_loss(self.model, x, y)
-                    self.backward(micro_loss, len(micro_batches))
-                total += micro_loss.detach()
-            loss = total / len(micro_batches)
-        self.sync_gradients()
-        self.finish_gradients()
-        return self.dp_mean(loss)
 
     def backward_scope(self, chunk, last):
         return self.no_sync(last)

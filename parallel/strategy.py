@@ -88,8 +88,26 @@ class Strategy:
     def forward_backward(self, micro_batches) -> float:
         """Forward and backward over this rank's micro-batches; gradients end up
         as if one process had run the whole global batch. Returns the mean
-        loss over the global batch, on every rank."""
-        raise NotImplementedError
+        loss over the global batch, on every rank. Strategies shape it through
+        `backward_scope` (around each micro-batch), `sync_gradients` and
+        `self.model` (what forward runs through: the GPT, or a wrapper)."""
+        if self.pipeline is not None:
+            loss = self.pipeline_forward_backward(micro_batches)
+        else:
+            total = torch.zeros((), device=self.device)
+            for i, (x, y) in enumerate(micro_batches):
+                with self.backward_scope(None, i == len(micro_batches) - 1):
+                    _, micro_loss = self.forward_loss(self.model, x, y)
+                    self.backward(micro_loss, len(micro_batches))
+                total += micro_loss.detach()
+            loss = total / len(micro_batches)
+        self.sync_gradients()
+        self.finish_gradients()
+        return self.dp_mean(loss)
+
+    def sync_gradients(self):
+        """After the step's last backward: data-parallel strategies that average their
+        gradients only then (ddp_naive) wait or reduce here."""
 
     @torch.no_grad()
     def eval_loss(self, x, y):
@@ -123,8 +141,10 @@ class Strategy:
         raise NotImplementedError
 
     def backward_scope(self, chunk, last):
-        """Context around one micro-batch's backward through one pipeline chunk (chunk
-        None: the whole model); `last`: no later backward of that chunk in this step."""
+        """Context around one micro-batch's backward through one pipeline chunk, or
+        (chunk None, no pipeline) around its forward and backward through the whole
+        model (PyTorch's DDP.no_sync must see the forward too); `last`: no later
+        backward of that chunk in this step."""
         return nullcontext()
 
     # ------------------------------------------------ written once, for every strategy
