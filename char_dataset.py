@@ -3,8 +3,8 @@
 - Text comes from any fsspec path or URL (`data.path`); empty means the
   embedded default corpus, which this file generates (no download, no
   third-party text). A corpus prepared by mode=prepare (`data.tokens_path`,
-  prepare.py) is read in place instead: token_shards.py.
-- Tokenizers (tokenizer.py): `char` (vocabulary = the sorted characters of
+  data/prepare.py) is read in place instead: data/token_shards.py.
+- Tokenizers (data/tokenizer.py): `char` (vocabulary = the sorted characters of
   the text, saved in snapshots) or `gpt2` (GPT-2's BPE through tiktoken, which
   needs its two files locally when offline: see TIKTOKEN_CACHE_DIR in the README).
 - Train/val split: the first (1 - val_fraction) of the tokens train, the rest
@@ -12,12 +12,12 @@
   rank because it involves no randomness at all.
 - Sample order: a sample is the window starting at token i. Each epoch is a
   pseudo-random permutation of all windows keyed by (seed, epoch)
-  (permutation.py: entry i costs O(1), so a step costs O(batch) whatever the
+  (data/permutation.py: entry i costs O(1), so a step costs O(batch) whatever the
   corpus size), so the order changes per epoch and is reproducible.
   Optimizer step s reads global-batch positions [s*B, (s+1)*B) of that
   stream; data-parallel rank r takes its contiguous 1/dp of them, and computes
   only those. The position is therefore a function of the step alone, which
-  is what lets a snapshot resume under another layout. `data.sampler=randperm`
+  is what lets a snapshot resume under another layout (data/sampling.py). `data.sampler=randperm`
   is the order before the permutation existed (torch.randperm over all
   windows each epoch), kept only so that snapshots written with it can finish
   their runs with the data they started with.
@@ -27,17 +27,12 @@ import random
 from dataclasses import dataclass
 
 import fsspec
-import numpy as np
 import torch
 
 from errors import UserError
-from permutation import Permutation
-from tokenizer import build_tokenizer, describe_state, same_tokenizer  # noqa: F401 (build_tokenizer: re-exported)
-
-# what a snapshot records about its data order; snapshots without it used randperm
-SAMPLERS = {"feistel": 1, "randperm": 1}  # sampler -> version of its order
-LEGACY_ORDER = {"sampler": "randperm", "version": SAMPLERS["randperm"]}
-
+from data.sampling import (LEGACY_ORDER, SAMPLERS, GlobalBatches, data_identity,  # noqa: F401
+                           data_order, describe_data, eval_starts)  # re-exported: the data entry point
+from data.tokenizer import build_tokenizer, describe_state, same_tokenizer  # noqa: F401 (build_tokenizer: re-exported)
 
 @dataclass
 class DataConfig:
@@ -50,21 +45,6 @@ class DataConfig:
     sampler: str = "feistel"  # feistel | randperm (the old order, to finish old snapshots)
 
 
-def data_order(cfg: DataConfig) -> dict:
-    return {"sampler": cfg.sampler, "version": SAMPLERS[cfg.sampler]}
-
-
-def data_identity(train_set) -> dict:
-    """What a snapshot records of its train split: the number of windows and, for
-    prepared tokens, their fingerprint (a copy of the corpus elsewhere has the same)."""
-    return {"train_windows": len(train_set), "corpus": getattr(train_set, "fingerprint", None)}
-
-
-def describe_data(identity: dict) -> str:
-    kind = f"prepared tokens {identity['corpus'][:12]}" if identity.get("corpus") else "text"
-    return f"{kind} ({identity.get('train_windows')} train windows)"
-
-
 def open_data(cfg: DataConfig, saved_tokenizer=None, saved_by="the snapshot"):
     """(tokenizer, train set, val set) of the run: prepared tokens if data.tokens_path is
     set, else the text of data.path. saved_tokenizer: the one the model was trained with
@@ -73,7 +53,7 @@ def open_data(cfg: DataConfig, saved_tokenizer=None, saved_by="the snapshot"):
         text = load_text(cfg.path)
         tokenizer = build_tokenizer(cfg.tokenizer, text, saved=saved_tokenizer)
         return (tokenizer, *split_tokens(text, tokenizer, cfg, cfg.path))
-    from token_shards import TokenCorpus
+    from data.token_shards import TokenCorpus
     corpus = TokenCorpus(cfg.tokens_path)
     state = corpus.tokenizer_state
     if state["kind"] != cfg.tokenizer:
@@ -167,47 +147,3 @@ def split_tokens(text, tokenizer, cfg: DataConfig, source):
                 f"{len(part)} tokens of {len(tokens)}, but one sample needs block_size + 1 = "
                 f"{cfg.block_size + 1}")
     return CharDataset(train, cfg.block_size), CharDataset(val, cfg.block_size)
-
-
-class GlobalBatches:
-    """Which windows each optimizer step reads, as a function of the step alone."""
-
-    def __init__(self, n_samples, global_batch, seed, sampler="feistel"):
-        if n_samples < global_batch:
-            raise UserError(f"the train split has {n_samples} samples, fewer than one "
-                            f"global batch of {global_batch}")
-        self.n, self.batch_size, self.seed, self.sampler = n_samples, global_batch, seed, sampler
-        self.steps_per_epoch = n_samples // global_batch  # the ragged tail is dropped
-        self._epoch, self._order = None, None
-
-    def indices(self, step, start=0, stop=None):
-        """Window starts at positions [start, stop) (default: all) of the global batch of
-        0-based optimizer step `step`: O(stop - start) time and memory."""
-        stop = self.batch_size if stop is None else stop
-        epoch, pos = divmod(step, self.steps_per_epoch)
-        if epoch != self._epoch:
-            self._epoch, self._order = epoch, self._epoch_order(epoch)
-        first = pos * self.batch_size
-        if self.sampler == "randperm":
-            return self._order[first + start:first + stop]
-        return torch.from_numpy(self._order(np.arange(first + start, first + stop)))
-
-    def _epoch_order(self, epoch):
-        if self.sampler == "randperm":  # the old order: all n windows, O(n) per epoch
-            g = torch.Generator().manual_seed(self.seed * 1_000_003 + epoch)
-            return torch.randperm(self.n, generator=g)
-        return Permutation(self.n, self.seed, epoch)
-
-    def local_micro_batches(self, dataset, step, dp_rank, dp_size, grad_accum):
-        """This dp rank's share of step `step` (contiguous positions, only those computed
-        and read), as grad_accum (x, y) micro-batches."""
-        share = self.batch_size // dp_size
-        mine = self.indices(step, dp_rank * share, (dp_rank + 1) * share)
-        return [dataset.batch(part) for part in mine.view(grad_accum, -1)]
-
-
-def eval_starts(n_samples, global_batch, n_batches):
-    """Fixed, evenly spaced val windows: the same ones at every eval and layout
-    (a val split smaller than the batches repeats windows rather than fail)."""
-    total = global_batch * n_batches
-    return torch.linspace(0, n_samples - 1, total).long().view(n_batches, global_batch)

@@ -17,9 +17,9 @@ from omegaconf.errors import OmegaConfBaseException
 from char_dataset import SAMPLERS, DataConfig
 from errors import UserError
 from model import ModelConfig
-from parallel import STRATEGIES
 from parallel.config import ParallelConfig
-from prepare import PrepareConfig
+from parallel.layout import check_keys, check_layout
+from data.prepare import PrepareConfig
 from trainer import TrainerConfig
 
 DEFAULT_YAML = os.path.join(os.path.dirname(os.path.abspath(__file__)), "gpt2_train_cfg.yaml")
@@ -115,34 +115,9 @@ def validate(cfg: Config, world_size: int):
          f"trainer.precision must be fp32, bf16 or fp16, got {t.precision!r}"),
         (t.fp16_init_scale > 0 and t.fp16_growth_interval >= 1,
          "trainer.fp16_init_scale must be > 0 and trainer.fp16_growth_interval >= 1"),
-        (p.reduce_dtype in ("fp32", "bf16"),
-         f"parallel.reduce_dtype must be fp32 or bf16, got {p.reduce_dtype!r}"),
-        (p.dp in STRATEGIES, f"parallel.dp={p.dp!r} is not one of {sorted(STRATEGIES)}"),
-        (p.tp >= 1, f"parallel.tp must be >= 1, got {p.tp}"),
-        (p.pp >= 1, f"parallel.pp must be >= 1, got {p.pp}"),
         (m.n_layer >= 1 and m.n_head >= 1 and m.n_embd >= 1, "model sizes must be positive"),
         (m.n_embd % m.n_head == 0,
          f"model.n_embd={m.n_embd} is not divisible by model.n_head={m.n_head}"),
-        (m.n_head % p.tp == 0,
-         f"model.n_head={m.n_head} is not divisible by parallel.tp={p.tp}: tensor parallelism "
-         "splits attention by whole heads"),
-        (not p.sequence_parallel or p.tp > 1,
-         "parallel.sequence_parallel=true needs parallel.tp > 1"),
-        (not p.sequence_parallel or d.block_size % p.tp == 0,
-         f"data.block_size={d.block_size} is not divisible by parallel.tp={p.tp}: sequence "
-         "parallelism splits every sequence into tp equal shards"),
-        (p.dp != "torch_tp" or p.tp > 1,
-         "parallel.dp=torch_tp is PyTorch's tensor parallelism, the reference for parallel.tp: "
-         "set parallel.tp > 1"),
-        (p.dp != "torch_pp" or (p.pp > 1 and p.tp == 1),
-         "parallel.dp=torch_pp is PyTorch's pipelining, the reference for parallel.pp: set "
-         "parallel.pp > 1 and parallel.tp=1"),
-        (p.dp != "torch_tp" or not p.sequence_parallel,
-         "parallel.dp=torch_tp runs without sequence parallelism (the reference for plain TP)"),
-        (p.tp == 1 or p.dp != "torch_fsdp",
-         "parallel.dp=torch_fsdp with parallel.tp > 1 is not supported: it is the reference for "
-         "our ZeRO, and PyTorch composes FSDP2 with its own DTensor tensor parallelism, not with "
-         "ours (use parallel.dp=fsdp)"),
         (0.0 <= m.dropout < 1.0, f"model.dropout must be in [0, 1), got {m.dropout}"),
         (d.block_size >= 1, f"data.block_size must be >= 1, got {d.block_size}"),
         (d.tokenizer in ("char", "gpt2"), f"data.tokenizer must be char or gpt2, got {d.tokenizer!r}"),
@@ -177,85 +152,14 @@ def validate(cfg: Config, world_size: int):
         (t.device in ("auto", "cpu", "cuda"), f"trainer.device must be auto, cpu or cuda, got {t.device!r}"),
         (cfg.wandb.mode in ("offline", "online", "disabled"),
          f"wandb.mode must be offline, online or disabled, got {cfg.wandb.mode!r}"),
-        (0 < p.timeout_s < 10**7, "parallel.timeout_s must be > 0 and finite"),
-        (p.pp_schedule in ("gpipe", "1f1b", "interleaved"),
-         f"parallel.pp_schedule must be gpipe, 1f1b or interleaved, got {p.pp_schedule!r}"),
-        (p.microbatches >= 1, f"parallel.microbatches must be >= 1, got {p.microbatches}"),
-        (p.pp_virtual_stages >= 1, f"parallel.pp_virtual_stages must be >= 1, got {p.pp_virtual_stages}"),
-        (p.allreduce in ("native", "ring"),
-         f"parallel.allreduce must be native or ring, got {p.allreduce!r}"),
-        (p.bucket_cap_mb > 0, f"parallel.bucket_cap_mb must be > 0, got {p.bucket_cap_mb}"),
-        (p.zero_stage in (1, 2, 3), f"parallel.zero_stage must be 1, 2 or 3, got {p.zero_stage}"),
     ]
     for ok, message in checks:
         if not ok:
             raise UserError(message)
+    check_keys(p)
     if cfg.mode in ("sample", "export", "prepare"):  # one process: the layout does not matter
         return
-    validate_references(cfg)
-
-    if world_size % (p.tp * p.pp):
-        raise UserError(f"world size {world_size} is not divisible by parallel.tp * parallel.pp = "
-                        f"{p.tp} * {p.pp}: the grid is dp x pp x tp")
-    dp = world_size // (p.tp * p.pp)
-    if p.dp in ("single", "torch_tp", "torch_pp") and dp != 1:
-        raise UserError(f"parallel.dp={p.dp} has no data-parallel dimension, but world size "
-                        f"{world_size} / (tp {p.tp} * pp {p.pp}) = {dp}: use "
-                        "torchrun --nproc_per_node=1 or a data-parallel strategy")
-    validate_pipeline(m, p)
-    per_rank = dp * t.grad_accum * p.microbatches
-    if t.batch_size % per_rank:
-        raise UserError(
-            f"trainer.batch_size={t.batch_size} (the global batch) must be divisible by "
-            f"dp degree {dp} x trainer.grad_accum {t.grad_accum} x parallel.microbatches "
-            f"{p.microbatches} = {per_rank}")
-
-
-def validate_references(cfg):
-    """PyTorch's reference strategies measure our own ones in fp32 (torch_ddp and
-    torch_fsdp also in bf16/fp16); what they do not take, refused in one line."""
-    p, t = cfg.parallel, cfg.trainer
-    if p.dp.startswith("torch_") and p.reduce_dtype != "fp32":
-        raise UserError(f"parallel.reduce_dtype={p.reduce_dtype} applies to our strategies "
-                        f"(ddp_naive, ddp_bucket, fsdp); parallel.dp={p.dp} is PyTorch's reference "
-                        "and reduces in fp32")
-    if p.dp in ("torch_tp", "torch_pp") and (t.precision != "fp32" or t.activation_checkpointing):
-        raise UserError(f"parallel.dp={p.dp} is PyTorch's reference for parallel.{p.dp[6:]} and runs "
-                        "in fp32 without activation checkpointing: use trainer.precision=fp32 and "
-                        "trainer.activation_checkpointing=false, or our parallel.dp with "
-                        f"parallel.{p.dp[6:]}")
-
-
-def validate_pipeline(m, p):
-    """Pipeline layouts the schedules can run; one clear line for the others."""
-    chunks = p.pp * p.pp_virtual_stages
-    checks = [
-        (p.pp > 1 or (p.microbatches == 1 and p.pp_virtual_stages == 1 and not p.pp_layers),
-         "parallel.microbatches, pp_virtual_stages and pp_layers are for pipeline parallelism "
-         "(parallel.pp > 1); without it, use trainer.grad_accum for micro-batches"),
-        (p.pp_virtual_stages == 1 or p.pp_schedule == "interleaved",
-         f"parallel.pp_virtual_stages={p.pp_virtual_stages} needs parallel.pp_schedule=interleaved"),
-        (p.pp_schedule != "interleaved" or p.microbatches % p.pp == 0,
-         f"parallel.pp_schedule=interleaved runs micro-batches in groups of parallel.pp={p.pp}: "
-         f"parallel.microbatches={p.microbatches} must be a multiple of it (Megatron's rule)"),
-        (m.n_layer >= chunks,
-         f"model.n_layer={m.n_layer} cannot fill parallel.pp={p.pp} x pp_virtual_stages="
-         f"{p.pp_virtual_stages} = {chunks} pipeline chunks (more stages than layers)"),
-        (not p.pp_layers or (len(p.pp_layers) == chunks and sum(p.pp_layers) == m.n_layer
-                             and min(p.pp_layers) >= 1),
-         f"parallel.pp_layers={list(p.pp_layers)} must give each of the {chunks} pipeline chunks "
-         f"at least one block, {m.n_layer} (model.n_layer) in all"),
-        (p.pp == 1 or p.dp in ("single", "ddp_naive", "ddp_bucket", "fsdp", "torch_pp"),
-         f"parallel.dp={p.dp} does not run under pipeline parallelism: PyTorch's references "
-         "measure pure data or tensor parallelism (use ddp_naive, ddp_bucket or fsdp)"),
-        (p.pp == 1 or p.dp != "fsdp" or p.zero_stage < 3,
-         "parallel.zero_stage=3 with parallel.pp > 1 is refused: ZeRO-3 would all-gather a "
-         "stage's parameters again for every micro-batch's forward and backward (2M gathers a "
-         "step); use zero_stage 1 or 2 with pipelines, as Megatron and DeepSpeed do"),
-    ]
-    for ok, message in checks:
-        if not ok:
-            raise UserError(message)
+    check_layout(cfg, world_size)  # parallel/layout.py: the grid, and each dimension's rules
 
 
 def resolved_yaml(cfg: Config) -> str:

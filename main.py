@@ -3,13 +3,13 @@
     torchrun --standalone --nproc_per_node=2 main.py [key=value ...]
     python main.py [key=value ...]                 # world size 1
     python main.py mode=sample sample.prompt="KING:"
-    python main.py mode=export export.path=DIR     # a Hugging Face GPT-2 folder (export.py)
+    python main.py mode=export export.path=DIR     # a Hugging Face GPT-2 folder (checkpoint/export.py)
     python main.py mode=prepare data.path=SRC data.tokens_path=DST   # token shards
 
 Every failure a user can fix is a UserError: printed as one line on every
 rank, exit status 2. SIGTERM or SIGUSR1 (a cluster preempting the job) stops
 every rank after the same step, with a snapshot of it: exit status 75
-(preemption.py). Checks that every rank can make on its own (config, data,
+(launch/preemption.py). Checks that every rank can make on its own (config, data,
 snapshot) run before the first collective that could leave a rank waiting;
 the ranks then agree that all of them got through before going on.
 """
@@ -23,19 +23,22 @@ from dataclasses import asdict
 import torch
 import torch.distributed as dist
 
-import preemption
 from char_dataset import build_tokenizer, data_identity, open_data
+from checkpoint import hf_gpt2
+from checkpoint.canonical import load_named_parameters
+from checkpoint.export import export
+from checkpoint.resume import check_resumable, snapshot_location
+from checkpoint.snapshot import check_model_shape, open_snapshot, step_to_resume
 from config import load_config, resolved_yaml, to_dict
-import hf_gpt2
+from data.prepare import prepare
 from errors import UserError
-from export import export
+from launch import preemption
+from launch.exit import flush_and_exit
 from model import GPT, GPTConfig
-from parallel import build_strategy
+from parallel import parallelize
 from parallel.grid import ProcessGrid, together
-from parallel.strategy import load_named_parameters
-from prepare import prepare
-from snapshot import check_model_shape, open_snapshot, step_to_resume
-from trainer import Trainer, check_resumable, snapshot_location
+from parallel.layout import grid_sizes
+from trainer import Trainer
 
 
 def pick_device(choice, local_rank):
@@ -125,7 +128,7 @@ def train(cfg, grid):
     if grid.is_main:
         print(f"{grid}; {model.num_params() / 1e6:.2f}M parameters, vocab {gpt_config.vocab_size}, "
               f"{len(train_set)} train windows", flush=True)
-    strategy = build_strategy(model, grid, cfg.parallel)
+    strategy = parallelize(model, grid, cfg.parallel)
     meta = {"config": to_dict(cfg), "gpt_config": asdict(gpt_config), "tokenizer": tokenizer.state()}
     trainer = Trainer(cfg, strategy, grid, train_set, val_set, meta)
     try:
@@ -174,8 +177,7 @@ def main(argv, rank, world_size, local_rank):
     preemption.install()  # SIGTERM/SIGUSR1 now stop after a step, with a snapshot
     device = pick_device(cfg.trainer.device, local_rank)
     init_process_group(device, cfg.parallel.timeout_s, rank, world_size)
-    p = cfg.parallel
-    grid = ProcessGrid(world_size // (p.tp * p.pp), p.pp, p.tp, device)
+    grid = ProcessGrid(grid_sizes(cfg.parallel, world_size), device)
     state, tokenizer, gpt_config = train(cfg, grid)
     dist.barrier()  # nobody leaves while another rank may still need it
     dist.destroy_process_group()
@@ -187,9 +189,7 @@ def main(argv, rank, world_size, local_rank):
 
 
 def run_and_exit():
-    """Exit through os._exit after flushing: torch 2.13's interpreter teardown after
-    destroy_process_group sometimes aborts (SIGABRT), which
-    would turn a finished job into a failed one."""
+    """main(), then one exit status for every way it can end (launch/exit.py)."""
     rank = int(os.environ.get("RANK", 0))
     world_size = int(os.environ.get("WORLD_SIZE", 1))
     code = 0
@@ -209,9 +209,7 @@ def run_and_exit():
     except BaseException:
         traceback.print_exc()
         code = 1
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(code)
+    flush_and_exit(code)
 
 
 if __name__ == "__main__":

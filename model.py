@@ -33,7 +33,7 @@ class ModelConfig:
     n_embd: int = 128
     dropout: float = 0.0
     bias: bool = True  # biases in Linear and LayerNorm, as in GPT-2
-    init_from: str = ""  # a Hugging Face GPT-2 folder to start from (main.py loads it; hf_gpt2.py)
+    init_from: str = ""  # a Hugging Face GPT-2 folder to start from (main.py loads it; checkpoint/hf_gpt2.py)
 
 
 @dataclass

@@ -12,24 +12,21 @@ tokens, the corpus's fingerprint), and check_resumable refuses to continue
 with another.
 """
 
-import json
 import math
 import os
-import sys
 import time
 import uuid
 from dataclasses import dataclass
 
-import torch
-
-from activation_meter import ActivationMeter
-import mfu
-import preemption
-from char_dataset import (LEGACY_ORDER, SAMPLERS, GlobalBatches, data_identity, data_order,
-                          describe_data, eval_starts)
+from char_dataset import GlobalBatches, data_identity, data_order, eval_starts
+from checkpoint.resume import snapshot_location
+from checkpoint.snapshot import save_sharded
 from errors import UserError
+from launch import preemption
 from parallel.grid import together
-from snapshot import save_sharded
+from telemetry import mfu
+from telemetry.activation_meter import ActivationMeter
+from telemetry.metrics import MetricsLog, peak_memory_mb
 
 AGREED_READ_FAILURE = "stopping: another rank failed while reading the data (see its error)"
 
@@ -57,7 +54,7 @@ class TrainerConfig:
     keep_snapshots: int = 1     # the newest K snapshots survive each write
     resume_step: int = -1       # -1 = resume from the newest snapshot; S = from kept step S
     device: str = "auto"        # auto (cuda if available) | cpu | cuda
-    measure_activations: bool = False  # log activation_peak_mb (activation_meter.py); small overhead
+    measure_activations: bool = False  # log activation_peak_mb (telemetry/activation_meter.py); small overhead
     precision: str = "fp32"     # fp32 | bf16 | fp16: autocast compute, fp32 weights and AdamW state
     fp16_init_scale: float = 65536.0  # fp16: the loss scaler's first scale
     fp16_growth_interval: int = 2000  # fp16: steps without overflow before the scale doubles
@@ -70,123 +67,6 @@ def lr_at(step: int, t: TrainerConfig) -> float:
         return t.lr * (step + 1) / t.warmup_steps
     progress = min(1.0, (step - t.warmup_steps) / max(1, t.max_steps - t.warmup_steps))
     return t.min_lr + 0.5 * (1.0 + math.cos(math.pi * progress)) * (t.lr - t.min_lr)
-
-
-def peak_memory_mb(device) -> float:
-    """Peak memory of this process: allocator peak on CUDA, max RSS on CPU."""
-    if device.type == "cuda":
-        return torch.cuda.max_memory_allocated(device) / 2**20
-    import resource
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # Linux: KiB
-
-
-def snapshot_location(t: TrainerConfig) -> str:
-    return t.snapshot_path or os.path.join(t.run_dir, "snapshot")
-
-
-def check_resumable(path, meta, cfg, data):
-    """Refuse a snapshot whose data order differs from this run's; return notes on
-    settings that legitimately change on resume (the LR schedule, when extending).
-    data: char_dataset.data_identity of this run's train split."""
-    saved_t, saved_d = meta["config"]["trainer"], meta["config"]["data"]
-    text = not cfg.data.tokens_path  # prepared tokens are known by their fingerprint, not path
-    for section, key, saved in (("trainer", "batch_size", saved_t), ("trainer", "seed", saved_t),
-                                ("data", "path", saved_d), ("data", "val_fraction", saved_d)):
-        now, was = getattr(getattr(cfg, section), key), saved.get(key, "")
-        if was != now and (text or section == "trainer"):
-            raise UserError(
-                f"snapshot {path} was trained with {section}.{key}={was!r}, this run asks "
-                f"for {now!r}: resuming would change the data order. Use the snapshot's value "
-                "or a new trainer.snapshot_path")
-    was, now = meta.get("data_order", LEGACY_ORDER), data_order(cfg.data)
-    if was != now:
-        known = SAMPLERS.get(was["sampler"]) == was["version"] and was["sampler"] != now["sampler"]
-        hint = (f"Add data.sampler={was['sampler']} to finish it in the order it started with"
-                if known else "This version cannot reproduce that order")
-        raise UserError(
-            f"snapshot {path} was trained in data order {was['sampler']} v{was['version']}, this "
-            f"run reads in order {now['sampler']} v{now['version']}: resuming would silently change "
-            f"the data it trains on. {hint}, or use a new trainer.snapshot_path")
-    if meta.get("data", data) != data:
-        raise UserError(
-            f"snapshot {path} was trained on {describe_data(meta['data'])}, this run reads "
-            f"{describe_data(data)}: resuming would change the data it trains on. Use the data it "
-            "was trained on, or a new trainer.snapshot_path")
-    return [f"note: trainer.{k} is {getattr(cfg.trainer, k)} now, {saved_t[k]} when the snapshot "
-            f"was written: the LR schedule changes from here on"
-            for k in ("max_steps", "warmup_steps", "lr", "min_lr") if saved_t[k] != getattr(cfg.trainer, k)]
-
-
-class MetricsLog:
-    """metrics.jsonl, the console and wandb; active on the main rank only."""
-
-    def __init__(self, cfg, config_dict, active, resumed_step, wandb_id):
-        self.active, self.run = active, None
-        self.tty = active and sys.stdout.isatty()
-        if not active:
-            return
-        os.makedirs(cfg.trainer.run_dir, exist_ok=True)
-        self.path = os.path.join(cfg.trainer.run_dir, "metrics.jsonl")
-        self._keep_steps_up_to(resumed_step)  # a fresh run starts an empty file
-        if cfg.wandb.mode != "disabled":
-            import wandb
-            self.run = wandb.init(
-                project=cfg.wandb.project, id=wandb_id, resume="allow", mode=cfg.wandb.mode,
-                name=cfg.wandb.name or os.path.basename(os.path.normpath(cfg.trainer.run_dir)),
-                dir=cfg.trainer.run_dir, config=config_dict)
-
-    def _keep_steps_up_to(self, step):
-        """Drop records past the snapshot (the resumed run writes those steps again) and
-        any line a crash left half-written; replace the file atomically."""
-        lines = []
-        if os.path.exists(self.path):
-            with open(self.path) as f:
-                for line in f:
-                    try:
-                        if json.loads(line)["step"] <= step:
-                            lines.append(line if line.endswith("\n") else line + "\n")
-                    except (ValueError, KeyError, TypeError):
-                        pass
-        tmp = f"{self.path}.tmp"
-        with open(tmp, "w") as f:
-            f.writelines(lines)
-        os.replace(tmp, self.path)
-
-    def write(self, record, total_steps, console):
-        if not self.active:
-            return
-        with open(self.path, "a") as f:
-            f.write(json.dumps(record) + "\n")
-        if self.run is not None:
-            self.run.log(record, step=record["step"])
-        if console:
-            line = (f"step {record['step']}/{total_steps} | loss {record['loss']:.4f} | "
-                    f"lr {record['lr']:.2e} | {record['tokens_per_s']:.0f} tok/s | "
-                    f"{record['step_ms']:.1f} ms/step")
-            if "mfu" in record:
-                line += f" | mfu {100 * record['mfu']:.1f}%"
-            if record.get("step_skipped"):
-                line += f" | skipped (fp16 overflow; loss scale now {record['loss_scale']:g})"
-            if "val_loss" in record:
-                line += f" | val {record['val_loss']:.4f}"
-            print(("\r" if self.tty else "") + line, flush=True)
-
-    def write_files(self, files):
-        """{name: JSON-able}: files beside metrics.jsonl (e.g. the pipeline timeline)."""
-        if not self.active:
-            return
-        for name, obj in files.items():
-            with open(os.path.join(os.path.dirname(self.path), name), "w") as f:
-                json.dump(obj, f)
-
-    def progress(self, step, total):
-        if self.tty:
-            done = int(30 * step / total)
-            print(f"\r[{'#' * done}{'.' * (30 - done)}] {step}/{total}", end="", flush=True)
-
-    def close(self):
-        if self.run is not None:
-            self.run.finish()
 
 
 class Trainer:
@@ -204,7 +84,7 @@ class Trainer:
         self.step, self.wandb_id = 0, uuid.uuid4().hex[:12]
         strategy.configure_compute(self.t)
         strategy.configure_optimizer(self.t)
-        # model FLOPs utilisation where the device's peak is known (never on CPU: mfu.py)
+        # model FLOPs utilisation where the device's peak is known (never on CPU: telemetry/mfu.py)
         self.peak_flops = mfu.device_peak(grid.device, self.t.precision)
         self.flops_per_token = mfu.flops_per_token(snapshot_meta["gpt_config"])
         self.metrics = None
@@ -301,7 +181,7 @@ class Trainer:
         return micro, 1000 * (time.perf_counter() - started), None
 
     def _stop_preempted(self, signum, saved):
-        """A rank got SIGTERM/SIGUSR1 (preemption.py): every rank is here after the same
+        """A rank got SIGTERM/SIGUSR1 (launch/preemption.py): every rank is here after the same
         step; snapshot it, so nothing trained is lost, and leave with EXIT_STATUS."""
         if not saved:
             self.save()
@@ -335,8 +215,7 @@ class Trainer:
             "samples_seen": self.step * t.batch_size, "wandb_id": self.wandb_id,
             "data_order": data_order(self.cfg.data), "data": data_identity(self.train_set),
             **self.snapshot_meta,
-            "layout": {"world_size": g.world_size, "dp": g.dp_size, "pp": g.pp_size,
-                       "tp": g.tp_size, "strategy": self.cfg.parallel.dp},
+            "layout": {"world_size": g.world_size, **g.sizes, "strategy": self.strategy.name},
             "precision": self.strategy.precision.state(),  # fp16: the loss scaler's state
             "lr_schedule": {"warmup_steps": t.warmup_steps, "max_steps": t.max_steps,
                             "lr": t.lr, "min_lr": t.min_lr},

@@ -9,13 +9,14 @@ algorithm bandwidth (size / time), bus bandwidth (what each rank sends: x
 2(N-1)/N for an all-reduce, the nccl-tests convention) and time relative to
 torch's all-reduce. The ring is imported lazily from RING: until it exists its
 row is skipped with a note. --extra adds all-gather and reduce-scatter (FSDP's
-collectives; on gloo reduce-scatter can be slower than all-reduce).
+collectives; on gloo reduce-scatter can be slower than all-reduce). The table goes
+to stdout; --json also writes it, with the command and the machine, through
+bench/report.py.
 """
 
 import argparse
 import datetime
 import importlib
-import json
 import os
 import socket
 import sys
@@ -30,9 +31,11 @@ import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 import torch.multiprocessing as mp  # noqa: E402
 
+from bench import report  # noqa: E402
+
 # Where our ring all-reduce lives, "module:function". A guess until the ddp branch
 # lands: if it is named differently, this line (and call_ring below) is all to fix.
-RING = "parallel.ring:ring_all_reduce"
+RING = "parallel.data_parallel.ring:ring_all_reduce"
 MiB = 2**20
 # torch 2.13 renamed the tensor-in/tensor-out gather and scatter (old names warn)
 ALL_GATHER = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
@@ -50,8 +53,9 @@ def load_ring(where):
 
 
 def call_ring(ring, tensor, group):
-    """parallel.ring.ring_all_reduce(tensor, comm, group): in-place SUM over `group`, like
-    dist.all_reduce, sending through a CommCounter. A returned result is handled too."""
+    """parallel.data_parallel.ring.ring_all_reduce(tensor, comm, group): in-place SUM over
+    `group`, like dist.all_reduce, sending through a CommCounter. A returned result is
+    handled too."""
     from parallel.comm import CommCounter
     out = ring(tensor, CommCounter(), group=group)
     if torch.is_tensor(out) and out is not tensor:
@@ -119,6 +123,7 @@ def free_port():
 
 
 def main(argv=None):
+    argv = sys.argv[1:] if argv is None else argv
     p = argparse.ArgumentParser(prog="python -m bench.allreduce", description=__doc__.split("\n")[0])
     p.add_argument("--size-mb", default="25", help="MiB per tensor; a comma list for several")
     p.add_argument("--nproc", type=int, default=2)
@@ -126,11 +131,13 @@ def main(argv=None):
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--extra", action="store_true", help="also all-gather and reduce-scatter")
     p.add_argument("--ring", default=RING, help="our ring all-reduce, as module:function")
-    p.add_argument("--json", default="", help="also write the results here")
+    p.add_argument("--json", default="", help="also write the results here (with the command "
+                   "and the machine)")
     args = p.parse_args(argv)
     args.sizes = [float(s) for s in args.size_mb.split(",")]
 
     os.environ["OMP_NUM_THREADS"] = "1"  # inherited by the spawned ranks
+    load_before = os.getloadavg()
     results = mp.get_context("spawn").SimpleQueue()
     mp.spawn(worker, args=(args.nproc, free_port(), args, results), nprocs=args.nproc)
     out = results.get()
@@ -149,8 +156,11 @@ def main(argv=None):
     if out["ring_missing"]:
         print(f"note: ring skipped: {out['ring_missing']}")
     if args.json:
-        with open(args.json, "w") as f:
-            json.dump({"nproc": args.nproc, "iters": args.iters, **out}, f, indent=1)
+        command = report.command_line(
+            "-m bench.allreduce" if __package__ else "bench/allreduce.py", argv)
+        report.write_json(args.json, {"command": command,
+                                      "environment": report.environment(load_before),
+                                      "nproc": args.nproc, "iters": args.iters, **out})
     return 0
 
 

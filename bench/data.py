@@ -12,7 +12,7 @@ over files of `--file-mb`; nothing is downloaded):
 1. `python main.py mode=prepare` of the whole corpus, once per tokenizer of
    `--tokenizers`: `char`, and `bpe`: the gpt2 code path (tiktoken, GPT-2's
    pre-tokenizer) with a generated BPE in GPT-2's file format that spells the
-   corpus's words (tokenizer.data_gym_files), since GPT-2's own files need a
+   corpus's words (data.tokenizer.data_gym_files), since GPT-2's own files need a
    download (`gpt2` uses them if TIKTOKEN_CACHE_DIR holds them). Reported: wall
    time of the command, MB/s of text, tokens/s, peak RSS of the main process
    and of the largest worker.
@@ -24,13 +24,14 @@ over files of `--file-mb`; nothing is downloaded):
    reports its peak RSS; time to the first step is from the launch of torchrun to
    the end of step 1 (the main rank's clock; every rank ends step 1 together);
    data share = median data_ms / median step_ms over the steps after the first 2.
+
+Results: --out's results.json (every round) and results.md, written by bench/report.py.
 """
 
 import argparse
 import json
 import os
 import resource
-import shlex
 import shutil
 import statistics
 import subprocess
@@ -41,6 +42,8 @@ import time
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if REPO not in sys.path:
     sys.path.insert(0, REPO)
+
+from bench import report  # noqa: E402
 
 TRAIN = ["trainer.eval_every=0", "trainer.save_every=0", "trainer.log_every=1", "sample.length=0",
          "wandb.mode=disabled", "parallel.dp=ddp_bucket"]
@@ -62,25 +65,25 @@ def worker_prepare(overrides):
 
 def worker_train(overrides):
     """One torchrun rank: main.main, then this rank's peak RSS (and, on rank 0, when
-    step 1 was logged). Leaves through os._exit, as main.py does."""
+    step 1 was logged). Leaves as main.py does (launch/exit.py)."""
     import main
-    import trainer
+    from launch.exit import flush_and_exit
+    from telemetry.metrics import MetricsLog
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-    first, write = [], trainer.MetricsLog.write
+    first, write = [], MetricsLog.write
 
     def noted(self, record, total, console):
         if not first:
             first.append(time.time())
         write(self, record, total, console)
-    trainer.MetricsLog.write = noted
+    MetricsLog.write = noted
     main.main(overrides, rank, world, int(os.environ["LOCAL_RANK"]))
     out = {"rank": rank, "rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}
     if first:
         out["first_step_s"] = first[0] - float(os.environ["BENCH_LAUNCHED"])
     with open(os.path.join(os.environ["BENCH_RESULTS"], f"rank-{rank}.json"), "w") as f:
         json.dump(out, f)  # a file each: ranks printing at once can share a line
-    sys.stdout.flush()
-    os._exit(0)
+    flush_and_exit(0)
 
 
 # ---------------------------------------------------------------- the launcher
@@ -108,7 +111,7 @@ def corpus_bpe(directory):
     the generated corpus, with and without a leading space."""
     import re
     from char_dataset import embedded_corpus
-    from tokenizer import cache_gpt2_files, data_gym_files
+    from data.tokenizer import cache_gpt2_files, data_gym_files
     words = sorted(set(re.findall(r"[A-Za-z]+", embedded_corpus(200_000))))
     return cache_gpt2_files(directory, data_gym_files(words + [" " + w for w in words]))
 
@@ -181,7 +184,7 @@ def main(argv=None):
     if args.worker_train:
         return worker_train(overrides)
 
-    command = shlex.join(["python", "-m", "bench.data", *argv])
+    command, load_before = report.command_line("-m bench.data", argv), os.getloadavg()
     with tempfile.TemporaryDirectory(prefix="bench-data-") as tmp:
         env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=REPO, WANDB_SILENT="true")
         started = time.time()
@@ -215,48 +218,56 @@ def main(argv=None):
                 print(f"round {i} {name}: first step {r['first_step_s']:.2f} s, RSS per rank "
                       f"{[round(m) for m in r['rss_mb']]} MB, step {r['step_ms']:.1f} ms, data "
                       f"{r['data_ms']:.2f} ms ({100 * r['data_share']:.1f}%)", flush=True)
-    write_results(args, command, prepared, rounds, list(variants))
+    write_report(args, command, load_before, prepared, rounds, list(variants))
 
 
-def write_results(args, command, prepared, rounds, names):
-    os.makedirs(args.out, exist_ok=True)
-    load = os.getloadavg()[0]
-    with open(os.path.join(args.out, "results.json"), "w") as f:
-        json.dump({"command": command, "prepare": prepared, "train": rounds, "load_avg_1min": load}, f,
-                  indent=1)
-    med = {n: {k: statistics.median(r[k] if k != "rss_mb" else max(r[k]) for r in rounds if r["corpus"] == n)
-               for k in ("first_step_s", "rss_mb", "step_ms", "data_ms", "data_share")} for n in names}
+def prepare_table(prepared):
+    """results.md's mode=prepare table: a row per tokenizer (results.json's "prepare")."""
+    rows = [[r["tokenizer"], f"{r['text_mb']:.0f}", f"{r['tokens']:,}", f"{r['shards']} ({r['dtype']})",
+             f"{r['seconds']:.1f}", f"{r['mb_per_s']:.1f}", f"{r['tokens_per_s'] / 1e6:.2f}M",
+             f"{r['rss_start_mb']:.0f} / {r['rss_main_mb']:.0f} / {r['rss_worker_mb']:.0f}"]
+            for r in prepared]
+    return report.table(["tokenizer", "text MB", "tokens", "shards (dtype)", "wall s", "MB/s of text",
+                         "tokens/s", "peak RSS MB: main at start / main / largest worker"], rows)
+
+
+def train_medians(rounds, names):
+    """Per corpus, the median over rounds of each figure of results.json's "train" (of
+    peak RSS: the largest rank's)."""
+    return {n: {k: statistics.median(r[k] if k != "rss_mb" else max(r[k]) for r in rounds if r["corpus"] == n)
+                for k in ("first_step_s", "rss_mb", "step_ms", "data_ms", "data_share")} for n in names}
+
+
+def train_table(med):
+    rows = [[n, f"{m['first_step_s']:.2f}", f"{m['rss_mb']:.0f}", f"{m['step_ms']:.1f}",
+             f"{m['data_ms']:.2f}", f"{100 * m['data_share']:.1f}%"] for n, m in med.items()]
+    return report.table(["data", "time to first step s", "peak RSS, largest rank MB", "step ms",
+                         "data ms", "data share"], rows)
+
+
+def write_report(args, command, load_before, prepared, rounds, names):
+    env = report.environment(load_before)
+    med = train_medians(rounds, names)
     small, big = names[0], names[1]
-    lines = [f"# Data path at scale\n\nCommand: `{command}` ({args.nproc} ranks x 1 thread, gloo; "
-             f"generated corpus; load average {load:.1f} at the end)\n",
-             "## mode=prepare\n",
-             "| tokenizer | text MB | tokens | shards (dtype) | wall s | MB/s of text | tokens/s | "
-             "peak RSS MB: main at start / main / largest worker |", "|---|---|---|---|---|---|---|---|"]
-    for r in prepared:
-        lines.append(f"| {r['tokenizer']} | {r['text_mb']:.0f} | {r['tokens']:,} | {r['shards']} "
-                     f"({r['dtype']}) | {r['seconds']:.1f} | {r['mb_per_s']:.1f} | "
-                     f"{r['tokens_per_s'] / 1e6:.2f}M | {r['rss_start_mb']:.0f} / {r['rss_main_mb']:.0f} / "
-                     f"{r['rss_worker_mb']:.0f} |")
-    lines += ["", f"## Training, default model, {args.steps} steps (median of {args.rounds} rounds)\n",
-              "| data | time to first step s | peak RSS, largest rank MB | step ms | data ms | data share |",
-              "|---|---|---|---|---|---|"]
-    for n in names:
-        m = med[n]
-        lines.append(f"| {n} | {m['first_step_s']:.2f} | {m['rss_mb']:.0f} | {m['step_ms']:.1f} | "
-                     f"{m['data_ms']:.2f} | {100 * m['data_share']:.1f}% |")
-    lines += ["", f"Large vs small prepared corpus: time to first step "
-              f"{med[big]['first_step_s'] / med[small]['first_step_s']:.2f}x, peak RSS "
-              f"{med[big]['rss_mb'] / med[small]['rss_mb']:.2f}x (target: within 10%).", "",
-              "Notes: `bpe` is the gpt2 code path (tiktoken, GPT-2's pre-tokenizer) with a "
-              "generated BPE that spells the corpus's words, far fewer merges than GPT-2's 50,000 "
-              "(whose files need a download). MB/s and tokens/s are over the whole command "
-              "(start-up, and for char the vocabulary pass, included). A prepare worker is forked "
-              "after main.py imported torch, so its RSS includes the ~300 MB it shares with its "
-              "parent. Time to first step runs from launching torchrun to the end of step 1. "
-              "Training reads step s+1's windows at the end of step s (memory-mapped shards, the "
-              "pages let go of after each read); data ms is that read, counted in step ms."]
-    with open(os.path.join(args.out, "results.md"), "w") as f:
-        f.write("\n".join(lines) + "\n")
+    lines = [*report.header("Data path at scale", command,
+                            [f"{args.nproc} ranks x 1 thread, gloo; generated corpus"], env),
+             "", "## mode=prepare", "", *prepare_table(prepared),
+             "", f"## Training, default model, {args.steps} steps (median of {args.rounds} rounds)", "",
+             *train_table(med),
+             "", f"Large vs small prepared corpus: time to first step "
+             f"{med[big]['first_step_s'] / med[small]['first_step_s']:.2f}x, peak RSS "
+             f"{med[big]['rss_mb'] / med[small]['rss_mb']:.2f}x (target: within 10%).", "",
+             "Notes: `bpe` is the gpt2 code path (tiktoken, GPT-2's pre-tokenizer) with a "
+             "generated BPE that spells the corpus's words, far fewer merges than GPT-2's 50,000 "
+             "(whose files need a download). MB/s and tokens/s are over the whole command "
+             "(start-up, and for char the vocabulary pass, included). A prepare worker is forked "
+             "after main.py imported torch, so its RSS includes the ~300 MB it shares with its "
+             "parent. Time to first step runs from launching torchrun to the end of step 1. "
+             "Training reads step s+1's windows at the end of step s (memory-mapped shards, the "
+             "pages let go of after each read); data ms is that read, counted in step ms.", ""]
+    doc = {"command": command, "environment": env, "prepare": prepared, "train": rounds,
+           "load_avg_1min": os.getloadavg()[0]}  # the key results before "environment" had
+    report.write_results(args.out, doc, "\n".join(lines))
     print("\n".join(lines))
 
 

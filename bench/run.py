@@ -10,27 +10,26 @@ all on the same model, data and GLOBAL batch. Jobs alternate in rounds
 are taken within a round before the median over rounds. Variants whose keys
 this checkout's config rejects (a strategy not merged yet) are skipped with
 the config's own message. Writes results.json (every logged step of every job
-too), results.md and step_time.png into --out.
+too), results.md and step_time.png into --out, through bench/report.py.
+
+This file is the command: options, the plan, the rounds. The engine it drives is
+bench/run_engine/ (variants, one job, statistics, tables, charts).
 """
 
 import argparse
-import json
 import os
-import shlex
 import shutil
-import subprocess
 import sys
 import tempfile
-import time
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if REPO not in sys.path:  # also runs as `python bench/run.py`
     sys.path.insert(0, REPO)
 
-from bench import report, stats  # noqa: E402
-from bench.variants import MODELS, PRESETS, pick  # noqa: E402
-
-MAIN = os.path.join(REPO, "main.py")
+from bench import report  # noqa: E402
+from bench.run_engine import charts, stats, tables  # noqa: E402
+from bench.run_engine.jobs import check, common_overrides, run_job  # noqa: E402
+from bench.run_engine.variants import MODELS, PRESETS, pick  # noqa: E402
 
 
 def parse_args(argv):
@@ -58,58 +57,22 @@ def parse_args(argv):
     return args
 
 
-def common_overrides(args):
-    """What every job shares: model, data, steps, and nothing that costs time but the step."""
-    return (MODELS[args.model] + ([f"data.path={args.data}"] if args.data else [])
-            + [f"trainer.max_steps={args.steps}", "trainer.log_every=1", "trainer.eval_every=0",
-               "trainer.save_every=0", "sample.length=0", "wandb.mode=disabled",
-               "parallel.timeout_s=120"])  # a hung collective fails the job, not the bench
-
-
-def check(overrides, ranks):
-    """Why main.py would refuse these overrides on `ranks` processes, or None.
-    The same load_config main.py runs, so 'not merged yet' needs no list of its own."""
-    from config import load_config
-    from errors import UserError
-    try:
-        return None, load_config(overrides, ranks)
-    except UserError as e:
-        return str(e), None
-
-
-def run_job(ranks, threads, overrides, run_dir, timeout):
-    """One training job; returns its exit status, wall time, logged records and error tail."""
-    os.makedirs(run_dir, exist_ok=True)
-    launcher = [sys.executable, MAIN] if ranks == 1 else [
-        sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={ranks}", MAIN]
-    env = dict(os.environ, OMP_NUM_THREADS=str(threads), MKL_NUM_THREADS=str(threads),
-               WANDB_SILENT="true", PYTHONUNBUFFERED="1")
-    for key in ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_RANK"):
-        env.pop(key, None)  # an outer torchrun's variables would hijack the job's rendezvous
-    started = time.perf_counter()
-    try:
-        proc = subprocess.run(launcher + overrides + [f"trainer.run_dir={run_dir}"], cwd=run_dir,
-                              env=env, capture_output=True, text=True, timeout=timeout)
-        # keep plenty: torchrun's banner comes after the ranks' own error lines
-        code, tail = proc.returncode, (proc.stderr or proc.stdout)[-20000:]
-    except subprocess.TimeoutExpired:
-        code, tail = None, f"hung: killed after {timeout:.0f}s"
-    timeline = os.path.join(run_dir, "pipeline_timeline.json")  # pipeline jobs' last step
-    return {"returncode": code, "seconds": round(time.perf_counter() - started, 2),
-            "records": stats.read_metrics(os.path.join(run_dir, "metrics.jsonl")),
-            "timeline": json.load(open(timeline)) if os.path.exists(timeline) else None,
-            "error": "" if code == 0 else tail}
-
-
-def command_line(argv):
-    launcher = ["python", "-m", "bench.run"] if __package__ else ["python", "bench/run.py"]
-    return shlex.join(launcher + list(argv))
+def write_report(out, cmd, settings, summary, skipped, jobs):
+    """results.json (every logged step of every job too), the charts, then results.md."""
+    os.makedirs(out, exist_ok=True)
+    json_path = report.write_json(os.path.join(out, "results.json"), {
+        "command": cmd, "settings": settings, "variants": summary, "skipped": skipped, "jobs": jobs})
+    drawn = {name: report.draw(os.path.join(out, name), plot, summary) for name, plot in (
+        ("step_time.png", charts.step_time), ("pipeline_timeline.png", charts.pipeline_timeline))}
+    md = report.write_markdown(os.path.join(out, "results.md"), tables.markdown(
+        cmd, settings, summary, skipped, jobs, drawn["step_time.png"]))
+    return {"json": json_path, "md": md, **{n: os.path.join(out, n) for n, ok in drawn.items() if ok}}
 
 
 def main(argv=None):
     argv = sys.argv[1:] if argv is None else argv
     args = parse_args(argv)
-    common = common_overrides(args)
+    common = common_overrides(args.model, args.data, args.steps)
 
     # which variants this checkout can run; the others are reported, not fatal
     plan, skipped, cfg = [], {}, None
@@ -156,7 +119,8 @@ def main(argv=None):
                 "warmup": args.warmup, **report.environment(load_before)}
     variants = [(v, ranks, threads) for v, ranks, threads, _ in plan]
     summary = stats.summarize(jobs, variants, params, args.warmup, cfg)
-    paths = report.write_all(args.out, command_line(argv), settings, summary, skipped, jobs)
+    cmd = report.command_line("-m bench.run" if __package__ else "bench/run.py", argv)
+    paths = write_report(args.out, cmd, settings, summary, skipped, jobs)
     print("\n" + open(paths["md"]).read())
     print("wrote " + ", ".join(paths.values()))
     return 0 if all(j["ok"] for j in jobs) else 1

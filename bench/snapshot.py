@@ -8,13 +8,13 @@ default model (~3.2M parameters) under that strategy, trains one step (so
 AdamW state exists), then times `save_sharded` (each rank writes its part)
 and `open_snapshot` + `load_shards` (each rank reads back what it holds),
 `--repeats` times, on a local directory. Reports the slowest rank's write
-and read time (median over repeats) and the bytes each rank wrote and read.
+and read time (median over repeats) and the bytes each rank wrote and read,
+in --out's results.json and results.md (written by bench/report.py).
 """
 
 import argparse
 import json
 import os
-import shlex
 import statistics
 import subprocess
 import sys
@@ -24,6 +24,8 @@ import time
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if REPO not in sys.path:
     sys.path.insert(0, REPO)
+
+from bench import report  # noqa: E402
 
 STRATEGIES = {"ddp_bucket": ["parallel.dp=ddp_bucket"],
               "fsdp3": ["parallel.dp=fsdp", "parallel.zero_stage=3"]}
@@ -37,20 +39,21 @@ def worker(overrides, directory, repeats):
     import torch.distributed as dist
     from dataclasses import asdict
     from config import load_config
+    from checkpoint.snapshot import open_snapshot, save_sharded
     from main import init_process_group
     from model import GPT, GPTConfig
-    from parallel import build_strategy
+    from parallel import parallelize
     from parallel.grid import ProcessGrid
-    from snapshot import open_snapshot, save_sharded
+    from parallel.layout import grid_sizes
 
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     cfg = load_config(overrides, world)
     device = torch.device("cpu")
     init_process_group(device, 120, rank, world)
-    grid = ProcessGrid(world, 1, 1, device)
+    grid = ProcessGrid(grid_sizes(cfg.parallel, world), device)  # as main.py builds it
     torch.manual_seed(0)
     gpt = GPTConfig(**asdict(cfg.model), vocab_size=65, block_size=cfg.data.block_size)
-    strategy = build_strategy(GPT(gpt), grid, cfg.parallel)
+    strategy = parallelize(GPT(gpt), grid, cfg.parallel)
     strategy.configure_optimizer(cfg.trainer)
     per_rank = cfg.trainer.batch_size // world
     x = torch.randint(0, 65, (per_rank, cfg.data.block_size))
@@ -109,29 +112,31 @@ def main(argv=None):
     if args.worker:
         return worker(overrides, args.dir, args.repeats)
 
-    rows = []
+    load_before, rows = os.getloadavg(), []
     for strategy in args.strategies.split(","):
         for n in (int(v) for v in args.nproc.split(",")):
             r = run(strategy, n, args.repeats)
             rows.append({"strategy": strategy, "ranks": n, **r})
             print(f"{strategy:<11} x{n}: write {r['write_s'] * 1e3:7.1f} ms  read {r['read_s'] * 1e3:7.1f} ms"
                   f"  MB per rank {[round(b / 2**20, 2) for b in r['bytes_per_rank']]}", flush=True)
-    os.makedirs(args.out, exist_ok=True)
-    command = shlex.join(["python", "-m", "bench.snapshot", *argv])
-    with open(os.path.join(args.out, "results.json"), "w") as f:
-        json.dump({"command": command, "rows": rows}, f, indent=1)
-    lines = [f"# Snapshot cost\n\nCommand: `{command}` (default bench model, local disk, "
-             f"median of {args.repeats} repeats, slowest rank)\n",
-             "| strategy | ranks | write ms | read ms | MB written per rank (min-max) | total MB |",
-             "|---|---|---|---|---|---|"]
+    command = report.command_line("-m bench.snapshot", argv)
+    env = report.environment(load_before)
+    text = "\n".join(report.header("Snapshot cost", command, [
+        f"default bench model, local disk, median of {args.repeats} repeats, slowest rank"], env)
+        + ["", *table(rows), ""])
+    report.write_results(args.out, {"command": command, "environment": env, "rows": rows}, text)
+    print(text)
+
+
+def table(rows):
+    """results.md's table: one row per strategy and world size (results.json's rows)."""
+    cells = []
     for r in rows:
         b = r["bytes_per_rank"]
-        lines.append(f"| {r['strategy']} | {r['ranks']} | {r['write_s'] * 1e3:.1f} | "
-                     f"{r['read_s'] * 1e3:.1f} | {min(b) / 2**20:.2f}-{max(b) / 2**20:.2f} | "
-                     f"{sum(b) / 2**20:.2f} |")
-    with open(os.path.join(args.out, "results.md"), "w") as f:
-        f.write("\n".join(lines) + "\n")
-    print("\n".join(lines))
+        cells.append([r["strategy"], r["ranks"], f"{r['write_s'] * 1e3:.1f}", f"{r['read_s'] * 1e3:.1f}",
+                      f"{min(b) / 2**20:.2f}-{max(b) / 2**20:.2f}", f"{sum(b) / 2**20:.2f}"])
+    return report.table(["strategy", "ranks", "write ms", "read ms", "MB written per rank (min-max)",
+                         "total MB"], cells)
 
 
 if __name__ == "__main__":

@@ -1,29 +1,23 @@
-"""Parallel strategies: the YAML key `parallel.dp` picks one from STRATEGIES.
+"""Our own ways of training across processes, one folder per dimension, composed on one grid.
 
-A new strategy is one new file with a `parallel.strategy.Strategy` subclass
-plus one line here. `build_strategy` is the only place that looks at the name.
+    parallelize.py      parallelize(model, grid, cfg): tensor, then pipeline, then data
+                        parallelism; the registries of strategies and references
+    layout.py           which layouts can run (grid sizes; each dimension's and strategy's rules)
+    grid.py             the process grid: named dimensions, their groups, the gradient group
+    model_plan.py       the only file that names the GPT's modules
+    strategy.py         the interface the trainer talks to (Strategy, LocalModel)
+    placement.py        where each canonical tensor lives on this rank (snapshots, norms)
+    comm.py             counted collectives; precision.py; checkpointing.py; config.py
+    data_parallel/      single, ddp_naive, ddp_bucket (+ the ring), fsdp (ZeRO 1-3)
+    tensor_parallel/    Megatron TP and sequence parallelism
+    pipeline_parallel/  the pipeline executor and its schedules
+    reference/          PyTorch's implementations, measured against ours
+
+What may import what: the files at this folder's root import nothing from
+its subfolders, except parallelize.py and layout.py, which wire them; a
+dimension's folder imports the root's shared files and no other dimension
+(reference/ wraps data_parallel/replicated.py). Nothing here imports the
+trainer, main or config. parallel/README.md lists what a new dimension touches.
 """
 
-from parallel.ddp_bucket import DDPBucket
-from parallel.ddp_naive import DDPNaive
-from parallel.fsdp import FSDP
-from parallel.single import Single
-from parallel.torch_ddp import TorchDDP
-from parallel.torch_fsdp import TorchFSDP
-from parallel.torch_pp import TorchPP
-from parallel.torch_tp import TorchTP
-
-STRATEGIES = {
-    "single": Single,        # one process; the parity reference
-    "torch_ddp": TorchDDP,   # PyTorch DDP; the speed reference for ddp_*
-    "ddp_naive": DDPNaive,   # own DP: one all-reduce per parameter after backward
-    "ddp_bucket": DDPBucket,  # own DP: bucketed all-reduces overlapping backward
-    "fsdp": FSDP,            # ZeRO stage 1/2/3 (parallel.zero_stage) on flat sharding units
-    "torch_fsdp": TorchFSDP,  # PyTorch FSDP2 fully_shard; the reference for fsdp
-    "torch_tp": TorchTP,     # PyTorch DTensor tensor parallelism (dp degree 1); the reference for tp
-    "torch_pp": TorchPP,     # torch.distributed.pipelining schedules (dp, tp 1); the reference for pp
-}
-
-
-def build_strategy(model, grid, cfg):
-    return STRATEGIES[cfg.dp](model, grid, cfg)
+from parallel.parallelize import parallelize  # noqa: F401

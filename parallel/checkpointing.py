@@ -29,11 +29,13 @@ without checkpointing:
 import torch
 from torch.utils.checkpoint import checkpoint
 
+from parallel import model_plan as plan
+
 
 def checkpoint_blocks(gpt, tp_random=None):
     """Make every block of `gpt` (a ModuleList, or a pipeline stage's ModuleDict)
     recompute in backward. tp_random: the TP context's TPRandom, if any."""
-    for block in gpt.transformer.h.children():
+    for _, block in plan.blocks(gpt):
         if not getattr(block, "checkpointed", False):
             block.forward = _recomputed(block.forward, tp_random)
             block.checkpointed = True

@@ -6,10 +6,12 @@ from typing import List
 
 @dataclass
 class ParallelConfig:
-    dp: str = "ddp_bucket"      # how the data-parallel dimension works (see parallel/__init__.py)
+    dp: str = "ddp_bucket"      # how the data-parallel dimension works (parallel/parallelize.py)
     tp: int = 1                 # tensor-parallel degree (adjacent ranks form a TP group)
+    tp_impl: str = "own"        # own | torch (PyTorch's DTensor TP, the reference; dp degree 1)
     sequence_parallel: bool = False  # with tp > 1: LayerNorm/dropout regions on sequence shards
     pp: int = 1                 # pipeline-parallel degree; dp degree = world / (tp * pp)
+    pp_impl: str = "own"        # own | torch (torch.distributed.pipelining, the reference)
     zero_stage: int = 3         # 1, 2 or 3, for dp=fsdp
     prefetch: bool = True       # fsdp stage 3 / torch_fsdp: all-gather the next unit while this one computes
     reshard_after_forward: bool = True  # fsdp stage 3 / torch_fsdp: free a unit after its forward
@@ -18,7 +20,7 @@ class ParallelConfig:
     pp_virtual_stages: int = 1  # model chunks per pipeline rank, for pp_schedule=interleaved
     pp_layers: List[int] = field(default_factory=list)  # blocks per chunk; [] = balanced
     bucket_cap_mb: float = 25.0  # gradient bucket size for ddp_bucket / torch_ddp
-    allreduce: str = "native"   # native (dist.all_reduce) | ring (parallel/ring.py), for ddp_naive / ddp_bucket
+    allreduce: str = "native"   # native (dist.all_reduce) | ring (data_parallel/ring.py), for ddp_naive / ddp_bucket
     reduce_dtype: str = "fp32"  # fp32 | bf16: dtype of the dp gradient collectives of ddp_naive,
                                 # ddp_bucket (native or ring) and fsdp (reduce-scatters)
     timeout_s: float = 600.0    # a collective that waits longer than this fails instead of hanging

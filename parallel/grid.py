@@ -1,12 +1,21 @@
-"""The process grid: world = dp x pp x tp, TP fastest-varying.
+"""The process grid: world = dp x pp x tp, named dimensions from one list.
 
 Built once in main.py and passed to whoever needs it; nothing deep inside
-reads environment variables or global state. Rank r sits at coordinates
-(dp_rank, pp_rank, tp_rank) of `torch.arange(world).view(dp, pp, tp)`, so the
-ranks of one TP group are neighbours (same node), as Megatron arranges them.
+reads environment variables or global state. Rank r sits at the coordinates
+of `torch.arange(world).view(*sizes)`, with DIMS from slowest- to
+fastest-varying, so the ranks of one TP group are neighbours (same node), as
+Megatron arranges them.
+
+For each dimension d of DIMS the grid has `d_size`, `d_rank` and `d_group`
+(grid.dp_size, grid.pp_rank, grid.tp_group, ...). Gradients are averaged over
+GRAD_DIMS, the dimensions whose ranks hold the same parameters but see other
+tokens: `grad_group`, `grad_size`, `grad_rank`. Data-parallel strategies use
+only those, so a dimension that also splits data (context parallelism) joins
+GRAD_DIMS here instead of changing each strategy.
 """
 
 import hashlib
+import math
 
 import torch
 import torch.distributed as dist
@@ -14,33 +23,40 @@ import torch.distributed as dist
 from errors import UserError
 
 DIMS = ("dp", "pp", "tp")  # the grid's axes, slowest- to fastest-varying
+GRAD_DIMS = ("dp",)        # the axes gradients are averaged over
 
 
 class ProcessGrid:
-    def __init__(self, dp: int, pp: int, tp: int, device: torch.device):
+    def __init__(self, sizes: dict, device: torch.device):
+        """sizes: {dimension: degree} for dimensions of DIMS (missing ones are 1)."""
+        unknown = set(sizes) - set(DIMS)
+        assert not unknown, f"unknown grid dimensions {sorted(unknown)}"
         self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
-        assert dp * pp * tp == self.world_size, "validated in config.py before we get here"
-        self.dp_size, self.pp_size, self.tp_size = dp, pp, tp
+        self.sizes = {d: int(sizes.get(d, 1)) for d in DIMS}
+        assert math.prod(self.sizes.values()) == self.world_size, "validated in parallel/layout.py"
         self.device = device
-        self.ranks = torch.arange(self.world_size).view(dp, pp, tp)
-        self.dp_rank, self.pp_rank, self.tp_rank = (
-            int(c) for c in (self.ranks == self.rank).nonzero()[0])
+        self.ranks = torch.arange(self.world_size).view(*self.sizes.values())
+        self.coords = dict(zip(DIMS, (int(c) for c in (self.ranks == self.rank).nonzero()[0])))
         # every rank must create every group, in the same order
         self._groups = {}
-        self.dp_group = self.group_over("dp")
-        self.pp_group = self.group_over("pp")
-        self.tp_group = self.group_over("tp")
+        for d in DIMS:  # dp_size, dp_rank, dp_group, pp_size, ...
+            setattr(self, f"{d}_size", self.sizes[d])
+            setattr(self, f"{d}_rank", self.coords[d])
+            setattr(self, f"{d}_group", self.group_over(d))
+        self.grad_group = self.group_over(*GRAD_DIMS)
+        self.grad_size = math.prod(self.sizes[d] for d in GRAD_DIMS)
+        self.grad_rank = 0
+        for d in GRAD_DIMS:  # row-major over GRAD_DIMS: this rank's place in grad_group
+            self.grad_rank = self.grad_rank * self.sizes[d] + self.coords[d]
 
     def group_over(self, *dims):
         """The group of ranks that differ only in the coordinates `dims` (names among
-        dp, pp, tp), holding this rank. Collective the first time: every rank must ask
-        for the same groups in the same order."""
+        DIMS), holding this rank. Collective the first time: every rank must ask for
+        the same groups in the same order."""
         axes = tuple(sorted(DIMS.index(d) for d in dims))
         if axes not in self._groups:
-            rest = [a for a in range(3) if a not in axes]
-            size = 1
-            for a in axes:
-                size *= self.ranks.size(a)
+            rest = [a for a in range(len(DIMS)) if a not in axes]
+            size = math.prod(self.ranks.size(a) for a in axes)
             lines = self.ranks.permute(*rest, *axes).reshape(-1, size)
             self._groups[axes] = self.group_of_lines(lines.tolist())
         return self._groups[axes]
@@ -55,6 +71,12 @@ class ProcessGrid:
                 mine = group
         return mine
 
+    def rank_at(self, **coords) -> int:
+        """The global rank at this rank's coordinates, with those named changed
+        (rank_at(pp=0): the first pipeline stage of this rank's pipeline)."""
+        where = {**self.coords, **coords}
+        return int(self.ranks[tuple(where[d] for d in DIMS)])
+
     @property
     def is_main(self):
         """The one rank that writes snapshots, metrics and logs for the whole job."""
@@ -67,8 +89,9 @@ class ProcessGrid:
         return bool(flag.item())
 
     def __repr__(self):
-        return (f"ProcessGrid(dp={self.dp_size}, pp={self.pp_size}, tp={self.tp_size}; rank {self.rank} "
-                f"at dp={self.dp_rank} pp={self.pp_rank} tp={self.tp_rank})")
+        sizes = ", ".join(f"{d}={n}" for d, n in self.sizes.items())
+        at = " ".join(f"{d}={c}" for d, c in self.coords.items())
+        return f"ProcessGrid({sizes}; rank {self.rank} at {at})"
 
 
 def together(grid, what, fn):

@@ -21,7 +21,7 @@ Two layers, one per kind of sharding:
   has one region per parameter; `fsdp` has the parts of its flat shard.
 
 `Region.canonical_parts()` turns a region into canonical boxes (see
-parallel/boxes.py), each with the flat positions of its elements in the
+checkpoint/boxes.py), each with the flat positions of its elements in the
 region; everything that reads or writes canonical state goes through it.
 """
 
@@ -30,7 +30,7 @@ from dataclasses import dataclass
 
 import torch
 
-from parallel.boxes import box_shape, first_and_end, flat_range_boxes, is_run, strides
+from checkpoint.boxes import box_shape, first_and_end, flat_range_boxes, is_run, strides
 
 
 @dataclass(frozen=True)

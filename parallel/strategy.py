@@ -12,64 +12,75 @@ and `configure_optimizer(tcfg)`, and for evaluation and snapshots `eval_loss`,
 `shard_pieces` / `load_shards`
 (each rank writes and reads only what it holds) and `state_dict`, all in
 *canonical* form: the names and full shapes of the single-device model
-(`GPT.named_parameters()`, which names the tied embedding/LM-head weight once
-as `transformer.wte.weight`). That is what lets a snapshot written under one
-layout resume under another.
+(`GPT.named_parameters()`, which names the tied embedding / LM-head weight
+once). That is what lets a snapshot written under one layout resume under
+another.
 
 The strategy, not the trainer, owns forward, backward and gradient sync of a
 step, because tensor parallelism rewrites layers and pipeline parallelism
 runs its own micro-batch schedule inside the step.
 
-Tensor and pipeline parallelism are applied here, for every data-parallel
-strategy, before the strategy sees the model (parallel/tensor_parallel.py,
-parallel/pipeline.py): the strategy then works on this rank's TP-local
-parameters of its pipeline stage, over the dp group, and with pp > 1 runs
-the pipeline schedule (`pipeline_forward_backward`) where it would loop over
-micro-batches; `backward_scope` is how its gradient hooks learn which
-backward is a chunk's last of the step. Each strategy describes what
-it holds as Regions of those parameters (parallel/placement.py); snapshots,
-state_dict(), the global gradient norm and the sequence-parallel gradient
-sums below are written once, against that description.
+A strategy is the data-parallel dimension: `parallelize()`
+(parallel/parallelize.py) applies tensor and pipeline parallelism first and
+hands it a `LocalModel`, this rank's TP-local parameters of its pipeline
+stage. The strategy averages gradients over `grid.grad_group`, and with
+pp > 1 runs the pipeline schedule (`pipeline_forward_backward`) where it
+would loop over micro-batches; `backward_scope` is how its gradient hooks
+learn which backward is a chunk's last of the step. Each strategy describes
+what it holds as Regions of those parameters (parallel/placement.py);
+snapshots, state_dict(), the global gradient norm and the sequence-parallel
+gradient sums below are written once, against that description.
 
-`ReplicatedStrategy` (parallel/replicated.py) is the shared base for the
-strategies where every dp rank holds the whole (TP-local) model.
+Each strategy also says which layouts it runs (`refuse`), so the rules live
+with the code they protect (parallel/layout.py asks every one that applies).
 """
 
 from contextlib import nullcontext
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 
-from errors import UserError
+from parallel.checkpointing import checkpoint_blocks
 from parallel.comm import CommCounter
 from parallel.grid import derive_seed
-from parallel.pipeline import Pipeline
-from parallel.placement import Placement, grad_norm_squared, load_regions, snapshot_pieces
-from parallel.checkpointing import checkpoint_blocks
+from parallel.placement import grad_norm_squared, load_regions, snapshot_pieces
 from parallel.precision import Precision
-from parallel.tensor_parallel import apply_tensor_parallel
+
+
+@dataclass
+class LocalModel:
+    """What tensor and pipeline parallelism leave for the data-parallel strategy."""
+    module: torch.nn.Module  # this rank's GPT: TP-local layers, only its pipeline chunks
+    placements: dict         # canonical name -> Placement, for every parameter it holds
+    comm: CommCounter        # every training collective goes through it, so it is counted
+    tp: object = None        # the TPContext (parallel/tensor_parallel/apply.py), if tp > 1
+    pipeline: object = None  # the Pipeline (parallel/pipeline_parallel/pipeline.py), if pp > 1
 
 
 class Strategy:
     """One instance per rank. Subclasses implement the methods that raise below."""
 
+    name = None                 # the registry key that picks it (parallel/parallelize.py)
     own_tensor_parallel = True  # False: a reference that parallelizes the model itself
 
-    def __init__(self, model, grid, cfg):
+    @classmethod
+    def refuse(cls, cfg, sizes) -> str:
+        """Why this strategy cannot run the layout (cfg: the whole run config, sizes:
+        the grid's {dimension: degree}), or "" if it can."""
+        return ""
+
+    def __init__(self, local: LocalModel, grid, cfg):
         self.grid, self.cfg, self.device = grid, cfg, grid.device
-        self.comm = CommCounter()  # training traffic goes through it, so it is counted
-        self.last_state_bytes = 0  # set by optimizer_step, see state_bytes()
-        if grid.tp_size > 1 and self.own_tensor_parallel:
-            self.placements, self.tp = apply_tensor_parallel(model, grid, cfg, self.comm)
-        else:
-            self.placements = {n: Placement.whole(n, p.shape) for n, p in model.named_parameters()}
-            self.tp = None
-        self.pipeline = None
-        if grid.pp_size > 1:
-            self.pipeline = Pipeline(model, grid, cfg, self.comm, self.placements)
-            self.placements = self.pipeline.placements
-        self.gpt = model  # this rank's (TP-local, stage-cut) GPT, for configure_compute
+        self.comm = local.comm
+        self.placements = local.placements
+        self.tp, self.pipeline = local.tp, local.pipeline
+        self.gpt = local.module  # this rank's (TP-local, stage-cut) GPT, for configure_compute
+        self.module = local.module.to(self.device)  # the strategy's model (wrapped or not)
+        self.model = self.module  # what forward runs through: the GPT, or a wrapper of it
         self.precision = Precision("fp32", self.device)
+        self.optimizer = None     # configure_optimizer
+        self.last_state_bytes = 0  # set by optimizer_step, see state_bytes()
 
     def configure_compute(self, tcfg):
         """trainer.precision and trainer.activation_checkpointing, for every strategy:
@@ -198,10 +209,9 @@ class Strategy:
         loss.backward()
 
     def sharded_group(self, *dims):
-        """The group over those of `dims` (dp, pp, tp) that have more than one rank,
+        """The group over those of `dims` (names of grid.DIMS) that have more than one rank,
         or None if none has."""
-        sizes = {"dp": self.grid.dp_size, "pp": self.grid.pp_size, "tp": self.grid.tp_size}
-        dims = [d for d in dims if sizes[d] > 1]
+        dims = [d for d in dims if self.grid.sizes[d] > 1]
         return self.grid.group_over(*dims) if dims else None
 
     def pipeline_forward_backward(self, micro_batches):
@@ -293,49 +303,16 @@ class Strategy:
         return self.last_state_bytes
 
     def dp_mean(self, value: torch.Tensor) -> float:
-        """Average a scalar over the data-parallel group (losses, for logging;
-        deliberately not counted as training traffic)."""
+        """Average a scalar over the ranks that see different data, grid.grad_group
+        (losses, for logging; deliberately not counted as training traffic)."""
         value = value.detach().clone()
-        if self.grid.dp_size > 1:
-            dist.all_reduce(value, group=self.grid.dp_group)
-            value /= self.grid.dp_size
+        if self.grid.grad_size > 1:
+            dist.all_reduce(value, group=self.grid.grad_group)
+            value /= self.grid.grad_size
         return value.item()
 
 
-# ---------------------------------------------------------------- canonical helpers
-
-def check_state_names(expected: dict, state: dict, what: str):
-    """Raise a UserError listing missing / unexpected / mis-shaped entries."""
-    missing = sorted(set(expected) - set(state))
-    unexpected = sorted(set(state) - set(expected))
-    shapes = [f"{n}: {tuple(state[n].shape)} vs {tuple(expected[n].shape)}"
-              for n in sorted(set(expected) & set(state))
-              if tuple(state[n].shape) != tuple(expected[n].shape)]
-    if missing or unexpected or shapes:
-        parts = [f"missing {missing[:4]}" if missing else "",
-                 f"unexpected {unexpected[:4]}" if unexpected else "",
-                 f"shape mismatch {shapes[:4]}" if shapes else ""]
-        raise UserError(f"{what} does not fit this model: " + "; ".join(p for p in parts if p))
-
-
-@torch.no_grad()
-def load_named_parameters(module, state, what="snapshot model state"):
-    """Copy a canonical state dict into a full (unsharded) GPT."""
-    params = dict(module.named_parameters())
-    check_state_names(params, state, what)
-    for name, p in params.items():
-        p.copy_(state[name])
-
-
-def optimizer_state_from(reader):
-    """{name: {field: tensor}} from a snapshot's "optim/<name>/<field>" keys (full tensors)."""
-    state = {}
-    for key in reader.keys():
-        if key.startswith("optim/"):
-            name, field = key[len("optim/"):].rsplit("/", 1)
-            state.setdefault(name, {})[field] = reader.read_full(key)
-    return state
-
+# ---------------------------------------------------------------- helpers of the strategies
 
 def resident_bytes(params, optimizer):
     """Parameters + their gradients + optimizer state tensors, in bytes (each tensor once)."""

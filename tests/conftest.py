@@ -16,5 +16,5 @@ def one_rank_grid():
     import torch.distributed as dist
     from parallel.grid import ProcessGrid
     dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-    yield ProcessGrid(1, 1, 1, torch.device("cpu"))
+    yield ProcessGrid({}, torch.device("cpu"))
     dist.destroy_process_group()

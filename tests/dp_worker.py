@@ -7,7 +7,7 @@ Every rank runs the checks below in the same order; rank 0 prints one line
 measures and reports (no asserts), so all ranks always reach the same
 collectives and a wrong result cannot turn into a hang.
 
-- ring:   parallel/ring.py against dist.all_reduce on random tensors of uneven sizes
+- ring:   parallel/data_parallel/ring.py against dist.all_reduce on random tensors of uneven sizes
           (0, 1, < W, not divisible by W, ...), sync and async with several rings in flight;
 - train:  a strategy built by hand trains a few steps; after every step an
           all_gather of the full parameter vector says whether all ranks hold
@@ -30,13 +30,13 @@ import torch.distributed as dist
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from errors import UserError  # noqa: E402
+from launch.exit import flush_and_exit  # noqa: E402
 from model import GPT, GPTConfig  # noqa: E402
-from parallel import build_strategy  # noqa: E402
+from parallel import parallelize  # noqa: E402
 from parallel.comm import CommCounter  # noqa: E402
 from parallel.config import ParallelConfig  # noqa: E402
 from parallel.grid import ProcessGrid  # noqa: E402
-from parallel.ring import RingRunner, ring_all_reduce  # noqa: E402
-from parallel.single import Single  # noqa: E402
+from parallel.data_parallel.ring import RingRunner, ring_all_reduce  # noqa: E402
 from trainer import TrainerConfig  # noqa: E402
 
 # odd vocabulary, so no parameter size is a multiple of 2, 3 or 4 by accident
@@ -98,8 +98,9 @@ def global_batch(step):
 
 class OneRank:
     """Just enough of a ProcessGrid for a single-process reference replica."""
-    dp_size = pp_size = tp_size = world_size = 1
-    dp_rank = pp_rank = tp_rank = rank = 0
+    dp_size = pp_size = tp_size = grad_size = world_size = 1
+    dp_rank = pp_rank = tp_rank = grad_rank = rank = 0
+    sizes = {"dp": 1, "pp": 1, "tp": 1}
     is_main = True
     device = torch.device("cpu")
 
@@ -107,11 +108,11 @@ class OneRank:
 def check_train(grid, dp, allreduce, cap, accum):
     tcfg = TrainerConfig(lr=3e-3, weight_decay=0.1)
     torch.manual_seed(1234 + grid.rank)  # replicas start DIFFERENT: the broadcast must fix it
-    strategy = build_strategy(GPT(GPT_CFG), grid,
+    strategy = parallelize(GPT(GPT_CFG), grid,
                               ParallelConfig(dp=dp, allreduce=allreduce, bucket_cap_mb=cap))
     strategy.configure_optimizer(tcfg)
     torch.manual_seed(1234)  # rank 0's initial weights
-    ref = Single(GPT(GPT_CFG), OneRank(), ParallelConfig(dp="single"))
+    ref = parallelize(GPT(GPT_CFG), OneRank(), ParallelConfig(dp="single"))
     ref.configure_optimizer(tcfg)
     comm = strategy.comm_stats()  # the start-up broadcast
     out = {"identical_each_step": [], "loss_rel_diff": 0.0, "grad_rel_diff": 0.0,
@@ -168,7 +169,7 @@ def check_unused(grid, dp, cap):
     torch.manual_seed(1234)
     model = GPT(GPT_CFG)
     model.register_parameter("spare", torch.nn.Parameter(torch.zeros(5)))  # never used
-    strategy = build_strategy(model, grid, ParallelConfig(dp=dp, bucket_cap_mb=cap))
+    strategy = parallelize(model, grid, ParallelConfig(dp=dp, bucket_cap_mb=cap))
     strategy.configure_optimizer(TrainerConfig())
     x, y = global_batch(0)
     try:
@@ -182,7 +183,7 @@ def main():
     torch.set_num_threads(1)
     dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=60))
     rank, world = dist.get_rank(), dist.get_world_size()
-    grid = ProcessGrid(world, 1, 1, torch.device("cpu"))
+    grid = ProcessGrid({"dp": world}, torch.device("cpu"))
     result = {"ring": check_ring(world, rank), "train": {}, "unused": {}}
     for dp, allreduce, cap, accum in TRAIN:
         result["train"][f"{dp}-{allreduce}-{cap}-{accum}"] = check_train(grid, dp, allreduce, cap, accum)
@@ -203,9 +204,7 @@ def report_and_exit(main):
     except BaseException:
         traceback.print_exc()
         code = 1
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(code)
+    flush_and_exit(code)
 
 
 if __name__ == "__main__":

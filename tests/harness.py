@@ -142,7 +142,7 @@ def snapshot_model(snapshot_dir):
     """The canonical model parameters of the snapshot in `snapshot_dir`, in the
     model's own parameter order."""
     from model import GPT, GPTConfig
-    from snapshot import open_snapshot
+    from checkpoint.snapshot import open_snapshot
     reader = open_snapshot(str(snapshot_dir))
     names = [n for n, _ in GPT(GPTConfig(**reader.meta["gpt_config"])).named_parameters()]
     return {n: reader.read_full(f"model/{n}") for n in names}
@@ -151,8 +151,8 @@ def snapshot_model(snapshot_dir):
 def snapshot_state(snapshot_dir):
     """{"model": {name: tensor}, "optimizer": {"state": {name: {field: tensor}}}} of a
     snapshot, in canonical names, for comparing final states across layouts."""
-    from parallel.strategy import optimizer_state_from
-    from snapshot import open_snapshot
+    from checkpoint.canonical import optimizer_state_from
+    from checkpoint.snapshot import open_snapshot
     return {"model": snapshot_model(snapshot_dir),
             "optimizer": {"state": optimizer_state_from(open_snapshot(str(snapshot_dir)))}}
 
@@ -264,5 +264,5 @@ def tiny_gpt2_cache(directory, words=TINY_BPE_WORDS):
     """A TIKTOKEN_CACHE_DIR holding a small BPE in GPT-2's two files, named as tiktoken
     caches GPT-2's own (the sha1 of the download URL): data.tokenizer=gpt2 then loads it
     through the code path of the real one, with no network. Returns the directory."""
-    from tokenizer import cache_gpt2_files, data_gym_files
+    from data.tokenizer import cache_gpt2_files, data_gym_files
     return cache_gpt2_files(directory, data_gym_files(words))

@@ -37,10 +37,9 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from dp_worker import OneRank, report_and_exit  # noqa: E402  (this directory is the script's: on sys.path)
 from model import GPT, GPTConfig  # noqa: E402
-from parallel import build_strategy  # noqa: E402
+from parallel import parallelize  # noqa: E402
 from parallel.config import ParallelConfig  # noqa: E402
 from parallel.grid import ProcessGrid  # noqa: E402
-from parallel.single import Single  # noqa: E402
 from trainer import TrainerConfig  # noqa: E402
 
 N_HEAD, N_EMBD, BLOCK, BATCH, STEPS = 4, 32, 16, 16, 4
@@ -172,15 +171,15 @@ def on_every_rank(flags):
 
 
 def check_case(case):
-    grid = ProcessGrid(case.dp, case.pp, case.tp, torch.device("cpu"))
+    grid = ProcessGrid({"dp": case.dp, "pp": case.pp, "tp": case.tp}, torch.device("cpu"))
     tcfg = TrainerConfig(lr=3e-3, weight_decay=0.1)
     torch.manual_seed(1234)
     model = GPT(gpt_config(case.vocab, case.n_layer))
-    strategy = build_strategy(model, grid, ParallelConfig(dp=case.dp_kind, tp=case.tp, pp=case.pp,
+    strategy = parallelize(model, grid, ParallelConfig(dp=case.dp_kind, tp=case.tp, pp=case.pp,
                                                           **case.parallel))
     strategy.configure_optimizer(tcfg)
     torch.manual_seed(1234)
-    ref = Single(GPT(gpt_config(case.vocab, case.n_layer)), OneRank(), ParallelConfig(dp="single"))
+    ref = parallelize(GPT(gpt_config(case.vocab, case.n_layer)), OneRank(), ParallelConfig(dp="single"))
     ref.configure_optimizer(tcfg)
     strategy.comm_stats()  # drop start-up traffic (dp broadcasts)
     out = {"loss_rel_diff": 0.0, "norm_rel_diff": 0.0, "replicated_equal": [], "tied_equal": [],
@@ -223,10 +222,10 @@ def digest():
 def check_random_streams(sequence_parallel):
     """Generator state at every dropout and attention call, and whether replicated
     parameters stay equal across TP ranks while training with dropout."""
-    grid = ProcessGrid(1, 1, dist.get_world_size(), torch.device("cpu"))
+    grid = ProcessGrid({"tp": dist.get_world_size()}, torch.device("cpu"))
     torch.manual_seed(7)
     model = GPT(gpt_config(64, dropout=0.1))
-    strategy = build_strategy(model, grid, ParallelConfig(dp="single", tp=grid.tp_size,
+    strategy = parallelize(model, grid, ParallelConfig(dp="single", tp=grid.tp_size,
                                                           sequence_parallel=sequence_parallel))
     strategy.configure_optimizer(TrainerConfig())
     seen = {"dropout": [], "attention": []}
@@ -269,10 +268,10 @@ def check_pipeline_streams():
     """Generator state at every Dropout of every stage of a pure pipeline with dropout
     on: a state seen on two stages means two layers draw the same masks."""
     world = dist.get_world_size()
-    grid = ProcessGrid(1, world, 1, torch.device("cpu"))
+    grid = ProcessGrid({"pp": world}, torch.device("cpu"))
     torch.manual_seed(7)
     model = GPT(gpt_config(64, n_layer=world, dropout=0.1))
-    strategy = build_strategy(model, grid, ParallelConfig(dp="single", pp=world, pp_schedule="1f1b",
+    strategy = parallelize(model, grid, ParallelConfig(dp="single", pp=world, pp_schedule="1f1b",
                                                           microbatches=2))
     strategy.configure_optimizer(TrainerConfig())
     seen = []

@@ -34,10 +34,9 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from dp_worker import OneRank, report_and_exit  # noqa: E402
 from layout_worker import global_batch, gpt_config  # noqa: E402
 from model import GPT  # noqa: E402
-from parallel import build_strategy  # noqa: E402
+from parallel import parallelize  # noqa: E402
 from parallel.config import ParallelConfig  # noqa: E402
 from parallel.grid import ProcessGrid  # noqa: E402
-from parallel.single import Single  # noqa: E402
 from trainer import TrainerConfig  # noqa: E402
 
 STEPS, VOCAB, LAYERS, LR = 30, 65, 2, 3e-3
@@ -72,10 +71,10 @@ def build(layout, tcfg, dropout=0.0, **more):
     pcfg = ParallelConfig(dp=kind, tp=tp, pp=pp, **{**extra, **more})
     if dp * pp * tp == 1:  # the single-process replica, on every rank
         grid = OneRank()
-        strategy = Single(model, grid, pcfg)
+        strategy = parallelize(model, grid, pcfg)
     else:
-        grid = ProcessGrid(dp, pp, tp, torch.device("cpu"))
-        strategy = build_strategy(model, grid, pcfg)
+        grid = ProcessGrid({"dp": dp, "pp": pp, "tp": tp}, torch.device("cpu"))
+        strategy = parallelize(model, grid, pcfg)
     strategy.configure_compute(tcfg)
     strategy.configure_optimizer(tcfg)
     strategy.comm_stats()  # drop start-up traffic

@@ -1,8 +1,8 @@
-"""activation_meter.py counts what autograd saves for backward, and frees it after."""
+"""telemetry/activation_meter.py counts what autograd saves for backward, and frees it after."""
 
 import torch
 
-from activation_meter import ActivationMeter
+from telemetry.activation_meter import ActivationMeter
 from model import GPT, GPTConfig
 
 

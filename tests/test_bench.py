@@ -1,4 +1,5 @@
-"""The benchmark command end to end on a tiny model: its reports carry the jobs' own numbers."""
+"""The benchmark commands: bench.run end to end on a tiny model (its reports carry the jobs'
+own numbers), and the committed results read back by the code that writes them."""
 
 import glob
 import json
@@ -9,9 +10,10 @@ from statistics import median
 
 import pytest
 
-from bench import stats
-from bench.report import fmt_ms
-from bench.run import check
+from bench import data, snapshot
+from bench.run_engine import stats, tables
+from bench.run_engine.jobs import check
+from bench.run_engine.tables import fmt_ms
 from harness import REPO, job_env, read_metrics, run_tree
 
 STEPS, WARMUP = 6, 2
@@ -82,9 +84,46 @@ def test_bench_data_prepare_reports_what_prepare_wrote(tmp_path):
     """bench.data's prepare step on a 1 MB generated corpus, as the command runs it (a
     worker process): its MB and tokens are the index's own (the full command takes
     minutes; this is the part that reads prepare's output format)."""
-    from bench import data
     size = data.generate(str(tmp_path / "text"), 1, 1)
     got = data.prepare(str(tmp_path / "text"), str(tmp_path / "tokens"), "char", 1, job_env())
     index = json.loads((tmp_path / "tokens" / "index.json").read_text())
     assert size == 2**20 and got["text_mb"] == pytest.approx(1.0, rel=0.01)
     assert got["tokens"] == index["tokens"] > 0 and got["shards"] == len(index["shards"])
+
+
+def committed(*parts):
+    return os.path.join(REPO, "docs", "bench", *parts)
+
+
+def table_rows(lines):
+    return [ln for ln in lines if ln.startswith("|")]
+
+
+# every committed results.json but the standalone commands' is bench.run's
+RUN_RESULTS = sorted({os.path.basename(os.path.dirname(p)) for p in glob.glob(
+    committed("*", "results.json"))} - {"data", "snapshot"})
+
+
+@pytest.mark.parametrize("name", RUN_RESULTS)
+def test_committed_run_results_render_as_committed(name):
+    """A committed bench.run results.json still renders through bench/run_engine/tables.py
+    into the committed tables, figure for figure (a change of the tables' format fails
+    here: the committed results then no longer read as the code writes them)."""
+    doc = json.loads(open(committed(name, "results.json")).read())
+    md = tables.markdown(doc["command"], doc["settings"], doc["variants"], doc["skipped"],
+                         doc["jobs"], "step_time.png").splitlines()
+    want = open(committed(name, "results.md")).read().splitlines()
+    assert f"    {doc['command']}" in md and table_rows(md) == table_rows(want)
+
+
+def test_committed_snapshot_and_data_results_render_as_committed():
+    """bench.snapshot's and bench.data's tables, rendered from their committed results.json,
+    are the rows of their committed results.md."""
+    snap = json.loads(open(committed("snapshot", "results.json")).read())
+    want = open(committed("snapshot", "results.md")).read().splitlines()
+    assert snapshot.table(snap["rows"]) == table_rows(want)
+    doc = json.loads(open(committed("data", "results.json")).read())
+    names = list(dict.fromkeys(r["corpus"] for r in doc["train"]))  # round 0 runs them in order
+    want = open(committed("data", "results.md")).read().splitlines()
+    assert data.prepare_table(doc["prepare"]) + data.train_table(
+        data.train_medians(doc["train"], names)) == table_rows(want)

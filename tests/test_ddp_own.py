@@ -30,7 +30,7 @@ from harness import (REPO, assert_parity, job_env, read_metrics, run_job, run_me
 from config import load_config
 from errors import UserError
 from model import GPT, GPTConfig
-from parallel.ddp_bucket import plan_buckets
+from parallel.data_parallel.bucket import plan_buckets
 
 TINY_CAP = "parallel.bucket_cap_mb=0.001"  # ~262 floats: nearly one bucket per parameter
 

@@ -16,12 +16,12 @@ import torch
 
 from harness import REPO, TINY, assert_parity, read_metrics, run_job
 
-import hf_gpt2
+from checkpoint import hf_gpt2
 from config import load_config
 from errors import UserError
-from export import export, file_digest
+from checkpoint.export import export, file_digest
 from model import GPT, GPTConfig
-from snapshot import open_snapshot, save_sharded
+from checkpoint.snapshot import open_snapshot, save_sharded
 
 transformers = pytest.importorskip("transformers")  # a test-time dependency (requirements.txt)
 
@@ -55,7 +55,7 @@ def assert_same_logits(snapshot_dir, folder):
 def write_snapshot(grid, path, gpt, tokenizer, seed=0):
     """A snapshot of a freshly initialised (or given) GPT, written in this process."""
     from parallel.config import ParallelConfig
-    from parallel.single import Single
+    from parallel import parallelize
     from trainer import TrainerConfig
     torch.manual_seed(seed)
     model = gpt if isinstance(gpt, GPT) else GPT(GPTConfig(**gpt))
@@ -63,7 +63,7 @@ def write_snapshot(grid, path, gpt, tokenizer, seed=0):
         with torch.no_grad():  # large weights, biases too: activations of order 1, where
             for p in model.parameters():  # exact and tanh GELU differ, and every bias matters
                 p.normal_(0, 0.5)
-    strategy = Single(model, grid, ParallelConfig(dp="single"))
+    strategy = parallelize(model, grid, ParallelConfig(dp="single"))
     strategy.configure_optimizer(TrainerConfig())
     from dataclasses import asdict
     save_sharded(str(path), grid, 1, strategy.shard_pieces(),
@@ -108,7 +108,7 @@ def test_gpt2_tokenizer_files_go_with_the_bpe_the_snapshot_was_trained_with(one_
     tokenizer's own end-of-text id, so model.init_from reads the data with the same BPE."""
     from harness import tiny_gpt2_cache
     import hashlib
-    from tokenizer import GPT2_FILES, build_tokenizer, cache_gpt2_files, data_gym_files
+    from data.tokenizer import GPT2_FILES, build_tokenizer, cache_gpt2_files, data_gym_files
     ours = tiny_gpt2_cache(tmp_path / "ours")
     monkeypatch.setenv("TIKTOKEN_CACHE_DIR", ours)
     tok = build_tokenizer("gpt2")
@@ -131,7 +131,7 @@ def test_gpt2_tokenizer_files_go_with_the_bpe_the_snapshot_was_trained_with(one_
         cached = os.path.join(ours, hashlib.sha1(GPT2_FILES[tiktoken_name][0].encode()).hexdigest())
         assert (tmp_path / "hf" / hf_name).read_bytes() == open(cached, "rb").read()
     # a GPT-2 folder from elsewhere (no mingpt_parallel): OpenAI's BPE, whose digest is known
-    from tokenizer import files_sha256
+    from data.tokenizer import files_sha256
     assert hf_gpt2.tokenizer_state({"vocab_size": 50257}, None, "x") == \
         {"kind": "gpt2", "sha256": files_sha256(None)}
 
@@ -252,7 +252,7 @@ def test_init_from_a_folder_of_another_shape_is_one_clear_error(one_rank_grid, t
 def test_init_from_reads_prepared_tokens_only_of_its_own_tokenizer(one_rank_grid, tmp_path):
     """model.init_from with data.tokens_path: the folder's tokenizer must be the corpus's."""
     import main
-    import prepare
+    from data import prepare
     text = tmp_path / "t.txt"
     text.write_text("abcab cabba " * 400)
     prepare.prepare(load_config([f"data.path={text}", f"data.tokens_path={tmp_path / 'tok'}",

@@ -12,7 +12,7 @@ import torch
 from config import load_config
 from errors import UserError
 from model import GPT, GPTConfig
-from parallel.fsdp_units import FlatUnit
+from parallel.data_parallel.fsdp_units import FlatUnit
 
 
 @pytest.mark.parametrize("world", [2, 3, 4])
@@ -51,7 +51,7 @@ def test_zero_stage_is_validated():
 # ---------------------------------------------------------------- stage 3: when each gather starts
 
 def expected_schedule(n_blocks, prefetch):
-    """The design (parallel/fsdp.py): with prefetch, block k's all-gather starts one unit
+    """The design (parallel/data_parallel/fsdp.py): with prefetch, block k's all-gather starts one unit
     ahead -- in forward before the previous unit computes, in backward before the next
     block's backward computes (the last block's behind the LM head); without prefetch,
     each gather starts right before its own unit needs it."""
@@ -84,15 +84,15 @@ def test_stage3_prefetch_gathers_the_next_block_while_this_one_computes(
     registered after fsdp's own, so they run once fsdp has waited for its gather).
     A prefetch of the wrong block, or of none, leaves the numbers unchanged and only
     loses the overlap: this is what sees it."""
-    from parallel import build_strategy
+    from parallel import parallelize
     from parallel.config import ParallelConfig
-    from parallel.fsdp_units import FREED
+    from parallel.data_parallel.fsdp_units import FREED
     from trainer import TrainerConfig
 
     torch.manual_seed(0)
     n_blocks = 3
     model = GPT(GPTConfig(n_layer=n_blocks, n_head=2, n_embd=16, vocab_size=11, block_size=8))
-    strategy = build_strategy(model, one_rank_grid,
+    strategy = parallelize(model, one_rank_grid,
                               ParallelConfig(dp="fsdp", zero_stage=3, prefetch=prefetch))
     strategy.configure_optimizer(TrainerConfig())
     label = {id(u): k for k, u in enumerate(strategy.blocks)} | {id(strategy.root): "root"}

@@ -9,7 +9,7 @@ import torch
 from char_dataset import embedded_corpus
 from config import load_config
 from harness import REPO, read_metrics, run_job, tiny_gpt2_cache
-from prepare import prepare
+from data.prepare import prepare
 
 PRESET = "config=" + os.path.join(REPO, "configs", "gpt2-124m.yaml")
 

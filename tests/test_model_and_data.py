@@ -131,7 +131,7 @@ def test_gpt2_tokenizer_loads_tiktoken_cache_files(tmp_path, monkeypatch):
 
 
 def test_char_tokenizer_encodes_slice_by_slice(monkeypatch):
-    import tokenizer
+    from data import tokenizer
     monkeypatch.setattr(tokenizer, "SLICE", 7)
     text = embedded_corpus(2_000) + "caf\u00e9 \U0001F600"
     tok = build_tokenizer("char", text)

@@ -147,10 +147,10 @@ def test_zero1_sends_what_ddp_sends(tmp_path_factory, nproc, overrides):
     """Stage 1 steps on its own shard, so per optimizer step (whatever grad_accum) it
     needs one reduce-scatter of each unit's full gradient and one all-gather of each
     unit's updated shard, nothing more: on the wire, 1.00x DDP's all-reduce of the
-    gradient (bench/stats.py's textbook), up to the padding that makes a unit divide
+    gradient (bench/run_engine/stats.py's textbook), up to the padding that makes a unit divide
     by N. Exact bytes in parallel/comm.py's convention (reduce-scatter: its input,
     all-gather: its output, both the padded flat unit; plus the norm's scalar)."""
-    from bench import stats
+    from bench.run_engine import stats
     metrics, snapshot = run(tmp_path_factory, nproc, overrides)
     units = {}
     for name, t in snapshot["model"].items():  # a block per unit, the rest is the root

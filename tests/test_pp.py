@@ -24,7 +24,7 @@ import pytest
 from harness import (assert_layout_matches, assert_parity, layout_worker_result, run_job,
                      run_metrics, save_then_resume)
 from layout_worker import BATCH, BLOCK, CASES, N_EMBD
-from parallel import pp_schedules
+from parallel.pipeline_parallel import schedules as pp_schedules
 
 # ---------------------------------------------------------------- schedules, in process
 
@@ -154,14 +154,14 @@ def test_schedule_through_main_matches_single_with_validation_and_bubble(
 
 def test_torch_pipelining_reference_matches_single(tmp_path, single4):
     """The benchmark's reference: torch.distributed.pipelining's schedules on our split."""
-    got = run_metrics(tmp_path, 2, ["parallel.dp=torch_pp", "parallel.pp=2",
+    got = run_metrics(tmp_path, 2, ["parallel.pp_impl=torch", "parallel.pp=2",
                                     "parallel.pp_schedule=interleaved", "parallel.microbatches=2",
                                     "parallel.pp_virtual_stages=2"] + FOUR)
     assert_parity(single4, got)
 
 
 def test_1f1b_holds_fewer_activations_than_gpipe(tmp_path):
-    """Measured (activation_meter.py): with M=6 micro-batches on 2 stages, stage 0 holds
+    """Measured (telemetry/activation_meter.py): with M=6 micro-batches on 2 stages, stage 0 holds
     6 micro-batches' activations under GPipe, at most 2 under 1F1B."""
     common = ["parallel.dp=single", "parallel.pp=2", "parallel.microbatches=6",
               "trainer.measure_activations=true", "trainer.max_steps=2"]

@@ -11,15 +11,15 @@ import random
 import numpy as np
 import pytest
 
-import prepare as prepare_module
-import text_chunks
+from data import prepare as prepare_module
+from data import text_chunks
 from char_dataset import DataConfig, open_data, split_tokens
 from config import load_config
 from errors import UserError
 from harness import tiny_gpt2_cache
-from text_chunks import list_sources, plan_chunks, read_chunk
-from token_shards import TokenCorpus
-from tokenizer import build_tokenizer
+from data.text_chunks import list_sources, plan_chunks, read_chunk
+from data.token_shards import TokenCorpus
+from data.tokenizer import build_tokenizer
 
 
 def awkward_text(n, seed=0):
@@ -303,7 +303,7 @@ def test_a_snapshot_resumes_on_a_copy_of_its_tokens_not_on_other_tokens(tmp_path
     """Snapshots know prepared tokens by a fingerprint of the index, not by their path."""
     import shutil
     from char_dataset import data_identity
-    from trainer import check_resumable
+    from checkpoint.resume import check_resumable
     shutil.copytree(corpus, tmp_path / "copy")
     other = tmp_path / "other.txt"
     other.write_text(awkward_text(20001, seed=4))

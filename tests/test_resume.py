@@ -26,7 +26,7 @@ import torch.distributed as dist
 from char_dataset import embedded_corpus
 from harness import (TINY, assert_parity, command, job_env, kill_tree, read_metrics, run_job,
                      run_metrics)
-from snapshot import open_snapshot
+from checkpoint.snapshot import open_snapshot
 
 # a short corpus makes an epoch 10 steps long, so the run crosses epoch boundaries
 # and the kill lands mid-epoch; a wider model makes steps slow enough to kill mid-run
@@ -133,14 +133,14 @@ def grid():
     import torch
     from parallel.grid import ProcessGrid
     dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-    yield ProcessGrid(1, 1, 1, torch.device("cpu"))
+    yield ProcessGrid({}, torch.device("cpu"))
     dist.destroy_process_group()
 
 
 def train_in_process(grid, run_dir, overrides, crash_after=None):
     """main.train in this process: (console output, steps it logged)."""
     import main
-    from trainer import MetricsLog
+    from telemetry.metrics import MetricsLog
     cfg = main.load_config(TINY + CRASH + overrides + [f"trainer.run_dir={run_dir}"], 1)
     logged, real_write = [], MetricsLog.write
 

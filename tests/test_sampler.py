@@ -1,4 +1,4 @@
-"""The sample order (permutation.py, char_dataset.GlobalBatches), in process: a
+"""The sample order (data/permutation.py, data/sampling.GlobalBatches), in process: a
 permutation of every window per epoch, O(batch) per step whatever the corpus size,
 random-looking, and the old randperm order still reproducible for old snapshots."""
 
@@ -13,9 +13,9 @@ from char_dataset import GlobalBatches
 from config import load_config
 from errors import UserError
 from harness import REPO
-from permutation import Permutation
-from snapshot import open_snapshot
-from trainer import check_resumable
+from data.permutation import Permutation
+from checkpoint.snapshot import open_snapshot
+from checkpoint.resume import check_resumable
 
 
 @pytest.mark.parametrize("n", [1, 2, 3, 5, 64, 65, 1000, 4097])

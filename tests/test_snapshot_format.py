@@ -8,7 +8,7 @@ import torch
 
 from errors import UserError
 from harness import run_job
-from snapshot import open_snapshot, save_sharded
+from checkpoint.snapshot import open_snapshot, save_sharded
 
 META = {"gpt_config": {}}
 
@@ -99,7 +99,7 @@ def test_commit_point_is_written_last_so_a_failed_write_keeps_previous_snapshot(
 def test_names_from_a_snapshot_must_be_plain_and_whole(name):
     """Names read from latest.json and manifests are matched whole, in ASCII: a trailing
     newline, other digits, a path, or a short number is no step directory."""
-    from snapshot_dirs import STEP_DIR, checked_name
+    from checkpoint.snapshot_dirs import STEP_DIR, checked_name
     assert checked_name("step-00000004", STEP_DIR, "step-00000120", "latest.json", "snap") == "step-00000004"
     with pytest.raises(UserError, match="must not lead outside it"):
         checked_name(name, STEP_DIR, "step-00000120", "latest.json", "snap")

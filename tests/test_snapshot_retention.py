@@ -10,7 +10,7 @@ import torch
 
 from errors import UserError
 from harness import read_metrics, run_job
-from snapshot import open_snapshot, save_sharded, step_to_resume
+from checkpoint.snapshot import open_snapshot, save_sharded, step_to_resume
 
 
 def meta(resume_step=-1):
@@ -64,7 +64,7 @@ def test_writing_a_resumed_runs_step_again_never_leaves_the_commit_point_danglin
     """Resumed from step 8 (kept: 8, 16; latest.json names 16), the run reaches 16 again:
     latest.json is pointed back at 8 before step 16's directory goes, so a write that
     dies half-way leaves a loadable snapshot (in process: the part write fails)."""
-    import snapshot
+    from checkpoint import snapshot
     path = str(tmp_path / "snap")
     for step in (8, 16):
         write(path, one_rank_grid, step, keep=2)

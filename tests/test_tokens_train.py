@@ -60,7 +60,7 @@ def test_a_shard_damaged_mid_run_stops_every_rank_with_one_line(tmp_path, shards
     rank 1, whose windows are fine, must stop too instead of waiting for rank 0 in the
     next collective."""
     from char_dataset import GlobalBatches
-    from token_shards import TokenCorpus
+    from data.token_shards import TokenCorpus
     root, tokens, _, _ = shards_run
     shutil.copytree(tokens, tmp_path / "tokens")
     shutil.copytree(root / "run" / "runs" / "default" / "snapshot", tmp_path / "snapshot")

@@ -23,7 +23,7 @@ import pytest
 from harness import (REPO, assert_layout_matches, assert_parity, layout_worker_result,
                      read_metrics, run_job, run_metrics, save_then_resume)
 from layout_worker import BATCH, BLOCK, CASES, N_EMBD
-from snapshot import open_snapshot
+from checkpoint.snapshot import open_snapshot
 
 
 # ---------------------------------------------------------------- torchrun workers
@@ -127,7 +127,7 @@ def test_torch_tp_reference_matches_single_and_resumes_into_ours(tmp_path):
     snapshot (gathered, c_attn rows permuted back) resumes under our tp=2."""
     ref = run_metrics(tmp_path, 1, ["parallel.dp=single"] + CONSTANT)
     workdir = tmp_path / "torch_tp"
-    saved = run_job(workdir, 2, ["parallel.dp=torch_tp", "parallel.tp=2", "trainer.max_steps=3"]
+    saved = run_job(workdir, 2, ["parallel.tp_impl=torch", "parallel.tp=2", "trainer.max_steps=3"]
                     + CONSTANT)
     assert saved.returncode == 0, saved.stderr[-3000:]
     assert_parity(ref[:3], read_metrics(workdir / "runs" / "default"))

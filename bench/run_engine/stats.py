@@ -1,0 +1,245 @@
+"""From the jobs' metrics.jsonl records to one summary per variant, plus textbook figures.
+
+Metrics come from rank 0 only (the trainer logs on the main rank): step time is
+rank 0's wall time of the whole optimizer step, which ends with a collective
+(the loss average), so it is the slowest rank's time too; memory and traffic
+are rank 0's, which is representative when ranks do the same work.
+"""
+
+import json
+import math
+import os
+from dataclasses import asdict
+from statistics import median
+
+# Bytes a bandwidth-optimal (ring) algorithm makes each of n ranks send, per byte
+# of the payload our counter records (parallel/comm.py: the all_reduce tensor,
+# the all_gather output, the reduce_scatter input, what a send sends).
+WIRE_PER_PAYLOAD = {
+    "all_reduce": lambda n: 2 * (n - 1) / n,   # reduce-scatter + all-gather
+    "all_gather": lambda n: (n - 1) / n,
+    "reduce_scatter": lambda n: (n - 1) / n,
+    "broadcast": lambda n: (n - 1) / n,        # pipelined ring: on average per rank
+    "send": lambda n: 1.0,
+}
+
+
+def read_metrics(path):
+    if not os.path.exists(path):
+        return []
+    with open(path) as f:
+        return [json.loads(line) for line in f if line.strip()]
+
+
+def meta_gpt(cfg):
+    """The GPT these jobs train, on the meta device (shapes only: no memory, no init
+    cost), or None when the vocabulary cannot be known here."""
+    import torch
+    from char_dataset import build_tokenizer, load_text
+    from model import GPT, GPTConfig
+    try:
+        vocab = build_tokenizer(cfg.data.tokenizer, load_text(cfg.data.path)).vocab_size
+    except Exception as e:  # e.g. gpt2 tokenizer files missing: report without textbook figures
+        print(f"note: cannot count parameters ({e}); textbook columns stay empty")
+        return None
+    with torch.device("meta"):
+        return GPT(GPTConfig(**asdict(cfg.model), vocab_size=vocab, block_size=cfg.data.block_size))
+
+
+def count_params(cfg):
+    """Unique parameters of the GPT these jobs train (tied embedding counted once)."""
+    model = meta_gpt(cfg)
+    return model.num_params() if model is not None else None
+
+
+def tp_parameters(cfg, tp):
+    """Parameters on each rank under our tensor parallelism of degree tp, from the
+    placements parallel/tensor_parallel/apply.py gives rank 0: {"split": elements of
+    the tensors TP cuts (this rank's slice, vocabulary padding included),
+    "replicated": elements of those every rank holds, "replicated_names": which}."""
+    from types import SimpleNamespace
+
+    import torch
+    from parallel.comm import CommCounter
+    from parallel.tensor_parallel.apply import apply_tensor_parallel
+    model = meta_gpt(cfg)
+    if model is None:
+        return None
+    grid = SimpleNamespace(tp_group=None, tp_size=tp, tp_rank=0, device=torch.device("cpu"))
+    placements, _ = apply_tensor_parallel(model, grid, SimpleNamespace(sequence_parallel=False),
+                                          CommCounter())
+    out = {"split": 0, "split_canonical": 0, "replicated": 0, "replicated_names": set()}
+    for p in placements.values():
+        out["replicated" if p.tp_replicated else "split"] += math.prod(p.local_shape)
+        if not p.tp_replicated:
+            out["split_canonical"] += math.prod(p.shape)
+        if p.tp_replicated:  # a block's "...ln_1.weight" -> "ln_1.weight"
+            out["replicated_names"].add(".".join(p.name.split(".")[-2:]))
+    out["replicated_names"] = sorted(out["replicated_names"])
+    return out
+
+
+def pp_textbook(cfg, pipe):
+    """Pure pipeline, rank 0 (stage 0, chunks 0, P, 2P, ...) per step: each of its V chunks
+    sends one activation per micro-batch forward, each but chunk 0 one gradient back
+    (together (2V-1) x batch x tokens x width x 4 bytes, point to point: wire = payload),
+    plus the tied embedding's gradient to the last stage and the norm's scalar; state: 16
+    bytes per parameter of its chunks (blocks, embeddings)."""
+    from parallel import model_plan
+    from parallel.pipeline_parallel.schedules import chunk_blocks
+    model = meta_gpt(cfg)
+    C, T, B = cfg.model.n_embd, cfg.data.block_size, cfg.trainer.batch_size
+    named = dict(model.named_parameters())
+    tied = named[model_plan.TIED].numel()
+    payload = (2 * pipe["V"] - 1) * B * T * C * 4 + 4 * tied + 4
+    P, V = pipe["P"], pipe["V"]
+    chunks = chunk_blocks(cfg.model.n_layer, P * V, cfg.parallel.pp_layers)
+    prefixes = {pre for c in range(0, P * V, P)  # rank 0's chunks: 0, P, 2P, ...
+                for pre in model_plan.chunk_prefixes(chunks[c], c == 0, c == P * V - 1)}
+    params = sum(p.numel() for n, p in named.items() if any(n.startswith(pre) for pre in prefixes))
+    return {"grad_bytes": 4 * params, "payload_bytes": payload, "wire_bytes": payload,
+            "state_bytes": 16 * params}
+
+
+def tp_textbook(cfg, n):
+    """Megatron's traffic for pure TP on n ranks, per rank and optimizer step: per layer
+    and micro-batch four all-reduces of one activation (two forward, two backward),
+    plus one each for the embedding and the LM head input and the loss's two
+    scalar-per-token all-reduces; a ring sends 2(n-1)/n of each."""
+    L, C, T = cfg.model.n_layer, cfg.model.n_embd, cfg.data.block_size
+    M = cfg.trainer.grad_accum
+    rows = cfg.trainer.batch_size // M
+    per_micro = (4 * L + 2) * rows * T * C * 4 + 3 * rows * T * 4
+    payload = M * per_micro + 4  # + the gradient norm
+    return {"payload_bytes": payload, "wire_bytes": 2 * (n - 1) / n * payload}
+
+
+def textbook(params, n, zero_stage):
+    """Per rank per step for fp32 + Adam on n ranks (the ZeRO paper's formulas).
+    payload: what our counter would record; wire: what a ring makes a rank send;
+    state: parameters + gradients + Adam's two moments, 16 bytes/param, /n where sharded."""
+    if not params:
+        return None
+    g, f = 4 * params, (n - 1) / n
+    if n == 1:
+        return {"grad_bytes": g, "payload_bytes": 0, "wire_bytes": 0, "state_bytes": 16 * params}
+    return {"grad_bytes": g,
+            # DDP: all-reduce the gradient; ZeRO-1/2: reduce-scatter it + all-gather the
+            # parameters; ZeRO-3: all-gather twice (forward, backward) + reduce-scatter
+            "payload_bytes": g * (1, 2, 2, 3)[zero_stage],
+            "wire_bytes": 2 * f * g * (1.5 if zero_stage == 3 else 1.0),
+            "state_bytes": (16 * params, 8 * params + 8 * params / n,
+                            4 * params + 12 * params / n, 16 * params / n)[zero_stage]}
+
+
+def kept(job, warmup):
+    return job["records"][warmup:]
+
+
+def job_median_ms(job, warmup):
+    return median(r["step_ms"] for r in kept(job, warmup))
+
+
+def comm_per_step(records, n):
+    """Median over steps of every comm_* counter, plus the ring wire estimate."""
+    keys = sorted({k for r in records for k in r if k.startswith("comm_")})
+    comm = {k: median(r.get(k, 0) for r in records) for k in keys}
+    wire = 0.0
+    for k, value in comm.items():
+        kind = k[len("comm_"):-len("_bytes")] if k.endswith("_bytes") else None
+        if kind and kind in WIRE_PER_PAYLOAD:
+            wire += value * WIRE_PER_PAYLOAD[kind](n)
+        elif kind:  # a collective this table does not know: count its payload once
+            wire += value
+    comm["wire_bytes_est"] = wire
+    return comm
+
+
+def ratio(by_round, a, b):
+    """Median over rounds of (a's median step / b's median step) within the round."""
+    per_round = [by_round[a, r] / by_round[b, r] for (name, r) in sorted(by_round)
+                 if name == a and (b, r) in by_round]
+    return {"median": median(per_round), "per_round": per_round} if per_round else None
+
+
+def loss_diff(jobs, a, b):
+    """Max relative per-step loss difference between the first good jobs of a and b:
+    a fast variant that trains a different model is not a result."""
+    first = {}
+    for j in jobs:
+        first.setdefault(j["variant"], j)
+    if a not in first or b not in first:
+        return None
+    la, lb = ([r["loss"] for r in first[x]["records"]] for x in (a, b))
+    if len(la) != len(lb):
+        return None
+    return max(abs(x - y) / max(abs(y), 1e-12) for x, y in zip(la, lb))
+
+
+def pipeline_shape(variant, ranks):
+    """P, M, V and the schedule of a variant that runs a pipeline over all its ranks, or None."""
+    keys = dict(o.split("=", 1) for o in variant.overrides)
+    if "parallel.pp" not in keys:
+        return None
+    return {"P": ranks, "M": int(keys.get("parallel.microbatches", 1)),
+            "V": int(keys.get("parallel.pp_virtual_stages", 1)),
+            "schedule": keys.get("parallel.pp_schedule", "1f1b")}
+
+
+def pipeline_figures(variant, ranks, recs, jobs):
+    """Measured bubble (pp_bubble: the idle share of the schedule, mean over stages) and
+    busy/idle per stage, beside the textbook (P-1)/(M+P-1), divided by V interleaved;
+    the first job's timeline of its last step. None for a variant without a pipeline."""
+    shape = pipeline_shape(variant, ranks)
+    if not recs or "pp_bubble" not in recs[0]:
+        return None
+    P, M, V = shape["P"], shape["M"], shape["V"]
+    stages = sorted(int(k[len("pp_busy_ms_stage"):]) for k in recs[0] if k.startswith("pp_busy_ms_stage"))
+    return {**shape, "bubble": median(r["pp_bubble"] for r in recs),
+            "textbook_bubble": (P - 1) / (M + P - 1) / V,
+            "busy_ms": [median(r[f"pp_busy_ms_stage{s}"] for r in recs) for s in stages],
+            "idle_ms": [median(r[f"pp_idle_ms_stage{s}"] for r in recs) for s in stages],
+            "timeline": next((j["timeline"] for j in jobs if j.get("timeline")), None)}
+
+
+def summarize(jobs, variants, params, warmup, cfg=None):
+    """variants: [(Variant, ranks, threads)]; failed jobs are left out of every figure.
+    cfg: the jobs' config (model, data, batch), for the tensor-parallel figures."""
+    ok = [j for j in jobs if j["ok"]]
+    by_round = {(j["variant"], j["round"]): job_median_ms(j, warmup) for j in ok}
+    out = {}
+    for v, ranks, threads in variants:
+        mine = [j for j in ok if j["variant"] == v.name]
+        if not mine:
+            continue
+        recs = [r for j in mine for r in kept(j, warmup)]
+        out[v.name] = {
+            "ranks": ranks, "threads": threads, "reference": v.reference, "note": v.note,
+            "jobs": len(mine), "steps_kept": len(recs),
+            "step_ms": median(r["step_ms"] for r in recs),
+            "step_ms_per_round": [by_round[v.name, j["round"]] for j in mine],
+            "tokens_per_s": median(r["tokens_per_s"] for r in recs),
+            "peak_mem_mb": max(r["peak_mem_mb"] for j in mine for r in j["records"]),
+            "state_bytes": max(r["state_bytes"] for r in recs),
+            "activation_peak_mb": max((r["activation_peak_mb"] for r in recs
+                                       if "activation_peak_mb" in r), default=None),
+            "comm": comm_per_step(recs, ranks),
+            "vs_single": ratio(by_round, v.name, "single"),
+            "vs_reference": ratio(by_round, v.name, v.reference) if v.reference else None,
+            "loss_rel_diff_vs_single": loss_diff(ok, v.name, "single"),
+            "textbook": textbook(params, ranks, v.zero_stage),
+        }
+        out[v.name]["pipeline"] = pipeline_figures(v, ranks, recs, mine)
+        # PyTorch's references communicate through torch, not our counted comm
+        out[v.name]["traffic_counted"] = not any(
+            o.startswith("parallel.dp=torch_") or o.endswith("_impl=torch") for o in v.overrides)
+        if pipeline_shape(v, ranks) and cfg is not None and params:
+            out[v.name]["textbook"] = pp_textbook(cfg, pipeline_shape(v, ranks))
+        if v.tensor_parallel and cfg is not None and params:
+            layout = tp_parameters(cfg, ranks)
+            book = out[v.name]["textbook"] = {**tp_textbook(cfg, ranks),
+                                             "grad_bytes": 4 * params}
+            if layout:
+                book["state_bytes"] = 16 * (layout["split"] + layout["replicated"])
+                out[v.name]["tp_parameters"] = layout
+    return out

@@ -1,0 +1,171 @@
+"""bench.run's results.md: its tables and their notes, from stats.summarize's summary.
+
+One function per section; markdown() puts them in order under bench.report's header.
+"""
+
+import re
+
+from bench.report import header, table
+
+MiB = 2**20
+
+
+def fmt_ms(x):
+    return f"{x:.1f}" if x >= 10 else f"{x:.2f}"
+
+
+def fmt_ratio(r):
+    if not r:
+        return "-"
+    lo, hi = min(r["per_round"]), max(r["per_round"])
+    spread = f" ({lo:.2f}-{hi:.2f})" if len(r["per_round"]) > 1 else ""
+    return f"{r['median']:.2f}x{spread}"
+
+
+def fmt_mib(b):
+    return "-" if b is None else f"{b / MiB:.2f}"
+
+
+def last_line(text):
+    """The line that says why a job failed: main.py's 'error...' line or a Python
+    exception, not the banner torchrun prints after it."""
+    lines = [ln.strip() for ln in text.splitlines() if any(c.isalpha() for c in ln)]
+    why = [ln for ln in lines if re.match(r"error( on rank \d+)?: |\w*(Error|Exception)\b", ln)]
+    return (why or lines or [""])[-1]
+
+
+def step_time(summary):
+    rows = []
+    for name, v in summary.items():
+        ref = f"{fmt_ratio(v['vs_reference'])} vs {v['reference']}" if v["reference"] else "-"
+        diff = v["loss_rel_diff_vs_single"]
+        rows.append([name, f"{v['ranks']} x {v['threads']}", fmt_ms(v["step_ms"]),
+                     f"{v['tokens_per_s']:.0f}",
+                     "baseline" if name == "single" else fmt_ratio(v["vs_single"]), ref,
+                     "-" if diff is None else f"{diff:.1e}"])
+    return ["", "## Step time", "",
+            *table(["variant", "ranks x threads", "step ms", "tokens/s", "vs single",
+                    "vs reference", "loss rel. diff vs single"], rows, "llrrrrr"),
+            "", "Step ms and tokens/s: medians over every kept step of every round. Ratios: "
+            "within each round, this variant's median step over the other's; then the median "
+            "over rounds (min-max in brackets)."]
+
+
+def communication(summary):
+    rows = []
+    for name, v in summary.items():
+        c, t = v["comm"], v["textbook"] or {}
+        counted = v.get("traffic_counted", True) and (c.get("comm_calls", 0) > 0 or v["ranks"] == 1)
+        wire, book = c["wire_bytes_est"], t.get("wire_bytes")
+        rows.append([name, format(c.get("comm_calls", 0), "g") if counted else "-",
+                     fmt_mib(c.get("comm_bytes", 0)) if counted else "not counted",
+                     fmt_mib(wire) if counted else "-", fmt_mib(book),
+                     f"{wire / book:.2f}x" if counted and book else "-",
+                     fmt_mib(v["state_bytes"]), fmt_mib(t.get("state_bytes")),
+                     f"{v['peak_mem_mb']:.0f}"])
+    return [
+        "", "## Communication and memory (rank 0, per optimizer step)", "",
+        *table(["variant", "comm calls", "payload MiB", "est. wire MiB", "textbook wire MiB",
+                "wire / textbook", "state MiB", "textbook state MiB", "peak RSS MiB"],
+               rows, "l" + "r" * 8),
+        "", "- payload: bytes handed to collectives (parallel/comm.py: the all_reduce tensor, "
+        "the all_gather output, the reduce_scatter input). Est. wire: what a ring algorithm "
+        "would make one rank send for that payload (all-reduce 2(N-1)/N, all-gather and "
+        "reduce-scatter (N-1)/N). Textbook wire: one gradient (4 bytes x params) all-reduced by "
+        "a ring, 2(N-1)/N x gradient bytes, for DDP and ZeRO-1/2; 1.5x that for ZeRO-3 (TP and "
+        "pipeline variants: their own textbook, see below).",
+        "- 'not counted': PyTorch's own DDP/FSDP/TP/pipelining send through their own code, not "
+        "our counter.",
+        "- state: parameters + gradients + optimizer state on the rank at the end of a step "
+        "(fp32 Adam: 16 bytes/param, /N for what a ZeRO stage shards). Peak RSS: max resident "
+        "memory of rank 0's process (Python and torch included), max over the logged steps.",
+    ]
+
+
+def activations(summary):
+    acts = {n: v["activation_peak_mb"] for n, v in summary.items() if v.get("activation_peak_mb")}
+    if not acts:
+        return []
+    rows = [[name, f"{mb:.1f}", f"{mb / acts['single']:.2f}x" if acts.get("single") else "-"]
+            for name, mb in acts.items()]
+    return ["", "## Activation memory (rank 0, peak per step)", "",
+            *table(["variant", "saved for backward MiB", "vs single"], rows, "lrr"),
+            "", "- bytes of the tensors autograd holds for backward (activation_meter.py, "
+            "`trainer.measure_activations=true`), peak within a step."]
+
+
+def pipelines(summary):
+    pipes = {n: v["pipeline"] for n, v in summary.items() if v.get("pipeline")}
+    if not pipes:
+        return []
+    rows = [[name, f"{p['P']} x {p['M']}" + (f" x {p['V']}" if p["V"] > 1 else ""),
+             f"{p['bubble']:.3f}", f"{p['textbook_bubble']:.3f}",
+             " / ".join(f"{b:.1f}" for b in p["busy_ms"]),
+             " / ".join(f"{i:.1f}" for i in p["idle_ms"])] for name, p in pipes.items()]
+    lines = ["", "## Pipeline: bubble and busy time (per stage, median step)", "",
+             *table(["variant", "P x M (x V)", "bubble measured", "textbook (P-1)/(M+P-1)/V",
+                     "busy ms per stage", "idle ms per stage"], rows, "llrrll"),
+             "", "- bubble: the idle share of each stage's schedule (time waiting for a "
+             "neighbour, from the start of the step's first action to the end of its last), "
+             "averaged over stages; busy: time computing forwards and backwards. The "
+             "textbook assumes equal stages, a backward costing what a forward does and "
+             "free communication.",
+             "- pipeline textbook traffic (rank 0, point to point, so wire = payload): one "
+             "activation forward per micro-batch from each of its V chunks and one gradient "
+             "back into each but the first, (2V-1) x batch x tokens x width x 4 bytes a "
+             "step, plus the tied embedding's gradient (to the last stage) and the norm's "
+             "scalar; textbook state: 16 bytes per parameter of rank 0's chunks."]
+    if any(p["timeline"] for p in pipes.values()):
+        lines += ["", "![pipeline timelines](pipeline_timeline.png)"]
+    return lines
+
+
+def tensor_parallel(summary):
+    tp = {n: v for n, v in summary.items() if v.get("tp_parameters")}
+    if not tp:
+        return []
+    rows = []
+    for name, v in tp.items():
+        t = v["tp_parameters"]
+        rows.append([name, f"{t['split']:,} / {t['split_canonical']:,}",
+                     f"{t['split'] / t['split_canonical']:.4f} (1/{v['ranks']} = "
+                     f"{1 / v['ranks']:.4f})", f"{t['replicated']:,}",
+                     ", ".join(t["replicated_names"])])
+    return ["", "## Tensor parallelism: parameters per rank", "",
+            *table(["variant", "split tensors: this rank / whole", "share",
+                    "replicated tensors (every rank)", "which"], rows, "lrrrl"),
+            "", "- split: elements of the weights TP cuts (attention and MLP matrices, "
+            "their column-parallel biases, the vocabulary-padded embedding) held by one "
+            "rank; replicated: elements every rank holds in full. For TP variants the "
+            "textbook traffic is Megatron's: per layer and micro-batch four all-reduces of "
+            "one activation (batch x tokens x width x 4 bytes), plus the embedding, the LM "
+            "head input and the loss's scalars per token; textbook state: 16 bytes per "
+            "local parameter."]
+
+
+def left_out(skipped, jobs):
+    lines = ["", "## Skipped", "", *(f"- {n}: {why}" for n, why in skipped.items())] if skipped else []
+    failed = [j for j in jobs if not j["ok"]]
+    if failed:
+        lines += ["", "## Failed jobs (left out of every figure)", ""]
+        lines += [f"- round {j['round']} {j['variant']}: exit {j['returncode']}, "
+                  f"{len(j['records'])} steps logged: `{last_line(j['error'])}`"
+                  for j in failed]
+    return lines
+
+
+def markdown(cmd, settings, summary, skipped, jobs, chart):
+    """results.md; settings: run.py's, bench.report.environment() included; chart: the
+    step-time chart's file name, or None when it could not be drawn."""
+    s = settings
+    details = [f"model/data/batch, same for every variant: `{' '.join(s['overrides'])}`",
+               f"{s['params']:,} parameters; one fp32 gradient = {fmt_mib(4 * s['params'])} MiB"
+               if s["params"] else "parameters: not counted",
+               f"rounds: {s['rounds']}, {s['steps']} steps per job, first {s['warmup']} steps of "
+               "each job dropped; jobs alternate within each round"]
+    lines = [*header(f"Benchmark: {s['model']} model, {s['nproc']} ranks", cmd, details, s),
+             *step_time(summary), *communication(summary), *activations(summary),
+             *pipelines(summary), *tensor_parallel(summary), *left_out(skipped, jobs),
+             "", f"![step time and traffic]({chart})" if chart else
+             "(no chart: matplotlib is not installed)", ""]
+    return "\n".join(lines)

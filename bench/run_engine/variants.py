@@ -1,0 +1,154 @@
+"""What the benchmark runs: layouts ("variants"), presets of them, and model sizes.
+
+A variant is a name, a process count, threads per process and the overrides
+that pick its strategy. Variants of strategies that are not merged yet stay
+listed: bench.run skips them with a note when the config rejects their keys, so
+the same command picks them up the day they land.
+
+`ranks=0` means "the --nproc of this invocation" (2 by default), and `{nproc}`
+in an override is replaced by it (a TP degree spanning every rank). The single
+process gets as many threads as the others have ranks (2 ranks x 1 thread
+against one process x 2 threads: the same cores).
+"""
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class Variant:
+    name: str                # what --variants and the report call it
+    overrides: tuple         # key=value for main.py
+    ranks: int = 0           # processes; 0 = --nproc
+    threads: int = 1         # OMP threads per process; 0 = --nproc (the single process)
+    reference: str = ""      # the PyTorch implementation its time is compared with
+    zero_stage: int = 0      # textbook figures: 0 = replicated (DDP), 1/2/3 = ZeRO stage
+    tensor_parallel: bool = False  # textbook figures: pure TP over all ranks (activation traffic)
+    note: str = ""
+
+
+VARIANTS = [
+    Variant("single", ("parallel.dp=single",), ranks=1, threads=0,
+            note="one process, as many threads as the others have ranks"),
+    Variant("single_1t", ("parallel.dp=single",), ranks=1, threads=1,
+            note="one process, one thread"),
+    Variant("torch_ddp", ("parallel.dp=torch_ddp",), note="PyTorch DDP (reference)"),
+    Variant("ddp_naive", ("parallel.dp=ddp_naive",), reference="torch_ddp",
+            note="one all-reduce per parameter"),
+    Variant("ddp_bucket", ("parallel.dp=ddp_bucket", "parallel.allreduce=native"),
+            reference="torch_ddp", note="buckets, torch's all-reduce"),
+    Variant("ddp_bucket_ring", ("parallel.dp=ddp_bucket", "parallel.allreduce=ring"),
+            reference="torch_ddp", note="buckets, our ring all-reduce"),
+    Variant("torch_fsdp", ("parallel.dp=torch_fsdp",), zero_stage=3,
+            note="PyTorch FSDP2 fully_shard (reference)"),
+    Variant("fsdp1", ("parallel.dp=fsdp", "parallel.zero_stage=1"), reference="torch_fsdp",
+            zero_stage=1, note="ZeRO-1: optimizer state sharded"),
+    Variant("fsdp2", ("parallel.dp=fsdp", "parallel.zero_stage=2"), reference="torch_fsdp",
+            zero_stage=2, note="ZeRO-2: + gradients"),
+    Variant("fsdp3", ("parallel.dp=fsdp", "parallel.zero_stage=3"), reference="torch_fsdp",
+            zero_stage=3, note="ZeRO-3: + parameters"),
+    Variant("fsdp3_noprefetch", ("parallel.dp=fsdp", "parallel.zero_stage=3",
+                                 "parallel.prefetch=false"), reference="torch_fsdp",
+            zero_stage=3, note="ZeRO-3 without prefetching the next unit"),
+    Variant("torch_tp", ("parallel.tp_impl=torch", "parallel.dp=single", "parallel.tp={nproc}"),
+            tensor_parallel=True,
+            note="PyTorch DTensor TP: parallelize_module, colwise/rowwise, loss_parallel (reference)"),
+    Variant("tp", ("parallel.dp=single", "parallel.tp={nproc}"), reference="torch_tp",
+            tensor_parallel=True, note="own TP: Megatron f/g, vocabulary-parallel embedding and loss"),
+    Variant("tp_sp", ("parallel.dp=single", "parallel.tp={nproc}", "parallel.sequence_parallel=true"),
+            reference="torch_tp", tensor_parallel=True,
+            note="own TP + sequence parallelism (all-gather / reduce-scatter)"),
+]
+
+
+def pipeline_variants():
+    """Own and torch.distributed.pipelining schedules on the same split (pp = --nproc, M = 4),
+    and own GPipe / 1F1B at M = 2, 4, 8 for activation memory."""
+    out = []
+    for schedule, extra in (("gpipe", ()), ("1f1b", ()),
+                            ("interleaved", ("parallel.pp_virtual_stages=2",))):
+        common = ("parallel.pp={nproc}", f"parallel.pp_schedule={schedule}",
+                  "parallel.microbatches=4") + extra
+        out.append(Variant(f"torch_pp_{schedule}", ("parallel.pp_impl=torch", "parallel.dp=single") + common,
+                           note=f"torch.distributed.pipelining {schedule} (reference)"))
+        out.append(Variant(f"pp_{schedule}", ("parallel.dp=single",) + common,
+                           reference=f"torch_pp_{schedule}", note=f"own {schedule}"))
+    for schedule in ("gpipe", "1f1b"):
+        for m in (2, 4, 8):
+            out.append(Variant(f"pp_{schedule}_m{m}", (
+                "parallel.dp=single", "parallel.pp={nproc}", f"parallel.pp_schedule={schedule}",
+                f"parallel.microbatches={m}"), note=f"own {schedule}, {m} micro-batches"))
+    return out
+
+
+VARIANTS += pipeline_variants()
+
+
+def precision_variants():
+    """trainer.precision, parallel.reduce_dtype and trainer.activation_checkpointing, each
+    against the same layout without it (its `reference`); run with
+    `--set trainer.measure_activations=true` for the activation memory table."""
+    bf16, ckpt = "trainer.precision=bf16", "trainer.activation_checkpointing=true"
+    ddp = ("parallel.dp=ddp_bucket", "parallel.allreduce=native")
+    fsdp3 = ("parallel.dp=fsdp", "parallel.zero_stage=3")
+    pp = ("parallel.dp=single", "parallel.pp={nproc}", "parallel.pp_schedule=1f1b",
+          "parallel.microbatches=4")
+    return [
+        Variant("single_bf16", ("parallel.dp=single", bf16), ranks=1, threads=0, reference="single",
+                note="one process, bf16 autocast"),
+        Variant("single_ckpt", ("parallel.dp=single", ckpt), ranks=1, threads=0, reference="single",
+                note="one process, every block recomputed in backward"),
+        Variant("ddp_bucket_bf16", ddp + (bf16,), reference="ddp_bucket",
+                note="bf16 autocast, fp32 gradient all-reduce"),
+        Variant("ddp_bucket_reduce_bf16", ddp + ("parallel.reduce_dtype=bf16",),
+                reference="ddp_bucket", note="fp32 compute, bf16 gradient all-reduce"),
+        Variant("ddp_bucket_bf16_reduce_bf16", ddp + (bf16, "parallel.reduce_dtype=bf16"),
+                reference="ddp_bucket", note="bf16 autocast and bf16 gradient all-reduce"),
+        Variant("ddp_bucket_fp16", ddp + ("trainer.precision=fp16",), reference="ddp_bucket",
+                note="fp16 autocast with the dynamic loss scaler"),
+        Variant("fsdp3_ckpt", fsdp3 + (ckpt,), reference="fsdp3", zero_stage=3,
+                note="ZeRO-3, every block recomputed in backward"),
+        Variant("pp_1f1b_ckpt", pp + (ckpt,), reference="pp_1f1b",
+                note="own 1F1B (M=4), every block recomputed in backward"),
+    ]
+
+
+VARIANTS += precision_variants()
+
+BY_NAME = {v.name: v for v in VARIANTS}
+
+# each preset starts with `single`: every ratio "vs single" needs it in the same round
+PRESETS = {
+    "ddp": ["single", "torch_ddp", "ddp_naive", "ddp_bucket", "ddp_bucket_ring"],
+    "fsdp": ["single", "torch_ddp", "torch_fsdp", "fsdp1", "fsdp2", "fsdp3", "fsdp3_noprefetch"],
+    "tp": ["single", "torch_tp", "tp", "tp_sp"],
+    "pp": ["single", "torch_pp_gpipe", "pp_gpipe", "torch_pp_1f1b", "pp_1f1b",
+           "torch_pp_interleaved", "pp_interleaved"],
+    "pp_memory": ["single", "pp_gpipe_m2", "pp_gpipe_m4", "pp_gpipe_m8",
+                  "pp_1f1b_m2", "pp_1f1b_m4", "pp_1f1b_m8"],
+    "precision": ["single", "single_bf16", "single_ckpt", "ddp_bucket", "ddp_bucket_bf16",
+                  "ddp_bucket_reduce_bf16", "ddp_bucket_bf16_reduce_bf16", "ddp_bucket_fp16",
+                  "fsdp3", "fsdp3_ckpt", "pp_1f1b", "pp_1f1b_ckpt"],
+    "all": [v.name for v in VARIANTS if v.name != "single_1t"],
+}
+
+# the same model, data and GLOBAL batch for every variant
+MODELS = {
+    # the default benchmark model: ~3.2M parameters, 4 layers x 256, 128 tokens, global batch 16
+    "default": ["model.n_layer=4", "model.n_head=4", "model.n_embd=256",
+                "data.block_size=128", "trainer.batch_size=16"],
+    # many small parameters: per-parameter collectives (ddp_naive) pay their latency 12x
+    "thin12": ["model.n_layer=12", "model.n_head=4", "model.n_embd=64",
+               "data.block_size=128", "trainer.batch_size=16"],
+    # for tests and smoke runs: seconds per job
+    "tiny": ["model.n_layer=2", "model.n_head=2", "model.n_embd=32",
+             "data.block_size=16", "trainer.batch_size=4"],
+}
+
+
+def pick(names: str, preset: str):
+    """Variants from a comma list (wins) or a preset; unknown names are an error."""
+    chosen = [n.strip() for n in names.split(",") if n.strip()] if names else PRESETS[preset]
+    unknown = [n for n in chosen if n not in BY_NAME]
+    if unknown:
+        raise SystemExit(f"unknown variant(s) {unknown}; known: {', '.join(BY_NAME)}")
+    return [BY_NAME[n] for n in dict.fromkeys(chosen)]  # keep order, drop repeats

@@ -1,0 +1,8 @@
+"""How a training process stops and leaves.
+
+    preemption.py  SIGTERM / SIGUSR1: every rank stops after the same step, with a snapshot
+    exit.py        flush, then os._exit: past torch's teardown, which can abort after a
+                   finished job
+
+May import: nothing of the project but errors.
+"""

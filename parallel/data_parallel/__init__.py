@@ -1,0 +1,14 @@
+"""The data-parallel dimension (`parallel.dp`): Strategy subclasses that hold this rank's
+share of the model (after tensor and pipeline parallelism) and average gradients over
+grid.grad_group.
+
+    replicated.py  the base of full replicas: one Region per parameter
+    single.py      one data-parallel rank: the parity reference
+    naive.py       ddp_naive: one all-reduce per parameter after backward
+    bucket.py      ddp_bucket: flat buckets, all-reduced from gradient hooks during backward
+    ring.py        our ring all-reduce over point-to-point sends (parallel.allreduce=ring)
+    fsdp.py        ZeRO stages 1-3 (parallel.zero_stage) over flat units
+    fsdp_units.py  the flat, padded, sharded buffers fsdp gathers, frees and reduce-scatters
+
+May import: parallel/'s root files (strategy, placement, comm, grid, model_plan) and errors.
+"""

@@ -1,0 +1,262 @@
+"""`fsdp`: ZeRO stages 1-3 over the data-parallel group, on flat sharding units.
+
+Units are the transformer blocks plus a root unit (embeddings, final LayerNorm,
+tied LM head), each one flat padded buffer of which every rank owns 1/N
+(data_parallel/fsdp_units.py). Each rank's AdamW steps only on its own shard.
+Under tensor parallelism the units hold this rank's TP-local parameters and
+are sharded over its dp group only.
+
+Per optimizer step each rank communicates (Φ = parameters, k = grad_accum):
+- stage 1: one reduce-scatter of every unit's full (locally accumulated)
+  gradient, launched from the gradient hooks of the last micro-step, since a
+  rank steps only on its own shard; after the step, one all-gather per unit of
+  the updated shards (model and full gradients replicated in memory, optimizer
+  state sharded). On the wire that is DDP's volume: 2(N-1)/N x 4 bytes x Φ.
+- stage 2: like stage 1, but each micro-step reduce-scatters a unit's gradient
+  the moment its last parameter's gradient is ready (overlapping the rest of
+  backward), and only the 1/N gradient shard is kept.
+- stage 3: parameters sharded too. A unit is all-gathered just before its
+  forward, freed after it (`reshard_after_forward`), gathered again just
+  before its backward, and its gradients are reduce-scattered as soon as they
+  are ready. With `prefetch`, the next unit's all-gather is launched before
+  the current unit computes, in forward and in backward. Per micro-step about
+  1.5x a DDP all-reduce's bytes.
+- all stages: one scalar all-reduce for the global gradient norm (over dp,
+  and TP when tp > 1).
+- `parallel.reduce_dtype=bf16`: the reduce-scatters send a bf16 copy of the
+  gradient (half the bytes) and the averaged shard is added back in fp32;
+  the parameter all-gathers stay fp32 (they carry the master weights).
+"""
+
+from contextlib import contextmanager
+
+import torch
+import torch.distributed as dist
+
+from parallel.data_parallel.naive import REDUCE_DTYPES
+from parallel import model_plan as plan
+from parallel.data_parallel.fsdp_units import FlatUnit
+from parallel.grid import GRAD_DIMS
+from parallel.placement import Region, writer_among
+from parallel.strategy import Strategy
+
+
+class FSDP(Strategy):
+    name = "fsdp"
+
+    @classmethod
+    def refuse(cls, cfg, sizes):
+        if sizes["pp"] > 1 and cfg.parallel.zero_stage == 3:
+            return ("parallel.zero_stage=3 with parallel.pp > 1 is refused: ZeRO-3 would all-gather "
+                    "a stage's parameters again for every micro-batch's forward and backward (2M "
+                    "gathers a step); use zero_stage 1 or 2 with pipelines, as Megatron and "
+                    "DeepSpeed do")
+        return ""
+
+    def __init__(self, local, grid, cfg):
+        super().__init__(local, grid, cfg)
+        self.stage, self.prefetch = cfg.zero_stage, cfg.prefetch
+        self.reshard_after_forward = cfg.reshard_after_forward
+        self.canonical = dict(self.module.named_parameters())  # TP-local; the tied weight once
+        groups = self.module.optim_groups(0.0)
+        group_of = {n: g for g, grp in enumerate(groups) for n in grp["params"]}
+        N, r = grid.grad_size, grid.grad_rank  # shards over the ranks that average gradients
+
+        # one unit per block (of this pipeline stage), then the root: everything outside
+        # the blocks (the token embedding is the LM head's weight: one parameter of one
+        # unit). Under pipeline parallelism the tied embedding gets a unit of its own, so
+        # its shard is laid out alike on the first and the last stage (their gradients
+        # are summed shard to shard).
+        names_per_block = plan.block_parameter_names(self.module)
+        in_blocks = {n for names in names_per_block for n in names}
+        root = [n for n in self.canonical if n not in in_blocks]
+        own = [[plan.TIED]] if self.pipeline and plan.TIED in root else []
+        root = [n for n in root if [n] not in own]
+        self.units = [FlatUnit([(n, self.canonical[n]) for n in names], group_of, r, N,
+                               self.stage, grid.grad_group)
+                      for names in names_per_block + own + [root] if names]
+        self.blocks, self.root = self.units[:len(names_per_block)], self.units[-1]
+        for unit in self.units:  # one dp rank sends nothing: no rounding to bf16 either
+            unit.reduce_dtype = REDUCE_DTYPES[cfg.reduce_dtype] if N > 1 else unit.full.dtype
+        self._chunk_units = self._units_per_chunk()
+        self._regions = None
+        self._ready = {}        # unit -> gradient hooks fired in the current backward
+        self._pending = []      # (work, finish) of launched gradient collectives
+        self._register_grad_hooks()
+        if self.stage == 3:
+            self._register_unit_hooks()
+
+    # ------------------------------------------------ hooks: gradients ready -> reduce
+
+    def _register_grad_hooks(self):
+        for unit in self.units:
+            for p in unit.params:
+                p.register_post_accumulate_grad_hook(lambda p, unit=unit: self._grad_ready(unit))
+
+    def _grad_ready(self, unit):
+        if unit not in self._ready:  # a hook outside any backward_scope: not ours to count
+            return
+        self._ready[unit] += 1
+        if self._ready[unit] == len(unit.params):
+            self._reduce(unit)
+
+    def _reduce(self, unit):
+        self._ready[unit] = -1  # done for this micro-step
+        if self.stage == 1:
+            if self._last_micro:  # earlier micro-steps accumulate locally (no_sync)
+                self._pending.append(unit.reduce_scatter_full_grad(self.comm))
+            return
+        self._pending.append(unit.reduce_scatter_grads(self.comm))
+        if self.stage == 3:
+            unit.free()  # its backward is over
+        while self._pending and self._pending[0][0].is_completed():  # free full grads early
+            work, finish = self._pending.pop(0)
+            work.wait()
+            finish()
+
+    def _finish_backward(self, units):
+        """After a backward: reduce units whose hooks did not all fire (a parameter
+        without gradient counts as zeros), then wait for everything."""
+        for unit in units:
+            if self._ready[unit] != -1:
+                self._reduce(unit)
+        for work, finish in self._pending:
+            work.wait()
+            finish()
+        self._pending = []
+
+    # ------------------------------------------------ hooks: stage 3 gathers and frees
+
+    def _register_unit_hooks(self):
+        self.module.register_forward_pre_hook(lambda m, a: self._pre_forward(self.root, 0))
+        self.module.register_forward_hook(self._post_forward_root)
+        for i, (_, block) in enumerate(plan.blocks(self.module)):
+            block.register_forward_pre_hook(lambda m, a, i=i: self._pre_forward(self.blocks[i], i + 1))
+            block.register_forward_hook(lambda m, a, out, i=i: self._post_forward_block(i, out))
+
+    def _pre_forward(self, unit, next_block):
+        unit.start_gather(self.comm)  # no-op if prefetched
+        if self.prefetch and next_block < len(self.blocks):
+            self.blocks[next_block].start_gather(self.comm)  # overlaps this unit's compute
+        unit.wait_gather(self.comm)
+
+    def _post_forward_block(self, i, out):
+        if torch.is_grad_enabled() and out.requires_grad:
+            if self.reshard_after_forward:
+                self.blocks[i].free()
+            out.register_hook(lambda grad: self._pre_backward(i))
+        else:
+            self.blocks[i].free()
+
+    def _post_forward_root(self, module, args, out):
+        logits = out[0]
+        if torch.is_grad_enabled() and logits.requires_grad:
+            # the root stays gathered: the LM head's backward comes first, the
+            # embedding's last; prefetch the last block behind the LM head
+            if self.prefetch and self.blocks:
+                logits.register_hook(lambda grad: self.blocks[-1].start_gather(self.comm))
+        else:
+            self.root.free()
+
+    def _pre_backward(self, i):
+        self.blocks[i].start_gather(self.comm)  # no-op if prefetched or never freed
+        if self.prefetch and i > 0:
+            self.blocks[i - 1].start_gather(self.comm)
+        self.blocks[i].wait_gather(self.comm)
+
+    # ------------------------------------------------ the step
+
+    def configure_optimizer(self, tcfg):
+        groups = self.module.optim_groups(tcfg.weight_decay)
+        self.group_names = [g["params"] for g in groups]
+        # pieces of every unit's shard, by optimizer group; the order defines the
+        # optimizer's parameter indices
+        self.pieces = [[(u, a, b, t) for u in self.units for g, a, b, t in u.pieces if g == gi]
+                       for gi in range(len(groups))]
+        self.optimizer = torch.optim.AdamW(
+            [{"params": [t for *_, t in ps], "weight_decay": g["weight_decay"]}
+             for ps, g in zip(self.pieces, groups)],
+            lr=tcfg.lr, betas=(tcfg.beta1, tcfg.beta2), weight_decay=tcfg.weight_decay)
+
+    def _units_per_chunk(self):
+        """{pipeline chunk (None without a pipeline): the units its backward touches}."""
+        if self.pipeline is None:
+            return {None: self.units}
+        return {c: [u for u in self.units if any(n.startswith(p) for n in u.names for p in prefixes)]
+                for c, prefixes in self.pipeline.chunk_units().items()}
+
+    @contextmanager
+    def backward_scope(self, chunk, last):
+        """Count gradient hooks per unit during one backward; units whose hooks did not
+        all fire are reduced after it (a parameter without gradient counts as zeros)."""
+        units = self._chunk_units[chunk]
+        self._ready = {u: 0 for u in units}
+        self._last_micro = last
+        yield
+        self._finish_backward(units)
+
+    def grads(self):
+        return [t.grad for ps in self.pieces for *_, t in ps]  # shards only: no padding
+
+    def norm_group(self):
+        # gradient elements differ across the shards, stages and TP ranks
+        return self.sharded_group(*GRAD_DIMS, "pp", "tp")
+
+    def optimizer_step(self, lr):
+        for group in self.optimizer.param_groups:
+            group["lr"] = lr
+        self.step_optimizer()
+        if self.stage < 3:  # replicated parameters: everyone's updated shard to everyone
+            for work in [u.refresh_full(self.comm) for u in self.units]:
+                work.wait()
+        opt = sum(v.numel() * v.element_size() for s in self.optimizer.state.values()
+                  for v in s.values() if torch.is_tensor(v))
+        self.last_state_bytes = opt + sum(u.resident_bytes() for u in self.units)
+        for u in self.units:
+            u.zero_grads()
+
+    def state_bytes(self):
+        """Max over the shards (not training traffic, so not counted): the
+        trainer logs rank 0's value, and it should be the worst rank's."""
+        value = torch.tensor([self.last_state_bytes], dtype=torch.int64, device=self.device)
+        if self.grid.grad_size > 1:
+            dist.all_reduce(value, op=dist.ReduceOp.MAX, group=self.grid.grad_group)
+        return int(value.item())
+
+    # ------------------------------------------------ what this rank holds, canonically
+
+    def _owned_ranges(self):
+        """(unit, name, a, b): this rank's shard covers elements [a, b) of the flattened
+        local parameter `name` (never padding)."""
+        for u in self.units:
+            for i, name in enumerate(u.names):
+                lo, hi = max(u.offsets[i], u.lo), min(u.offsets[i + 1], u.hi)
+                if lo < hi:
+                    yield u, name, lo - u.offsets[i], hi - u.offsets[i]
+
+    def regions(self):
+        """The parts of this rank's shard, one per parameter it touches, each inside one
+        optimizer piece. A tensor TP does not split is the same on every TP rank (same
+        unit layout): one TP rank, spread by name, writes it."""
+        if self._regions is None:
+            g, self._regions = self.grid, []
+            for u, name, a, b in self._owned_ranges():
+                start = u.offsets[u.names.index(name)] + a - u.lo  # shard coordinates
+                _, pa, _, piece = next(p for p in u.pieces if p[1] <= start < p[2])
+                placement = self.placements[name]
+                writes = ((not placement.tp_replicated
+                           or writer_among(name, g.tp_size) == g.tp_rank)
+                          and placement.tied != "last")
+                self._regions.append(Region(placement, a, b, piece, start - pa, writes=writes,
+                                            in_norm=placement.counted_in_norm(g.tp_rank)))
+        return self._regions
+
+    @torch.no_grad()
+    def load_shards(self, reader):
+        """Read only this rank's ranges; stages 1-2 then all-gather the replicated
+        parameters from everyone's shard (not training traffic: uncounted)."""
+        super().load_shards(reader)
+        if self.stage < 3:
+            with self.comm.uncounted():
+                for work in [u.refresh_full(self.comm) for u in self.units]:
+                    work.wait()

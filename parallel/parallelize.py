@@ -1,0 +1,73 @@
+"""`parallelize(model, grid, cfg)`: this rank's share of the GPT, and the strategy that trains it.
+
+The dimensions are applied in one order, each to what the previous one left
+(as torchtitan's parallelize_llama and picotron's train.py do):
+
+  1. tensor parallelism   (parallel.tp > 1): the model plan's linears, the
+     embedding, LM head and loss become their Megatron versions, in place
+     (parallel/tensor_parallel/);
+  2. pipeline parallelism (parallel.pp > 1): the model is cut to this rank's
+     chunks, and a Pipeline runs their schedule (parallel/pipeline_parallel/);
+  3. data parallelism     (parallel.dp): a Strategy holds what is left -- as
+     replicas, or as ZeRO shards -- and averages gradients over
+     grid.grad_group (parallel/data_parallel/).
+
+Compute options (precision, activation checkpointing) are set afterwards by
+the trainer through `Strategy.configure_compute`, on whatever step 3 built.
+
+Registries: a new data-parallel strategy is one file in data_parallel/ and
+one line in DATA_PARALLEL; PyTorch's implementations of a dimension are
+chosen per dimension (`parallel.tp_impl`, `parallel.pp_impl`) and replace
+our own for it.
+"""
+
+from parallel.comm import CommCounter
+from parallel.data_parallel.bucket import DDPBucket
+from parallel.data_parallel.fsdp import FSDP
+from parallel.data_parallel.naive import DDPNaive
+from parallel.data_parallel.single import Single
+from parallel.pipeline_parallel.pipeline import Pipeline
+from parallel.placement import Placement
+from parallel.reference.torch_ddp import TorchDDP
+from parallel.reference.torch_fsdp import TorchFSDP
+from parallel.reference.torch_pp import TorchPP
+from parallel.reference.torch_tp import TorchTP
+from parallel.strategy import LocalModel
+from parallel.tensor_parallel.apply import apply_tensor_parallel
+
+DATA_PARALLEL = {  # parallel.dp
+    "single": Single,          # one data-parallel rank; the parity reference
+    "ddp_naive": DDPNaive,     # own DP: one all-reduce per parameter after backward
+    "ddp_bucket": DDPBucket,   # own DP: bucketed all-reduces overlapping backward
+    "fsdp": FSDP,              # own ZeRO stage 1/2/3 (parallel.zero_stage) on flat units
+    "torch_ddp": TorchDDP,     # PyTorch DDP; the reference for ddp_*
+    "torch_fsdp": TorchFSDP,   # PyTorch FSDP2 fully_shard; the reference for fsdp
+}
+IMPLEMENTATIONS = ("own", "torch")  # parallel.tp_impl, parallel.pp_impl
+TORCH_REFERENCES = {"tp": TorchTP, "pp": TorchPP}  # <dim>_impl=torch: PyTorch's, for that dim
+# old parallel.dp values, now chosen per dimension
+MOVED = {"torch_tp": "parallel.tp_impl=torch", "torch_pp": "parallel.pp_impl=torch"}
+
+
+def strategy_class(p):
+    """The Strategy class a `parallel:` section asks for."""
+    for dim, cls in TORCH_REFERENCES.items():
+        if getattr(p, f"{dim}_impl") == "torch":
+            return cls
+    return DATA_PARALLEL[p.dp]
+
+
+def parallelize(model, grid, cfg):
+    """Apply tensor, pipeline and data parallelism to `model` (a full GPT, the same
+    on every rank), in that order; returns this rank's Strategy. cfg: the
+    `parallel:` section (parallel/config.py)."""
+    cls = strategy_class(cfg)
+    comm = CommCounter()  # training traffic goes through it, so it is counted
+    local = LocalModel(model, {n: Placement.whole(n, p.shape) for n, p in model.named_parameters()},
+                       comm)
+    if grid.tp_size > 1 and cls.own_tensor_parallel:  # 1. tensor
+        local.placements, local.tp = apply_tensor_parallel(model, grid, cfg, comm)
+    if grid.pp_size > 1:  # 2. pipeline (PyTorch's schedules too run on our cut)
+        local.pipeline = Pipeline(model, grid, cfg, comm, local.placements)
+        local.placements = local.pipeline.placements
+    return cls(local, grid, cfg)  # 3. data

@@ -1,0 +1,106 @@
+"""`torch_fsdp`: PyTorch's FSDP2 (`fully_shard`), kept as the reference for `fsdp`.
+
+Not one of our strategies: it is what `fsdp` (ZeRO-3) is measured against,
+parity and speed, in the same run. Each transformer block is one FSDP unit,
+then the root (embeddings, final LayerNorm, tied LM head). Parameters are
+DTensors sharded on dim 0; per micro-step FSDP2 all-gathers a unit before its
+forward and (after resharding) before its backward, and reduce-scatters its
+gradients after. `parallel.reshard_after_forward` and `parallel.prefetch`
+are passed through, so both implementations run the same schedule. Its
+traffic goes through torch, so comm_* metrics do not count it.
+
+A reference only, so snapshots simply gather: full canonical tensors, each
+written by one rank (our fsdp writes and reads its own shard ranges instead).
+With tensor parallelism (parallel.tp > 1) it is refused (`refuse`): PyTorch
+composes FSDP2 with its own DTensor TP, not with ours.
+"""
+
+import torch
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.fsdp import fully_shard
+from torch.distributed.tensor import DTensor, distribute_tensor
+
+from parallel import model_plan as plan
+from parallel.data_parallel.replicated import ReplicatedStrategy
+from parallel.reference import refuse_own_options
+from parallel.reference.torch_ddp import refuse_under_pipeline
+from checkpoint.canonical import check_state_names, optimizer_state_from
+
+
+def _local(t):
+    return t.to_local() if isinstance(t, DTensor) else t
+
+
+def _full(t):
+    return t.full_tensor() if isinstance(t, DTensor) else t
+
+
+class TorchFSDP(ReplicatedStrategy):
+    name = "torch_fsdp"
+
+    @classmethod
+    def refuse(cls, cfg, sizes):
+        if sizes["tp"] > 1:
+            return ("parallel.dp=torch_fsdp with parallel.tp > 1 is not supported: it is the "
+                    "reference for our ZeRO, and PyTorch composes FSDP2 with its own DTensor tensor "
+                    "parallelism, not with ours (use parallel.dp=fsdp)")
+        if sizes["pp"] > 1:
+            return refuse_under_pipeline(cls.name)
+        return refuse_own_options(cfg, f"parallel.dp={cls.name}")
+
+    def __init__(self, local, grid, cfg):
+        super().__init__(local, grid, cfg)
+        mesh = DeviceMesh.from_group(grid.grad_group, self.device.type)
+        blocks = [block for _, block in plan.blocks(self.module)]
+        for block in blocks:
+            fully_shard(block, mesh=mesh, reshard_after_forward=cfg.reshard_after_forward)
+        fully_shard(self.module, mesh=mesh, reshard_after_forward=cfg.reshard_after_forward)
+        if cfg.prefetch:  # explicit one-unit-ahead prefetch, as in our fsdp
+            for i, block in enumerate(blocks):
+                block.set_modules_to_forward_prefetch(blocks[i + 1:i + 2])
+                block.set_modules_to_backward_prefetch(blocks[max(i - 1, 0):i])
+
+    def clip_grad_norm_(self, max_norm):
+        self.precision.unscale_and_check([_local(p.grad) for p in self.module.parameters()
+                                          if p.grad is not None])
+        if self.precision.skip_step:
+            max_norm = float("inf")  # the gradients are dropped: just measure
+        norm = torch.nn.utils.clip_grad_norm_(self.module.parameters(), max_norm)
+        return _full(norm).item()
+
+    def optimizer_step(self, lr):
+        for group in self.optimizer.param_groups:
+            group["lr"] = lr
+        self.step_optimizer()
+        tensors = [t for p in self.module.parameters() for t in (p, p.grad) if t is not None]
+        tensors += [v for s in self.optimizer.state.values() for v in s.values() if torch.is_tensor(v)]
+        self.last_state_bytes = sum(_local(t).numel() * _local(t).element_size() for t in tensors)
+        self.optimizer.zero_grad(set_to_none=True)
+
+    # snapshots: full canonical tensors out (rank r writes every world-th key), this
+    # rank's DTensor shards in
+
+    def state_dict(self):
+        return {n: _full(p.detach()).cpu().clone() for n, p in self.module.named_parameters()}
+
+    def shard_pieces(self):
+        tensors = {f"model/{n}": t for n, t in self.state_dict().items()}
+        for name, p in self.named.items():
+            for field, v in self.optimizer.state.get(p, {}).items():
+                tensors[f"optim/{name}/{field}"] = _full(v).cpu()
+        mine = sorted(tensors)[self.grid.rank::self.grid.world_size]
+        return [(k, tuple(tensors[k].shape), 0, tensors[k].reshape(-1)) for k in mine]
+
+    @torch.no_grad()
+    def load_shards(self, reader):
+        params = self.named
+        state = {n: reader.read_full(f"model/{n}") for n in params}
+        check_state_names(params, state, "snapshot model state")
+        for name, p in params.items():
+            p.copy_(distribute_tensor(state[name].to(self.device), p.device_mesh, p.placements))
+        for name, fields in optimizer_state_from(reader).items():
+            p = params[name]
+            self.optimizer.state[p] = {
+                k: v.reshape(()).clone() if k == "step" else
+                distribute_tensor(v.to(self.device), p.device_mesh, p.placements)
+                for k, v in fields.items()}

@@ -1,0 +1,183 @@
+"""`torch_tp`: PyTorch's DTensor tensor parallelism, kept as the reference for `parallel.tp`.
+
+Not one of our strategies: it is what our TP is measured against (parity and
+speed) in the same benchmark run, on the same model and layout. Pure TP only
+(data-parallel degree 1), chosen as `parallel.tp_impl=torch parallel.tp=N`.
+
+`parallelize_module` with the plan torchtitan uses for a GPT, built from our
+model plan (parallel/model_plan.py): ColwiseParallel for the column linears
+(c_attn, c_fc), RowwiseParallel for the row ones (both c_proj),
+RowwiseParallel for the token embedding (vocabulary rows, output
+all-reduced) and ColwiseParallel with vocabulary-sharded output for the LM
+head, whose loss runs under `loss_parallel()` (no rank holds the full
+logits). Two adaptations to our model: a fused column linear (c_attn is
+[q | k | v]) has its rows permuted to [q0 k0 v0 | q1 k1 v1 | ...] before
+sharding, making a contiguous column shard hold whole heads (and permuted
+back for snapshots); and parallelize_module replaces the embedding's weight,
+so the LM head is tied to it again after.
+
+Its traffic goes through torch, so comm_* metrics do not count it.
+Snapshots gather full canonical tensors (a reference, like torch_fsdp).
+"""
+
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
+from torch.distributed.tensor.parallel import (ColwiseParallel, RowwiseParallel, loss_parallel,
+                                               parallelize_module)
+
+from parallel import model_plan as plan
+from parallel.data_parallel.replicated import ReplicatedStrategy
+from parallel.reference import refuse_model_parallel_reference
+from checkpoint.canonical import check_state_names, optimizer_state_from
+
+
+def _full(t):
+    return t.full_tensor() if isinstance(t, DTensor) else t
+
+
+def head_major_rows(out_features, fused, tp):
+    """Row order of a fused column linear ([q | k | v]: `fused` parts) that puts each
+    rank's rows of every part next to each other."""
+    part = out_features // fused
+    c = part // tp
+    return torch.cat([torch.arange(k * part + r * c, k * part + (r + 1) * c)
+                      for r in range(tp) for k in range(fused)])
+
+
+class TorchTP(ReplicatedStrategy):
+    name = "torch_tp"
+    own_tensor_parallel = False  # the model is parallelized by PyTorch instead
+
+    @classmethod
+    def refuse(cls, cfg, sizes):
+        if sizes["tp"] == 1:
+            return ("parallel.tp_impl=torch is PyTorch's tensor parallelism, the reference for "
+                    "parallel.tp: set parallel.tp > 1")
+        if cfg.parallel.sequence_parallel:
+            return ("parallel.tp_impl=torch runs without sequence parallelism (the reference for "
+                    "plain TP)")
+        if sizes["pp"] > 1:
+            return ("parallel.tp_impl=torch does not run under pipeline parallelism: PyTorch's "
+                    "references measure pure data or tensor parallelism")
+        return refuse_model_parallel_reference(cfg, sizes, "tp")
+
+    def __init__(self, local, grid, cfg):
+        super().__init__(local, grid, cfg)
+        self.mesh = DeviceMesh.from_group(grid.tp_group, self.device.type)
+        # fused column linears (c_attn) are permuted to head-major rows, and back for snapshots
+        self.perms = {}  # canonical name -> (permutation, its inverse)
+        dtensor_plan = {plan.TOKEN_EMBEDDING: RowwiseParallel(input_layouts=Replicate()),
+                        plan.LM_HEAD: ColwiseParallel(output_layouts=Shard(-1),
+                                                      use_local_output=False)}
+        styles = {"column": ColwiseParallel, "row": RowwiseParallel}
+        with torch.no_grad():
+            for i, block in plan.blocks(self.module):
+                for linear in plan.TP_LINEARS:
+                    name = plan.block_prefix(i) + linear.path
+                    dtensor_plan[name] = styles[linear.style]()
+                    if linear.fused > 1:
+                        self._permute(name, block.get_submodule(linear.path), linear.fused)
+        parallelize_module(self.module, self.mesh, dtensor_plan)
+        plan.tie_lm_head(self.module)  # parallelize_module replaced the embedding's weight
+
+    def _permute(self, name, layer, fused):
+        perm = head_major_rows(layer.out_features, fused, self.grid.tp_size)
+        for p, suffix in ((layer.weight, ".weight"), (layer.bias, ".bias")):
+            if p is not None:
+                p.copy_(p[perm])
+                self.perms[name + suffix] = (perm, torch.argsort(perm))
+
+    def forward_backward(self, micro_batches):
+        total = torch.zeros((), device=self.device)
+        with loss_parallel():
+            for x, y in micro_batches:
+                _, loss = self.model(x.to(self.device), y.to(self.device))
+                (loss / len(micro_batches)).backward()
+                total += _full(loss).detach()
+        return total.item() / len(micro_batches)
+
+    @torch.no_grad()
+    def eval_loss(self, x, y):
+        self.module.eval()
+        try:
+            with loss_parallel():
+                _, loss = self.module(x.to(self.device), y.to(self.device))
+        finally:
+            self.module.train()
+        return _full(loss).item()
+
+    def optimizer_step(self, lr):
+        for group in self.optimizer.param_groups:
+            group["lr"] = lr
+        self.optimizer.step()
+        local = lambda t: t.to_local() if isinstance(t, DTensor) else t
+        tensors = [local(t) for p in self.module.parameters() for t in (p, p.grad) if t is not None]
+        tensors += [local(v) for s in self.optimizer.state.values() for v in s.values()
+                    if torch.is_tensor(v)]
+        self.last_state_bytes = sum(t.numel() * t.element_size() for t in tensors)
+        self.optimizer.zero_grad(set_to_none=True)
+
+    def clip_grad_norm_(self, max_norm):
+        """Sharded gradients' squares summed over TP; replicated ones (plain tensors)
+        counted once (torch's clip_grad_norm_ does not take DTensors and tensors mixed)."""
+        sharded = torch.zeros((), device=self.device)
+        replicated = torch.zeros((), device=self.device)
+        for p in self.module.parameters():
+            if p.grad is None:
+                continue
+            if isinstance(p.grad, DTensor):
+                local = p.grad.to_local()
+                if any(isinstance(pl, Shard) for pl in p.grad.placements):
+                    sharded += local.pow(2).sum()
+                else:
+                    replicated += local.pow(2).sum()
+            else:
+                replicated += p.grad.pow(2).sum()
+        dist.all_reduce(sharded, group=self.grid.tp_group)
+        norm = (sharded + replicated).sqrt()
+        coef = (max_norm / (norm + 1e-6)).clamp(max=1.0)
+        for p in self.module.parameters():
+            if p.grad is not None:
+                (p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad).mul_(coef)
+        return norm.item()
+
+    # snapshots: full canonical tensors out (rank r writes every world-th key), shards in
+
+    def _canonical(self, name, t):
+        t = _full(t.detach()).cpu()
+        return t[self.perms[name][1]] if name in self.perms else t
+
+    def state_dict(self):
+        return {n: self._canonical(n, p).clone() for n, p in self.module.named_parameters()}
+
+    def shard_pieces(self):
+        tensors = {f"model/{n}": t for n, t in self.state_dict().items()}
+        for name, p in self.named.items():
+            for field, v in self.optimizer.state.get(p, {}).items():
+                tensors[f"optim/{name}/{field}"] = self._canonical(name, v) if field != "step" \
+                    else v.cpu()
+        mine = sorted(tensors)[self.grid.rank::self.grid.world_size]
+        return [(k, tuple(tensors[k].shape), 0, tensors[k].reshape(-1)) for k in mine]
+
+    def _local(self, name, full, like):
+        if name in self.perms:
+            full = full[self.perms[name][0]]
+        full = full.to(self.device)
+        if isinstance(like, DTensor):
+            return distribute_tensor(full, like.device_mesh, like.placements)
+        return full
+
+    @torch.no_grad()
+    def load_shards(self, reader):
+        params = self.named
+        state = {n: reader.read_full(f"model/{n}") for n in params}
+        check_state_names({n: self._canonical(n, p) for n, p in params.items()}, state,
+                          "snapshot model state")
+        for name, p in params.items():
+            p.copy_(self._local(name, state[name], p))
+        for name, fields in optimizer_state_from(reader).items():
+            p = params[name]
+            self.optimizer.state[p] = {k: v.reshape(()).clone() if k == "step" else
+                                       self._local(name, v, p) for k, v in fields.items()}

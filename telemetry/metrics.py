@@ -1,0 +1,89 @@
+"""What a run reports: metrics.jsonl (one JSON object per logged step, written by the
+main rank only; a resumed run keeps the records up to its snapshot and appends),
+the console line, and wandb (offline by default)."""
+
+import json
+import os
+import sys
+
+import torch
+
+
+def peak_memory_mb(device) -> float:
+    """Peak memory of this process: allocator peak on CUDA, max RSS on CPU."""
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device) / 2**20
+    import resource
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # Linux: KiB
+
+
+class MetricsLog:
+    """metrics.jsonl, the console and wandb; active on the main rank only."""
+
+    def __init__(self, cfg, config_dict, active, resumed_step, wandb_id):
+        self.active, self.run = active, None
+        self.tty = active and sys.stdout.isatty()
+        if not active:
+            return
+        os.makedirs(cfg.trainer.run_dir, exist_ok=True)
+        self.path = os.path.join(cfg.trainer.run_dir, "metrics.jsonl")
+        self._keep_steps_up_to(resumed_step)  # a fresh run starts an empty file
+        if cfg.wandb.mode != "disabled":
+            import wandb
+            self.run = wandb.init(
+                project=cfg.wandb.project, id=wandb_id, resume="allow", mode=cfg.wandb.mode,
+                name=cfg.wandb.name or os.path.basename(os.path.normpath(cfg.trainer.run_dir)),
+                dir=cfg.trainer.run_dir, config=config_dict)
+
+    def _keep_steps_up_to(self, step):
+        """Drop records past the snapshot (the resumed run writes those steps again) and
+        any line a crash left half-written; replace the file atomically."""
+        lines = []
+        if os.path.exists(self.path):
+            with open(self.path) as f:
+                for line in f:
+                    try:
+                        if json.loads(line)["step"] <= step:
+                            lines.append(line if line.endswith("\n") else line + "\n")
+                    except (ValueError, KeyError, TypeError):
+                        pass
+        tmp = f"{self.path}.tmp"
+        with open(tmp, "w") as f:
+            f.writelines(lines)
+        os.replace(tmp, self.path)
+
+    def write(self, record, total_steps, console):
+        if not self.active:
+            return
+        with open(self.path, "a") as f:
+            f.write(json.dumps(record) + "\n")
+        if self.run is not None:
+            self.run.log(record, step=record["step"])
+        if console:
+            line = (f"step {record['step']}/{total_steps} | loss {record['loss']:.4f} | "
+                    f"lr {record['lr']:.2e} | {record['tokens_per_s']:.0f} tok/s | "
+                    f"{record['step_ms']:.1f} ms/step")
+            if "mfu" in record:
+                line += f" | mfu {100 * record['mfu']:.1f}%"
+            if record.get("step_skipped"):
+                line += f" | skipped (fp16 overflow; loss scale now {record['loss_scale']:g})"
+            if "val_loss" in record:
+                line += f" | val {record['val_loss']:.4f}"
+            print(("\r" if self.tty else "") + line, flush=True)
+
+    def write_files(self, files):
+        """{name: JSON-able}: files beside metrics.jsonl (e.g. the pipeline timeline)."""
+        if not self.active:
+            return
+        for name, obj in files.items():
+            with open(os.path.join(os.path.dirname(self.path), name), "w") as f:
+                json.dump(obj, f)
+
+    def progress(self, step, total):
+        if self.tty:
+            done = int(30 * step / total)
+            print(f"\r[{'#' * done}{'.' * (30 - done)}] {step}/{total}", end="", flush=True)
+
+    def close(self):
+        if self.run is not None:
+            self.run.finish()
