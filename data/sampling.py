@@ -73,7 +73,11 @@ class GlobalBatches:
 
 
 def eval_starts(n_samples, global_batch, n_batches):
-    """Fixed, evenly spaced val windows: the same ones at every eval and layout
-    (a val split smaller than the batches repeats windows rather than fail)."""
+    """Fixed, evenly spaced val windows: the same ones at every eval and layout (a val
+    split smaller than the batches repeats windows rather than fail). Window i of the
+    `total` starts at floor(i * (n_samples - 1) / (total - 1)), in integers: float32 (a
+    torch.linspace) holds every integer only up to 2^24, and past that rounds starts,
+    the last one past the end of the split."""
     total = global_batch * n_batches
-    return torch.linspace(0, n_samples - 1, total).long().view(n_batches, global_batch)
+    i = torch.arange(total, dtype=torch.int64)
+    return (i * (n_samples - 1) // max(total - 1, 1)).view(n_batches, global_batch)

@@ -18,7 +18,12 @@ result cannot hang a rank.
 - recompute: trainer.activation_checkpointing against the same layout
   without it, fp32, with dropout 0.1: per-step losses, and the gradients of
   one step on every rank, which must be bitwise equal (the TP random
-  streams and fsdp's gather hooks replayed in the recompute).
+  streams and fsdp's gather hooks replayed in the recompute). Layouts where a
+  forward follows a recompute within one step (gradient accumulation, and on 4
+  ranks, `recompute4`, TP x PP under 1F1B) show a TP stream the recompute
+  left rewound.
+
+    ... tests/precision_worker.py recompute4   # --nproc_per_node=4: only RECOMPUTE4
 """
 
 import datetime
@@ -61,13 +66,21 @@ RECOMPUTE = {  # name: layout, dropout
     "tp2": ("single", (1, 1, 2), {}),
     "tp2-sp": LAYOUTS["tp2-sp"],
     "pp2-1f1b-m2": LAYOUTS["pp2-1f1b-m2"],
+    "tp2-accum2": ("single", (1, 1, 2), {"accum": 2}),  # a forward after each recompute
+}
+RECOMPUTE4 = {  # 4 ranks: the last stage's 1F1B runs F1 after B0's recompute; two blocks a
+    # stage, or the stream after recomputing a stage's only block is where F0 left it anyway
+    "tp2-pp2-1f1b-m2": ("single", (1, 2, 2), {"pp_schedule": "1f1b", "microbatches": 2,
+                                               "layers": 4}),
 }
 
 
 def build(layout, tcfg, dropout=0.0, **more):
     kind, (dp, pp, tp), extra = layout
+    layers = extra.get("layers", LAYERS)
+    extra = {k: v for k, v in extra.items() if k not in ("accum", "layers")}  # not config keys
     torch.manual_seed(1234)
-    model = GPT(gpt_config(VOCAB, LAYERS, dropout))
+    model = GPT(gpt_config(VOCAB, layers, dropout))
     pcfg = ParallelConfig(dp=kind, tp=tp, pp=pp, **{**extra, **more})
     if dp * pp * tp == 1:  # the single-process replica, on every rank
         grid = OneRank()
@@ -84,13 +97,13 @@ def build(layout, tcfg, dropout=0.0, **more):
 def train(layout, tcfg, steps, dropout=0.0, grads_at=None, **more):
     """Per-step (loss, grad norm, skipped, comm) and, at step grads_at, this rank's gradients."""
     strategy, grid = build(layout, tcfg, dropout, **more)
-    per_rank = 16 // grid.dp_size
+    per_rank, accum = 16 // grid.dp_size, layout[2].get("accum", 1)
     out, grads = [], None
     for step in range(steps):
         x, y = global_batch(step, VOCAB)
         mine = slice(grid.dp_rank * per_rank, (grid.dp_rank + 1) * per_rank)
         strategy.reseed(step * 1009)
-        loss = strategy.forward_backward([(x[mine], y[mine])])
+        loss = strategy.forward_backward(list(zip(x[mine].chunk(accum), y[mine].chunk(accum))))
         if step == grads_at:
             grads = [g.detach().clone() for g in strategy.grads()]
         norm = strategy.clip_grad_norm_(1.0)
@@ -137,6 +150,23 @@ def agreed(flags):
     return all(torch.equal(e, mine) for e in everyone)
 
 
+def check_stage_dtypes(precision):
+    """The dtypes of every Linear's output on each pipeline stage (pp=2, 1F1B, M=2) in one
+    step under `precision`'s autocast: a stage left in fp32 shows as float32."""
+    tcfg = TrainerConfig(lr=LR, weight_decay=0.1, precision=precision)
+    strategy, grid = build(LAYOUTS["pp2-1f1b-m2"], tcfg)
+    seen = set()
+    for m in strategy.module.modules():
+        if isinstance(m, torch.nn.Linear):
+            m.register_forward_hook(lambda mod, args, out: seen.add(str(out.dtype)))
+    x, y = global_batch(0, VOCAB)
+    strategy.reseed(0)
+    strategy.forward_backward([(x, y)])
+    everyone = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, sorted(seen))
+    return everyone
+
+
 def check_reduce():
     tcfg = TrainerConfig(lr=LR, weight_decay=0.1)
     result = {}
@@ -148,9 +178,9 @@ def check_reduce():
     return result
 
 
-def check_recompute():
+def check_recompute(layouts):
     result = {}
-    for name, layout in RECOMPUTE.items():
+    for name, layout in layouts.items():
         runs = {}
         for ckpt in (False, True):
             tcfg = TrainerConfig(lr=LR, weight_decay=0.1, activation_checkpointing=ckpt)
@@ -167,9 +197,13 @@ def check_recompute():
 def main():
     torch.set_num_threads(1)
     dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=60))
-    fp32, _ = train(("single", (1, 1, 1), {}), TrainerConfig(lr=LR, weight_decay=0.1), STEPS)
-    result = {"precision": {p: check_precision(p, fp32) for p in ("bf16", "fp16")},
-              "reduce": check_reduce(), "recompute": check_recompute()}
+    if sys.argv[1:] == ["recompute4"]:
+        result = {"recompute": check_recompute(RECOMPUTE4)}
+    else:
+        fp32, _ = train(("single", (1, 1, 1), {}), TrainerConfig(lr=LR, weight_decay=0.1), STEPS)
+        result = {"precision": {p: check_precision(p, fp32) for p in ("bf16", "fp16")},
+                  "stage_dtypes": {p: check_stage_dtypes(p) for p in ("bf16", "fp16")},
+                  "reduce": check_reduce(), "recompute": check_recompute(RECOMPUTE)}
     dist.barrier()
     if dist.get_rank() == 0:
         print("RESULT " + json.dumps(result), flush=True)

@@ -27,15 +27,19 @@ from harness import (REPO, job_env, read_metrics, run_job, run_tree, snapshot_mo
 _result = {}
 
 
+def run_worker(nproc, *args):
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
+           os.path.join(REPO, "tests", "precision_worker.py"), *args]
+    out = run_tree(cmd, 400, "precision_worker", env=job_env())
+    found = re.search(r"^RESULT (.*)$", out.stdout, re.M)
+    assert out.returncode == 0 and found, \
+        f"precision_worker failed\n{out.stdout[-3000:]}\n{out.stderr[-5000:]}"
+    return json.loads(found.group(1))
+
+
 def worker():
     if not _result:
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-               os.path.join(REPO, "tests", "precision_worker.py")]
-        out = run_tree(cmd, 400, "precision_worker", env=job_env())
-        found = re.search(r"^RESULT (.*)$", out.stdout, re.M)
-        assert out.returncode == 0 and found, \
-            f"precision_worker failed\n{out.stdout[-3000:]}\n{out.stderr[-5000:]}"
-        _result.update(json.loads(found.group(1)))
+        _result.update(run_worker(2))
     return _result
 
 
@@ -91,11 +95,28 @@ def test_bf16_reduction_halves_exactly_the_gradient_traffic(layout):
 
 
 @pytest.mark.parametrize("layout", ["single", "fsdp1", "fsdp3", "ddp_bucket", "tp2", "tp2-sp",
-                                    "pp2-1f1b-m2"])
+                                    "pp2-1f1b-m2", "tp2-accum2"])
 def test_activation_checkpointing_recomputes_the_same_gradients(layout):
     r = worker()["recompute"][layout]
     assert all(r["losses_equal"]), r
     assert r["grads_bitwise_equal_on_every_rank"], r
+
+
+def test_activation_checkpointing_under_tp_x_pp_1f1b_leaves_the_tp_stream_where_it_was():
+    """4 ranks, tp=2 x pp=2, 1F1B with 2 micro-batches, dropout 0.1: the last stage
+    runs micro-batch 1's forward after micro-batch 0's recompute, so a recompute that
+    leaves the TP rank's own random stream rewound changes its attention masks."""
+    r = run_worker(4, "recompute4")["recompute"]["tp2-pp2-1f1b-m2"]
+    assert all(r["losses_equal"]), r
+    assert r["grads_bitwise_equal_on_every_rank"], r
+
+
+@pytest.mark.parametrize("precision,dtype", [("bf16", "torch.bfloat16"), ("fp16", "torch.float16")])
+def test_every_pipeline_stage_computes_in_the_low_precision(precision, dtype):
+    """bf16's parity tolerance (2e-2) cannot tell a stage left in fp32 from bf16: look at
+    the dtype of every Linear's output on both stages instead."""
+    for rank, seen in enumerate(worker()["stage_dtypes"][precision]):
+        assert seen == [dtype], f"rank {rank}'s stage computed in {seen} under {precision}"
 
 
 # ---------------------------------------------------------------- through main.py
@@ -137,3 +158,27 @@ def test_unscaling_comes_before_the_norm_and_an_overflow_skips_the_step():
     p.unscale_and_check([torch.tensor([1.0, float("inf")])])
     assert p.skip_step and p.scaler.scale == 1024.0 / 2
     assert Precision("bf16").loss_scale == 1.0 and Precision("bf16").metrics() == {}
+
+
+def test_loss_scaler_follows_torch_grad_scaler_over_a_pattern_of_overflows():
+    """Our scaler against torch.amp.GradScaler (the same defaults, growth every 3 good
+    steps) over a fixed pattern of overflows: the same scale after every step. An
+    overflow must restart the count of good steps, or the scale grows straight back
+    into the overflow (two good steps, an overflow, one good step would grow it)."""
+    import torch
+    from parallel.precision import LossScaler
+    pattern = [0, 0, 1, 0, 0, 0, 0, 1, 1, 0, 0, 1, 0, 0, 0, 0, 0, 0, 0, 1, 0]
+    ours = LossScaler(init_scale=1024.0, growth_interval=3)
+    ref = torch.amp.GradScaler("cpu", init_scale=1024.0, growth_interval=3)
+    param = torch.nn.Parameter(torch.zeros(2))
+    opt = torch.optim.SGD([param], lr=0.0)
+    scales = []
+    for overflow in pattern:
+        ref.scale(torch.ones(()))  # (GradScaler starts its state at the first scale())
+        param.grad = torch.tensor([float("inf") if overflow else 1.0, 0.0])
+        ref.step(opt)
+        ref.update()
+        ours.update(found_inf=bool(overflow))
+        scales.append((ours.scale, ref.get_scale()))
+    assert all(a == b for a, b in scales), scales
+    assert ours.skipped_steps == sum(pattern)
