@@ -14,7 +14,10 @@ A few details matter to the parallel code:
   `transformer.wte.weight`;
 - the loss is a module (`cross_entropy`) that tensor parallelism can swap for
   its vocabulary-parallel one, and forward is `embed`, the blocks, `head`:
-  pipeline stages run those pieces on different ranks.
+  pipeline stages run those pieces on different ranks;
+- attention's softmax(q k^T) v is one function, `causal_attention`, held by
+  each attention layer (`attend`), so context parallelism can hand it its
+  ring attention over a sequence split across ranks.
 """
 
 import math
@@ -43,6 +46,12 @@ class GPTConfig(ModelConfig):
     block_size: int = 0
 
 
+def causal_attention(q, k, v, dropout_p):
+    """softmax(q k^T / sqrt(d), causal) v for (B, heads, T, d) tensors."""
+    # is_causal applies the mask; a float mask would be *added* (the tutorial's bug)
+    return F.scaled_dot_product_attention(q, k, v, is_causal=True, dropout_p=dropout_p)
+
+
 class CausalSelfAttention(nn.Module):
     def __init__(self, config: GPTConfig):
         super().__init__()
@@ -53,6 +62,7 @@ class CausalSelfAttention(nn.Module):
         self.c_proj = nn.Linear(config.n_embd, config.n_embd, bias=config.bias)
         self.resid_dropout = nn.Dropout(config.dropout)
         self.dropout = config.dropout
+        self.attend = causal_attention  # a function, not a module: no parameters, no hooks
 
     def forward(self, x):
         qkv = self.c_attn(x)
@@ -60,9 +70,7 @@ class CausalSelfAttention(nn.Module):
         q, k, v = qkv.chunk(3, dim=-1)
         n_head = q.size(-1) // self.head_dim  # local heads under tensor parallelism
         q, k, v = (t.view(B, T, n_head, self.head_dim).transpose(1, 2) for t in (q, k, v))
-        # is_causal applies the mask; a float mask would be *added* (the tutorial's bug)
-        y = F.scaled_dot_product_attention(
-            q, k, v, is_causal=True, dropout_p=self.dropout if self.training else 0.0)
+        y = self.attend(q, k, v, self.dropout if self.training else 0.0)
         y = y.transpose(1, 2).contiguous().view(B, T, n_head * self.head_dim)
         return self.resid_dropout(self.c_proj(y))
 

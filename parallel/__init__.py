@@ -1,6 +1,6 @@
 """Our own ways of training across processes, one folder per dimension, composed on one grid.
 
-    parallelize.py      parallelize(model, grid, cfg): tensor, then pipeline, then data
+    parallelize.py      parallelize(model, grid, cfg): tensor, context, pipeline, then data
                         parallelism; the registries of strategies and references
     layout.py           which layouts can run (grid sizes; each dimension's and strategy's rules)
     grid.py             the process grid: named dimensions, their groups, the gradient group
@@ -10,6 +10,7 @@
     comm.py             counted collectives; precision.py; checkpointing.py; config.py
     data_parallel/      single, ddp_naive, ddp_bucket (+ the ring), fsdp (ZeRO 1-3)
     tensor_parallel/    Megatron TP and sequence parallelism
+    context_parallel/   every sequence split over ranks: zigzag chunks, ring attention
     pipeline_parallel/  the pipeline executor and its schedules
     reference/          PyTorch's implementations, measured against ours
 

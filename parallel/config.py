@@ -10,8 +10,9 @@ class ParallelConfig:
     tp: int = 1                 # tensor-parallel degree (adjacent ranks form a TP group)
     tp_impl: str = "own"        # own | torch (PyTorch's DTensor TP, the reference; dp degree 1)
     sequence_parallel: bool = False  # with tp > 1: LayerNorm/dropout regions on sequence shards
-    pp: int = 1                 # pipeline-parallel degree; dp degree = world / (tp * pp)
+    pp: int = 1                 # pipeline-parallel degree; dp degree = world / (tp * cp * pp)
     pp_impl: str = "own"        # own | torch (torch.distributed.pipelining, the reference)
+    cp: int = 1                 # context-parallel degree: each sequence split over cp ranks
     zero_stage: int = 3         # 1, 2 or 3, for dp=fsdp
     prefetch: bool = True       # fsdp stage 3 / torch_fsdp: all-gather the next unit while this one computes
     reshard_after_forward: bool = True  # fsdp stage 3 / torch_fsdp: free a unit after its forward

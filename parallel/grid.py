@@ -1,4 +1,4 @@
-"""The process grid: world = dp x pp x tp, named dimensions from one list.
+"""The process grid: world = dp x pp x cp x tp, named dimensions from one list.
 
 Built once in main.py and passed to whoever needs it; nothing deep inside
 reads environment variables or global state. Rank r sits at the coordinates
@@ -22,8 +22,8 @@ import torch.distributed as dist
 
 from errors import UserError
 
-DIMS = ("dp", "pp", "tp")  # the grid's axes, slowest- to fastest-varying
-GRAD_DIMS = ("dp",)        # the axes gradients are averaged over
+DIMS = ("dp", "pp", "cp", "tp")  # the grid's axes, slowest- to fastest-varying
+GRAD_DIMS = ("dp", "cp")         # the axes gradients are averaged over (cp ranks see other tokens)
 
 
 class ProcessGrid:

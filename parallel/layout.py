@@ -3,7 +3,8 @@ parallel section, checked on every rank before any process group exists (so a
 bad layout stops every rank with the same one line, and none waits in a collective).
 
 The rules live with their code: each dimension's folder says what it needs
-(`refuse` in tensor_parallel/apply.py and pipeline_parallel/schedules.py),
+(`refuse` in tensor_parallel/apply.py, context_parallel/apply.py and
+pipeline_parallel/schedules.py),
 and each strategy what it composes with (`Strategy.refuse`); this file only
 asks them, in the order parallelize() applies the dimensions.
 """
@@ -11,6 +12,7 @@ asks them, in the order parallelize() applies the dimensions.
 import math
 
 from errors import UserError
+from parallel.context_parallel.apply import refuse as refuse_context
 from parallel.grid import DIMS
 from parallel.parallelize import DATA_PARALLEL, IMPLEMENTATIONS, MOVED, strategy_class
 from parallel.pipeline_parallel.schedules import SCHEDULES
@@ -63,7 +65,8 @@ def check_keys(p):
 def check_layout(cfg, world_size) -> dict:
     """Every rule for training on `world_size` ranks; returns the grid's sizes."""
     sizes = grid_sizes(cfg.parallel, world_size)
-    for refuse in (refuse_tensor, refuse_pipeline, strategy_class(cfg.parallel).refuse):
+    for refuse in (refuse_tensor, refuse_context, refuse_pipeline,
+                   strategy_class(cfg.parallel).refuse):
         message = refuse(cfg, sizes)
         if message:
             raise UserError(message)

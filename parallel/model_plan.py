@@ -10,7 +10,8 @@ this plan where the pieces it works on are, never the module tree itself:
   named once in the canonical state dict);
 - each linear's tensor-parallel style (Megatron's column / row split), the
   vocabulary-parallel embedding, LM head and loss, the position embedding
-  that sequence parallelism shards;
+  that sequence and context parallelism shard;
+- the attention function that context parallelism replaces by its ring;
 - the pieces a pipeline stage keeps: blocks, and the embeddings / the final
   LayerNorm and LM head on the first / last stage.
 
@@ -78,6 +79,11 @@ def set_vocab_parallel(model, embedding, lm_head, loss):
     model.transformer.wte = embedding
     model.lm_head = lm_head
     model.cross_entropy = loss
+
+
+def set_attention(block, attend):
+    """Replace a block's attention function (softmax(q k^T) v; model.causal_attention)."""
+    block.attn.attend = attend
 
 
 def position_embedding(model):

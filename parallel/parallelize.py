@@ -6,9 +6,12 @@ The dimensions are applied in one order, each to what the previous one left
   1. tensor parallelism   (parallel.tp > 1): the model plan's linears, the
      embedding, LM head and loss become their Megatron versions, in place
      (parallel/tensor_parallel/);
-  2. pipeline parallelism (parallel.pp > 1): the model is cut to this rank's
+  2. context parallelism  (parallel.cp > 1): every block's attention becomes a
+     ring over the cp group, positions become the tokens' true ones, and the
+     strategy keeps this rank's chunks of every sequence (parallel/context_parallel/);
+  3. pipeline parallelism (parallel.pp > 1): the model is cut to this rank's
      chunks, and a Pipeline runs their schedule (parallel/pipeline_parallel/);
-  3. data parallelism     (parallel.dp): a Strategy holds what is left -- as
+  4. data parallelism     (parallel.dp): a Strategy holds what is left -- as
      replicas, or as ZeRO shards -- and averages gradients over
      grid.grad_group (parallel/data_parallel/).
 
@@ -22,6 +25,7 @@ our own for it.
 """
 
 from parallel.comm import CommCounter
+from parallel.context_parallel.apply import apply_context_parallel
 from parallel.data_parallel.bucket import DDPBucket
 from parallel.data_parallel.fsdp import FSDP
 from parallel.data_parallel.naive import DDPNaive
@@ -58,8 +62,8 @@ def strategy_class(p):
 
 
 def parallelize(model, grid, cfg):
-    """Apply tensor, pipeline and data parallelism to `model` (a full GPT, the same
-    on every rank), in that order; returns this rank's Strategy. cfg: the
+    """Apply tensor, context, pipeline and data parallelism to `model` (a full GPT, the
+    same on every rank), in that order; returns this rank's Strategy. cfg: the
     `parallel:` section (parallel/config.py)."""
     cls = strategy_class(cfg)
     comm = CommCounter()  # training traffic goes through it, so it is counted
@@ -67,7 +71,9 @@ def parallelize(model, grid, cfg):
                        comm)
     if grid.tp_size > 1 and cls.own_tensor_parallel:  # 1. tensor
         local.placements, local.tp = apply_tensor_parallel(model, grid, cfg, comm)
-    if grid.pp_size > 1:  # 2. pipeline (PyTorch's schedules too run on our cut)
+    if grid.cp_size > 1:  # 2. context
+        local.split = apply_context_parallel(model, grid, comm).split
+    if grid.pp_size > 1:  # 3. pipeline (PyTorch's schedules too run on our cut)
         local.pipeline = Pipeline(model, grid, cfg, comm, local.placements)
         local.placements = local.pipeline.placements
-    return cls(local, grid, cfg)  # 3. data
+    return cls(local, grid, cfg)  # 4. data

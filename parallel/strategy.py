@@ -56,6 +56,8 @@ class LocalModel:
     comm: CommCounter        # every training collective goes through it, so it is counted
     tp: object = None        # the TPContext (parallel/tensor_parallel/apply.py), if tp > 1
     pipeline: object = None  # the Pipeline (parallel/pipeline_parallel/pipeline.py), if pp > 1
+    split: object = None     # (x, y) -> what this rank keeps of a micro-batch (cp > 1: its
+                             # chunks of every sequence); None: all of it
 
 
 class Strategy:
@@ -75,6 +77,7 @@ class Strategy:
         self.comm = local.comm
         self.placements = local.placements
         self.tp, self.pipeline = local.tp, local.pipeline
+        self.split = local.split or (lambda x, y: (x, y))
         self.gpt = local.module  # this rank's (TP-local, stage-cut) GPT, for configure_compute
         self.module = local.module.to(self.device)  # the strategy's model (wrapped or not)
         self.model = self.module  # what forward runs through: the GPT, or a wrapper of it
@@ -102,6 +105,7 @@ class Strategy:
         loss over the global batch, on every rank. Strategies shape it through
         `backward_scope` (around each micro-batch), `sync_gradients` and
         `self.model` (what forward runs through: the GPT, or a wrapper)."""
+        micro_batches = [self.split(x, y) for x, y in micro_batches]
         if self.pipeline is not None:
             loss = self.pipeline_forward_backward(micro_batches)
         else:
@@ -124,6 +128,7 @@ class Strategy:
     def eval_loss(self, x, y):
         """Mean loss over the global eval batch (x, y is this rank's share), through
         `self.module` (the strategy's model) or its pipeline stages."""
+        x, y = self.split(x, y)
         self.module.eval()
         try:
             if self.pipeline is not None:
@@ -167,6 +172,8 @@ class Strategy:
         two stages would give layer 0 and layer L/P the same masks); TP ranks share
         the stream where their activations are the same."""
         base = seed + self.grid.dp_rank
+        if self.grid.cp_size > 1:  # cp ranks hold other tokens: other masks
+            base = derive_seed(base, "context shard", self.grid.cp_rank)
         if self.grid.pp_size > 1:
             base = derive_seed(base, "pipeline stage", self.grid.pp_rank)
         torch.manual_seed(base)

@@ -98,9 +98,9 @@ def global_batch(step):
 
 class OneRank:
     """Just enough of a ProcessGrid for a single-process reference replica."""
-    dp_size = pp_size = tp_size = grad_size = world_size = 1
-    dp_rank = pp_rank = tp_rank = grad_rank = rank = 0
-    sizes = {"dp": 1, "pp": 1, "tp": 1}
+    dp_size = pp_size = cp_size = tp_size = grad_size = world_size = 1
+    dp_rank = pp_rank = cp_rank = tp_rank = grad_rank = rank = 0
+    sizes = {"dp": 1, "pp": 1, "cp": 1, "tp": 1}
     is_main = True
     device = torch.device("cpu")
 

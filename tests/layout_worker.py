@@ -52,6 +52,7 @@ class Case:
     dp: int = 1
     pp: int = 1
     tp: int = 1
+    cp: int = 1
     parallel: dict = field(default_factory=dict)  # more ParallelConfig fields
     vocab: int = 64
     accum: int = 1
@@ -80,6 +81,9 @@ CASES = {
              clip=0.0),
         Case("pp2-uneven-5layers-1f1b-m4", pp=2, parallel=pp("1f1b", 4), n_layer=5),
         Case("pp2-layers41-gpipe-m2", pp=2, parallel=pp("gpipe", 2, pp_layers=[4, 1]), n_layer=5),
+        Case("cp2-ddp_bucket", "ddp_bucket", cp=2),
+        Case("cp2-ddp_naive-accum2-vocab65-noclip", "ddp_naive", cp=2, vocab=65, accum=2, clip=0.0),
+        Case("cp2-fsdp3", "fsdp", cp=2, parallel={"zero_stage": 3}),
     ],
     4: [
         Case("tp4-vocab50", tp=4, vocab=50),
@@ -115,6 +119,19 @@ CASES = {
         Case("tp2pp2-1f1b-m2", tp=2, pp=2, parallel=pp("1f1b", 2), vocab=65),
         Case("tp2pp2-sp-interleaved-v2-m2", tp=2, pp=2,
              parallel=pp("interleaved", 2, 2, sequence_parallel=True), n_layer=4),
+        Case("cp4-ddp_bucket", "ddp_bucket", cp=4),
+        Case("dp2cp2-ddp_bucket-ring-accum2", "ddp_bucket", dp=2, cp=2,
+             parallel={"allreduce": "ring"}, accum=2),
+        Case("dp2cp2-fsdp1-noclip", "fsdp", dp=2, cp=2, parallel={"zero_stage": 1}, clip=0.0),
+        Case("dp2cp2-fsdp2-vocab65", "fsdp", dp=2, cp=2, parallel={"zero_stage": 2}, vocab=65),
+        Case("cp2tp2-ddp_bucket-vocab65", "ddp_bucket", cp=2, tp=2, vocab=65),
+        Case("cp2tp2-sp-ddp_naive-accum2", "ddp_naive", cp=2, tp=2,
+             parallel={"sequence_parallel": True}, accum=2),
+        Case("cp2pp2-ddp_bucket-1f1b-m2", "ddp_bucket", cp=2, pp=2, parallel=pp("1f1b", 2)),
+        Case("cp2pp2-ddp_naive-gpipe-m4-noclip", "ddp_naive", cp=2, pp=2, parallel=pp("gpipe", 4),
+             clip=0.0),
+        Case("cp2pp2-fsdp2-interleaved-v2-m2", "fsdp", cp=2, pp=2,
+             parallel=pp("interleaved", 2, 2, zero_stage=2), n_layer=4),
     ],
     8: [
         Case("dp2pp2tp2-ddp_bucket-1f1b-m2-accum2", "ddp_bucket", dp=2, pp=2, tp=2,
@@ -123,6 +140,10 @@ CASES = {
              parallel=pp("gpipe", 4, zero_stage=2, sequence_parallel=True), clip=0.0),
         Case("dp2pp2tp2-ddp_naive-interleaved-v2-m2", "ddp_naive", dp=2, pp=2, tp=2,
              parallel=pp("interleaved", 2, 2), n_layer=4),
+        Case("dp2cp2tp2-ddp_bucket-sp-accum2", "ddp_bucket", dp=2, cp=2, tp=2,
+             parallel={"sequence_parallel": True}, vocab=65, accum=2),
+        Case("cp2pp2tp2-fsdp1-1f1b-m2", "fsdp", cp=2, pp=2, tp=2,
+             parallel=pp("1f1b", 2, zero_stage=1)),
     ],
 }
 
@@ -171,12 +192,13 @@ def on_every_rank(flags):
 
 
 def check_case(case):
-    grid = ProcessGrid({"dp": case.dp, "pp": case.pp, "tp": case.tp}, torch.device("cpu"))
+    grid = ProcessGrid({"dp": case.dp, "pp": case.pp, "cp": case.cp, "tp": case.tp},
+                       torch.device("cpu"))
     tcfg = TrainerConfig(lr=3e-3, weight_decay=0.1)
     torch.manual_seed(1234)
     model = GPT(gpt_config(case.vocab, case.n_layer))
     strategy = parallelize(model, grid, ParallelConfig(dp=case.dp_kind, tp=case.tp, pp=case.pp,
-                                                          **case.parallel))
+                                                          cp=case.cp, **case.parallel))
     strategy.configure_optimizer(tcfg)
     torch.manual_seed(1234)
     ref = parallelize(GPT(gpt_config(case.vocab, case.n_layer)), OneRank(), ParallelConfig(dp="single"))

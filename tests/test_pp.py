@@ -71,7 +71,8 @@ def test_balanced_and_explicit_splits():
 
 # ---------------------------------------------------------------- torchrun workers
 
-PP_CASES = [(world, case.name) for world in CASES for case in CASES[world] if case.pp > 1]
+PP_CASES = [(world, case.name) for world in CASES for case in CASES[world]
+            if case.pp > 1 and case.cp == 1]
 
 
 @pytest.mark.parametrize("world,name", PP_CASES, ids=[n for _, n in PP_CASES])

@@ -1,6 +1,7 @@
 """`single`: one process, no communication. The reference every layout must reproduce."""
 
 from parallel.data_parallel.replicated import ReplicatedStrategy
+from parallel.grid import GRAD_DIMS
 
 
 class Single(ReplicatedStrategy):
@@ -12,6 +13,11 @@ class Single(ReplicatedStrategy):
     def refuse(cls, cfg, sizes):
         if sizes["dp"] != 1:
             return no_data_parallel_dimension(cfg.parallel.dp, sizes)
+        others = [f"parallel.{d}={sizes[d]}" for d in GRAD_DIMS if d != "dp" and sizes[d] > 1]
+        if others:
+            return (f"parallel.dp={cfg.parallel.dp} averages no gradients, but with "
+                    f"{', '.join(others)} ranks see other tokens of the same parameters: use a "
+                    "data-parallel strategy (ddp_bucket, ddp_naive, fsdp)")
         return ""
 
 

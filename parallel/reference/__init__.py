@@ -32,4 +32,8 @@ def refuse_model_parallel_reference(cfg, sizes, dim):
                 f"(parallel.{dim}_impl=own)")
     if sizes["dp"] != 1:
         return no_data_parallel_dimension(what, sizes)
+    others = [f"parallel.{d}={n}" for d, n in sizes.items() if d not in ("dp", dim) and n > 1]
+    if others:  # any other dimension, present or future: the reference measures its own alone
+        return (f"{what} is PyTorch's reference for parallel.{dim} alone: it runs without "
+                f"{', '.join(others)}")
     return refuse_own_options(cfg, what)

@@ -1,0 +1,114 @@
+"""Context parallelism (parallel.cp): every sequence split over ranks, attention as a ring.
+
+- tests/layout_worker.py: every cp layout (cp 2 and 4, with ddp_naive, ddp_bucket native
+  and ring, fsdp 1-3, tp with and without sequence parallelism, every pipeline schedule,
+  the 4-D dp2 x cp2 x tp2 and cp2 x pp2 x tp2 on 8 ranks) against a single-process
+  replica: per-step losses and pre-clip gradient norms within rtol 1e-5;
+- through main.py: cp2 against `single` including the final validation loss; a
+  dropout run that resumes exactly; resume across layouts, optimizer state included;
+  mode=sample from a cp snapshot; a block size the zigzag cannot cut refused;
+- the balanced split, in process: each rank computes exactly the unmasked blocks of
+  its chunks, and all ranks the same amount of work.
+"""
+
+import pytest
+
+from harness import (assert_layout_matches, assert_parity, layout_worker_result, run_job,
+                     run_metrics, save_then_resume)
+from layout_worker import CASES
+from parallel.context_parallel.ring_attention import blocks, zigzag_chunks, zigzag_positions
+from test_bad_input import assert_clean_failure
+
+CP_CASES = [(world, case.name) for world in CASES for case in CASES[world] if case.cp > 1]
+
+
+@pytest.mark.parametrize("world,name", CP_CASES, ids=[n for _, n in CP_CASES])
+def test_cp_layout_matches_single_process(world, name):
+    r = layout_worker_result(world)["cases"][name]
+    print(f"{name}: loss {r['loss_rel_diff']:.2g}, grad norm {r['norm_rel_diff']:.2g}, "
+          f"params {r['param_max_abs_diff']:.2g}")
+    assert_layout_matches(r)
+
+
+@pytest.mark.parametrize("N", [1, 2, 3, 4, 8])
+def test_zigzag_split_computes_every_unmasked_block_once_and_balances_ranks(N):
+    """Rank r holds chunks r and 2N-1-r; over the N ring steps it must compute exactly
+    the (query chunk, key chunk) pairs with key <= query, none masked away, and every
+    rank the same work (a causal diagonal block is half a full one)."""
+    work = set()
+    for me in range(N):
+        mine = zigzag_chunks(me, N)
+        done = []
+        for src in range(N):
+            theirs = zigzag_chunks(src, N)
+            for qp, kp, causal in blocks(me, src, N):
+                q, k = mine[qp], theirs[kp]
+                assert (k == q) == causal and k <= q, (me, src, qp, kp)
+                done.append((q, k))
+        assert sorted(done) == sorted({(q, k) for q in mine for k in range(2 * N) if k <= q})
+        work.add(sum(0.5 if q == k else 1.0 for q, k in done))
+    assert len(work) == 1, work
+    positions = sorted(p for r in range(N) for p in zigzag_positions(r, N, 4).tolist())
+    assert positions == list(range(4 * N))  # every token on exactly one rank
+
+
+CONSTANT = ["trainer.warmup_steps=0", "trainer.lr=0.003", "trainer.min_lr=0.003",
+            "trainer.grad_clip=0"]
+LAYOUTS = {
+    "single": (1, ["parallel.dp=single"]),
+    "cp2": (2, ["parallel.dp=ddp_bucket", "parallel.cp=2"]),
+    "dp2tp2": (4, ["parallel.dp=ddp_bucket", "parallel.tp=2"]),
+    "cp2tp2": (4, ["parallel.dp=fsdp", "parallel.zero_stage=2", "parallel.cp=2", "parallel.tp=2"]),
+}
+
+
+def test_cp2_through_main_matches_single_with_validation(tmp_path):
+    evaluate = ["trainer.eval_every=6"]
+    ref = run_metrics(tmp_path, 1, LAYOUTS["single"][1] + evaluate)
+    got = run_metrics(tmp_path, 2, LAYOUTS["cp2"][1] + ["trainer.grad_accum=2"] + evaluate)
+    assert_parity(ref, got)
+    diff = abs(ref[-1]["val_loss"] - got[-1]["val_loss"]) / ref[-1]["val_loss"]
+    print(f"val_loss {ref[-1]['val_loss']:.7f} vs {got[-1]['val_loss']:.7f}: rel diff {diff:.2g}")
+    assert diff <= 1e-5
+
+
+@pytest.fixture(scope="module")
+def uninterrupted_single(tmp_path_factory):
+    return run_metrics(tmp_path_factory.mktemp("ref"), 1,
+                       LAYOUTS["single"][1] + CONSTANT + ["trainer.max_steps=6"])
+
+
+@pytest.mark.parametrize("saved_under,resumed_under", [
+    ("cp2", "single"), ("single", "cp2"), ("dp2tp2", "cp2tp2")])
+def test_resume_across_cp_layouts(tmp_path, uninterrupted_single, saved_under, resumed_under):
+    resumed = save_then_resume(tmp_path, LAYOUTS[saved_under], LAYOUTS[resumed_under], CONSTANT)
+    assert_parity(uninterrupted_single[3:], resumed)
+
+
+def test_dropout_under_cp_resumes_exactly(tmp_path):
+    """Dropout masks (embedding, residual, MLP, and the ring's attention masks) come
+    from the step and the rank's coordinates: a resumed cp run draws the same ones."""
+    dropout = ["model.dropout=0.1"]
+    reference = run_metrics(tmp_path, 2, LAYOUTS["cp2"][1] + CONSTANT + dropout +
+                            ["trainer.max_steps=6"])
+    resumed = save_then_resume(tmp_path, LAYOUTS["cp2"], LAYOUTS["cp2"], CONSTANT + dropout)
+    assert [r["loss"] for r in resumed] == [r["loss"] for r in reference[3:]]
+
+
+def test_cp_snapshot_samples_like_a_single_process_snapshot(tmp_path):
+    sample = ["sample.length=60", "sample.seed=3", "trainer.max_steps=3"]
+    texts = []
+    for name in ("single", "cp2"):
+        nproc, args = LAYOUTS[name]
+        workdir = tmp_path / name
+        trained = run_job(workdir, nproc, args + sample)
+        assert trained.returncode == 0, trained.stderr[-3000:]
+        sampled = run_job(workdir, 1, ["mode=sample"] + sample)
+        assert sampled.returncode == 0, sampled.stderr[-3000:]
+        texts.append(sampled.stdout)
+    assert texts[0] == texts[1] and len(texts[0].strip()) > 0
+
+
+def test_block_size_the_zigzag_cannot_cut_is_refused_on_every_rank(tmp_path):
+    result = run_job(tmp_path, 2, LAYOUTS["cp2"][1] + ["data.block_size=18"])
+    assert_clean_failure(result, "is not divisible by 2 x parallel.cp = 4")
