@@ -15,15 +15,16 @@ config.json says `activation_function: "gelu"` (exact GELU, ours; GPT-2's
 original `gelu_new` is the tanh approximation), `n_positions` = block_size,
 `layer_norm_epsilon` 1e-5, tied LM head (`lm_head.weight` is not stored:
 `tie_word_embeddings`), and under `mingpt_parallel` our own facts (bias,
-tokenizer). safetensors is written and read here by hand (an 8-byte header
-length, a JSON header, raw little-endian bytes): no pickle, no extra runtime
-dependency. Paths may be any fsspec URL.
+tokenizer). model.safetensors is written and read with the safetensors library
+(the format's own implementation, which transformers reads: no pickle, and
+its header checks are the library's, not a copy of them). Paths may be any
+fsspec URL.
 """
 
 import json
-import struct
 
 import fsspec
+import safetensors.torch
 import torch
 
 from errors import UserError
@@ -32,7 +33,6 @@ CONFIG, WEIGHTS = "config.json", "model.safetensors"
 CHAR_VOCAB = "vocab_char.json"  # our char tokenizer's vocabulary (checkpoint/export.py)
 TRANSPOSED = ("attn.c_attn.weight", "attn.c_proj.weight", "mlp.c_fc.weight", "mlp.c_proj.weight")
 ST_DTYPES = {torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16"}
-FROM_ST = {v: k for k, v in ST_DTYPES.items()}
 
 
 # ---------------------------------------------------------------- names and shapes
@@ -156,54 +156,29 @@ def check_config(hf, gpt, where):
     return notes
 
 
-# ---------------------------------------------------------------- safetensors, by hand
+# ---------------------------------------------------------------- safetensors
 
 def write_safetensors(path, tensors):
-    """{name: tensor} -> a safetensors file (names sorted, so the bytes are reproducible)."""
-    header, offset, blobs = {"__metadata__": {"format": "pt"}}, 0, []
-    for name in sorted(tensors):
-        t = tensors[name].detach().contiguous().cpu()
-        raw = t.view(-1).view(torch.uint8).numpy().tobytes() if t.numel() else b""
-        header[name] = {"dtype": ST_DTYPES[t.dtype], "shape": list(t.shape),
-                        "data_offsets": [offset, offset + len(raw)]}
-        offset += len(raw)
-        blobs.append(raw)
-    text = json.dumps(header, separators=(",", ":")).encode()
-    text += b" " * (-len(text) % 8)  # the data starts 8-byte aligned
+    """{name: tensor} -> a safetensors file through the safetensors library (it sorts the
+    names and aligns the data, so the same tensors give the same bytes)."""
+    data = safetensors.torch.save({n: t.detach().contiguous().cpu() for n, t in tensors.items()},
+                                  metadata={"format": "pt"})
     with fsspec.open(path, "wb") as f:
-        f.write(struct.pack("<Q", len(text)) + text)
-        for raw in blobs:
-            f.write(raw)
+        f.write(data)
 
 
 def read_safetensors(path):
+    """{name: tensor} of a safetensors file; a damaged one is one UserError."""
     with fsspec.open(path, "rb") as f:
         data = f.read()
     try:
-        (n,) = struct.unpack("<Q", data[:8])
-        header = json.loads(data[8:8 + n])
-    except (struct.error, ValueError) as e:
-        raise UserError(f"{path} is not a safetensors file ({e})") from None
-    out, base = {}, 8 + n
-    for name, info in header.items():
-        if name == "__metadata__":
-            continue
-        try:
-            dtype, (a, b), shape = FROM_ST.get(info["dtype"]), info["data_offsets"], info["shape"]
-        except (KeyError, TypeError, ValueError):
-            raise UserError(f"{path}: the header entry of {name} is damaged") from None
-        if dtype is None:
-            raise UserError(f"{path}: tensor {name} has dtype {info['dtype']}; expected F32, F16 or BF16")
-        if base + b > len(data):
-            raise UserError(f"{path} is truncated ({name} ends past the file)")
-        raw = bytearray(data[base + a:base + b])
-        try:
-            out[name] = torch.frombuffer(raw, dtype=dtype).reshape(shape) if raw else \
-                torch.zeros(shape, dtype=dtype)
-        except (RuntimeError, TypeError, ValueError):
-            raise UserError(f"{path}: tensor {name} has {len(raw)} bytes, not a {info['dtype']} "
-                            f"tensor of shape {shape}") from None
-    return out
+        tensors = safetensors.torch.load(data)
+    except Exception as e:  # SafetensorError: a damaged header, offsets, shapes or dtypes
+        raise UserError(f"{path} is not a readable safetensors file ({e})") from None
+    for name, t in tensors.items():
+        if t.dtype not in ST_DTYPES:
+            raise UserError(f"{path}: tensor {name} has dtype {t.dtype}; expected F32, F16 or BF16")
+    return tensors
 
 
 # ---------------------------------------------------------------- a folder

@@ -167,7 +167,7 @@ def test_a_damaged_init_from_folder_is_one_line(one_rank_grid, tmp_path):
     header[name]["shape"] = [7, 7, 7]
     text = json.dumps(header).encode()
     weights.write_bytes(len(text).to_bytes(8, "little") + text + data[8 + n:])
-    with pytest.raises(UserError, match=f"tensor {name} has .* bytes, not a F32 tensor of shape"):
+    with pytest.raises(UserError, match="model.safetensors is not a readable safetensors file"):
         hf_gpt2.read_safetensors(str(weights))
 
 
