@@ -19,6 +19,7 @@ import uuid
 from dataclasses import dataclass
 
 from char_dataset import GlobalBatches, data_identity, data_order, eval_starts
+from checkpoint.async_snapshot import AsyncSnapshots
 from checkpoint.resume import snapshot_location
 from checkpoint.snapshot import save_sharded
 from errors import UserError
@@ -59,6 +60,7 @@ class TrainerConfig:
     fp16_init_scale: float = 65536.0  # fp16: the loss scaler's first scale
     fp16_growth_interval: int = 2000  # fp16: steps without overflow before the scale doubles
     activation_checkpointing: bool = False  # recompute each block in backward: less memory, ~1/3 more compute
+    snapshot_async: bool = False  # write snapshots in the background (checkpoint/async_snapshot.py)
 
 
 def lr_at(step: int, t: TrainerConfig) -> float:
@@ -89,6 +91,8 @@ class Trainer:
         self.flops_per_token = mfu.flops_per_token(snapshot_meta["gpt_config"])
         self.metrics = None
         self.activations = ActivationMeter() if self.t.measure_activations else None
+        self.async_snapshots = AsyncSnapshots(self.snapshot_path, grid, self.t.keep_snapshots) \
+            if self.t.snapshot_async else None
 
     def restore(self, reader):
         """Take model, optimizer and step from a snapshot (checked by check_resumable)."""
@@ -148,17 +152,22 @@ class Trainer:
             self.metrics.write_files(files)
             if t.eval_every and (self.step % t.eval_every == 0 or last):
                 record["val_loss"] = self.evaluate()
+            saved = (t.save_every and self.step % t.save_every == 0) or last
+            if saved:
+                record.update(self.save(final=last))
             logged = t.log_every and (self.step % t.log_every == 0 or last)
             if logged or "val_loss" in record:
                 self.metrics.write(record, t.max_steps, console=bool(logged) or last)
             else:
                 self.metrics.progress(self.step, t.max_steps)
-            saved = (t.save_every and self.step % t.save_every == 0) or last
-            if saved:
-                self.save()
-            if not last:  # read the next step's windows, then agree (every rank) on two things
+            if not last:  # read the next step's windows, then agree (every rank) on them, a
+                # stop signal and the progress of a background snapshot, in one all-reduce
                 micro, data_ms, error = self._read_step(self.step)
-                signum, failed = preemption.agreed_signal(g.device, failed=error is not None)
+                signum, failed, progress = preemption.agreed_signal(
+                    g.device, failed=error is not None,
+                    extra=self.async_snapshots.flags() if self.async_snapshots else ())
+                if self.async_snapshots:
+                    self.async_snapshots.advance(progress)  # raises on a failed write
                 if signum:  # a stop signal: snapshot this step (the next one's data waits)
                     self._stop_preempted(signum, saved)
                 if failed:  # one rank's windows are damaged: all stop before any collective
@@ -183,8 +192,10 @@ class Trainer:
     def _stop_preempted(self, signum, saved):
         """A rank got SIGTERM/SIGUSR1 (launch/preemption.py): every rank is here after the same
         step; snapshot it, so nothing trained is lost, and leave with EXIT_STATUS."""
+        if self.async_snapshots:
+            self.async_snapshots.drain()  # this step's save (if it was one) is committed now
         if not saved:
-            self.save()
+            self.save(final=True)
         message = (f"preempted: {preemption.signal_name(signum)} received, stopped after step "
                    f"{self.step} of {self.t.max_steps} and wrote its snapshot to "
                    f"{self.snapshot_path}; run the same command to resume (exit status "
@@ -207,11 +218,29 @@ class Trainer:
         losses = [self.strategy.eval_loss(x, y) for x, y in micro]
         return sum(losses) / len(losses)
 
-    def save(self):
-        """Collective: every rank writes the part of the state it owns."""
-        g, t = self.grid, self.t
+    def save(self, final=False):
+        """Collective: every rank writes the part of the state it owns: now, or (with
+        trainer.snapshot_async, unless `final`) staged in host memory and written in the
+        background. Returns the figures for the step's metrics record."""
+        started = time.perf_counter()
         pieces = self.strategy.shard_pieces()
-        save_sharded(self.snapshot_path, g, self.step, pieces, keep=t.keep_snapshots, meta={
+        if self.async_snapshots is None:
+            save_sharded(self.snapshot_path, self.grid, self.step, pieces, keep=self.t.keep_snapshots,
+                         meta=self._snapshot_meta())
+            return {"snapshot_ms": 1000 * (time.perf_counter() - started)}
+        if final:  # the end, or a stop: what is in flight first, then this step, synchronously
+            self.async_snapshots.drain()
+            save_sharded(self.snapshot_path, self.grid, self.step, pieces, keep=self.t.keep_snapshots,
+                         meta=self._snapshot_meta())
+        else:
+            self.async_snapshots.begin(self.step, pieces, self._snapshot_meta())
+        return {"snapshot_ms": 1000 * (time.perf_counter() - started),
+                "snapshot_wait_ms": self.async_snapshots.last_wait_ms if not final else 0.0}
+
+    def _snapshot_meta(self):
+        """What a snapshot records besides the tensors (the manifest)."""
+        g, t = self.grid, self.t
+        return {
             "samples_seen": self.step * t.batch_size, "wandb_id": self.wandb_id,
             "data_order": data_order(self.cfg.data), "data": data_identity(self.train_set),
             **self.snapshot_meta,
@@ -223,8 +252,10 @@ class Trainer:
                               "at the start of each step; pipeline stages and TP ranks derive "
                               "their streams from it (Strategy.reseed, parallel/grid.derive_seed)",
                     "seed": t.seed},
-        })
+        }
 
     def close(self):
         if self.metrics is not None:
             self.metrics.close()
+        if self.async_snapshots is not None:
+            self.async_snapshots.close()

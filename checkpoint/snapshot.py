@@ -78,8 +78,6 @@ def save_sharded(path, grid, step, pieces, meta, keep=1):
     raises the same UserError if any rank fails, so nobody trains on past a
     snapshot that was not written."""
     fs, root = _fs(path)
-    step_name = step_dir_name(step)
-    step_dir = _join(root, step_name)
 
     def agree(error):
         if not grid.all_ok(error is None):
@@ -91,10 +89,7 @@ def save_sharded(path, grid, step, pieces, meta, keep=1):
     error, ids = None, [uuid.uuid4().hex]
     if grid.is_main:
         try:
-            if fs.exists(step_dir):  # a write killed at this very step, or a kept snapshot
-                _step_back_from(fs, root, step_name)  # past the step a run resumed from
-                fs.rm(step_dir, recursive=True)
-            fs.makedirs(step_dir, exist_ok=True)
+            prepare_step_dir(path, step)
         except Exception as e:
             error = e
     agree(error)
@@ -102,7 +97,7 @@ def save_sharded(path, grid, step, pieces, meta, keep=1):
 
     index = []
     try:
-        index = _write_part(fs, step_dir, grid.rank, ids[0], pieces)
+        index = write_part(path, step, grid.rank, ids[0], pieces)
     except Exception as e:
         error = e
     agree(error)
@@ -111,16 +106,41 @@ def save_sharded(path, grid, step, pieces, meta, keep=1):
 
     if grid.is_main:
         try:
-            manifest = {"format_version": FORMAT_VERSION, "snapshot_id": ids[0], "step": step,
-                        **meta, "parts": [e for part in indexes for e in part]}
-            write_json(fs, _join(step_dir, "manifest.json"), manifest)
-            write_json(fs, _join(root, "latest.json"),  # the commit point
-                        {"step_dir": step_name, "snapshot_id": ids[0]}, atomic=True)
+            commit(path, step, ids[0], meta, indexes)
         except Exception as e:
             error = e
     agree(error)
     if grid.is_main:
         remove_stale(fs, root, _join, step, keep)
+
+
+def prepare_step_dir(path, step):
+    """Main rank, before any part is written: an empty directory for `step`."""
+    fs, root = _fs(path)
+    step_name = step_dir_name(step)
+    step_dir = _join(root, step_name)
+    if fs.exists(step_dir):  # a write killed at this very step, or a kept snapshot
+        _step_back_from(fs, root, step_name)  # past the step a run resumed from
+        fs.rm(step_dir, recursive=True)
+    fs.makedirs(step_dir, exist_ok=True)
+
+
+def write_part(path, step, rank, snapshot_id, pieces):
+    """This rank's part file of `step`; returns its index entries (for the manifest)."""
+    fs, root = _fs(path)
+    return _write_part(fs, _join(root, step_dir_name(step)), rank, snapshot_id, pieces)
+
+
+def commit(path, step, snapshot_id, meta, indexes):
+    """Main rank, once every part of `step` is written: the manifest, then latest.json
+    (the commit point, replaced atomically). indexes: every rank's write_part result."""
+    fs, root = _fs(path)
+    step_name = step_dir_name(step)
+    manifest = {"format_version": FORMAT_VERSION, "snapshot_id": snapshot_id, "step": step,
+                **meta, "parts": [e for part in indexes for e in part]}
+    write_json(fs, _join(_join(root, step_name), "manifest.json"), manifest)
+    write_json(fs, _join(root, "latest.json"), {"step_dir": step_name, "snapshot_id": snapshot_id},
+               atomic=True)
 
 
 def _step_back_from(fs, root, step_name):

@@ -59,14 +59,16 @@ def received() -> int:
     return _received
 
 
-def agreed_signal(device, failed=False):
+def agreed_signal(device, failed=False, extra=()):
     """Collective over every rank: (the largest signal number any rank got, 0 if none;
-    whether any rank passed failed=True). The trainer has the ranks agree on a damaged
-    read of the next step's data in this same all-reduce."""
-    flag = torch.tensor([_received, int(failed)], dtype=torch.int32, device=device)
+    whether any rank passed failed=True; the MAX over ranks of each of `extra`). The
+    trainer has the ranks agree on a damaged read of the next step's data, and the
+    progress of an asynchronous snapshot (ints), in this same all-reduce."""
+    flag = torch.tensor([_received, int(failed), *extra], dtype=torch.int64, device=device)
     if dist.is_initialized() and dist.get_world_size() > 1:
         dist.all_reduce(flag, op=dist.ReduceOp.MAX)
-    return int(flag[0].item()), bool(flag[1].item())
+    values = flag.tolist()
+    return int(values[0]), bool(values[1]), values[2:]
 
 
 def signal_name(signum: int) -> str:

@@ -1,0 +1,179 @@
+"""`trainer.snapshot_async`: snapshots written while training goes on, with the
+guarantees of the synchronous path (checkpoint/snapshot.py).
+
+A save at step S goes through four phases, each moved on by the scalar all-reduce
+the trainer already makes at the end of every step (launch/preemption.agreed_signal),
+never by a barrier of its own, and never by a collective from the writer thread:
+
+1. staged (the save step, main thread): every rank copies what it holds into host
+   memory (pinned and reused between saves on CUDA), so training may change the
+   live tensors; the main rank empties step S's directory (the only filesystem
+   work every part must wait for) and draws the snapshot id. The step's
+   all-reduce carries the id and whether that failed.
+2. writing (a background thread per rank): its part file and the part's index
+   (a small JSON beside it, which the main rank reads to build the manifest).
+   Each later step's all-reduce carries "my write of S is done" and "it failed".
+3. committed (main rank, once every rank reported done): manifest.json, then
+   latest.json, the commit point; then retention (keep_snapshots: committed,
+   older steps only). The next all-reduce carries whether the commit failed.
+4. idle: the next save may start.
+
+At most one save is in flight: a save step that finds one unfinished waits for
+it (`drain`, which agrees with blocking collectives: the wait is the point) and
+reports the wait in metrics (`snapshot_wait_ms`). The end of training and a
+preemption drain the save in flight and then save the step reached
+synchronously. A failed write or commit stops every rank with one line; the
+commit point never names a snapshot some rank did not finish.
+"""
+
+import time
+import uuid
+from concurrent.futures import ThreadPoolExecutor
+
+import torch
+import torch.distributed as dist
+
+from checkpoint.snapshot import _fs, _join, commit, prepare_step_dir, write_part
+from checkpoint.snapshot_dirs import remove_stale, step_dir_name
+from data.fs_json import read_json, write_json
+from errors import UserError
+
+IDLE, STAGED, WRITING, COMMITTED = "idle", "staged", "writing", "committed"
+# positions in the flag vector each rank adds to the step's all-reduce (MAX)
+ID, PREP_FAILED, NOT_WRITTEN, WRITE_FAILED, COMMIT_FAILED = range(5)
+N_FLAGS = 5
+
+
+def index_name(rank):
+    return f"index-{rank:05d}.json"
+
+
+class AsyncSnapshots:
+    def __init__(self, path, grid, keep):
+        self.path, self.grid, self.keep = path, grid, keep
+        self.pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="snapshot-writer")
+        self.state, self.step, self.meta = IDLE, None, None
+        self.staged, self.buffers = None, {}
+        self.snapshot_id, self.write, self.error = None, None, None
+        self.last_wait_ms = 0.0
+
+    # ------------------------------------------------ phase 1, on the save step
+
+    def begin(self, step, pieces, meta):
+        """Stage this rank's pieces of `step` and (main rank) prepare its directory."""
+        started = time.perf_counter()
+        if self.state != IDLE:
+            self.drain()
+        self.last_wait_ms = 1000 * (time.perf_counter() - started)
+        self.staged = [(key, shape, box, self._stage(i, t)) for i, (key, shape, box, t)
+                       in enumerate(pieces)]
+        self.step, self.meta, self.error = step, meta, None
+        self.snapshot_id = 0
+        if self.grid.is_main:
+            self.snapshot_id = uuid.uuid4().int >> 66  # 62 bits; not the training's random streams
+            try:
+                prepare_step_dir(self.path, step)
+            except Exception as e:
+                self.error = e
+        self.state = STAGED
+
+    def _stage(self, i, tensor):
+        """A host copy of `tensor`, into a buffer kept for the next save (pinned on CUDA,
+        so the copy runs at full bandwidth)."""
+        t = tensor.detach()
+        buf = self.buffers.get(i)
+        if buf is None or buf.shape != t.shape or buf.dtype != t.dtype:
+            buf = torch.empty(t.shape, dtype=t.dtype, device="cpu",
+                              pin_memory=t.device.type == "cuda")
+            self.buffers[i] = buf
+        buf.copy_(t, non_blocking=t.device.type == "cuda")
+        return buf
+
+    # ------------------------------------------------ the flags, in every step's all-reduce
+
+    def flags(self):
+        """This rank's contribution to the end-of-step all-reduce (ints, MAX-reduced)."""
+        f = [0] * N_FLAGS
+        if self.state == STAGED:
+            f[ID] = self.snapshot_id
+            f[PREP_FAILED] = int(self.error is not None)
+        elif self.state == WRITING:
+            f[NOT_WRITTEN] = int(not self.write.done())
+            f[WRITE_FAILED] = int(self.write.done() and self.write.exception() is not None)
+        elif self.state == COMMITTED:
+            f[COMMIT_FAILED] = int(self.error is not None)
+        return f
+
+    def advance(self, agreed):
+        """Move on by what every rank said (the all-reduced flags); raises on a failure."""
+        if self.state == STAGED:
+            if agreed[PREP_FAILED]:
+                self._fail(f"could not prepare snapshot step {self.step}")
+            if torch.cuda.is_available():
+                torch.cuda.synchronize()  # the staging copies are complete before the thread reads
+            self.snapshot_id = f"{agreed[ID]:016x}"
+            self.write = self.pool.submit(self._write_own_part)
+            self.state = WRITING
+        elif self.state == WRITING:
+            if agreed[WRITE_FAILED]:
+                self._fail(f"could not write snapshot step {self.step}")
+            if not agreed[NOT_WRITTEN]:
+                self._commit_on_main()
+                self.state = COMMITTED
+        elif self.state == COMMITTED:
+            if agreed[COMMIT_FAILED]:
+                self._fail(f"could not commit snapshot step {self.step}")
+            self.state = IDLE
+
+    # ------------------------------------------------ the work
+
+    def _write_own_part(self):
+        index = write_part(self.path, self.step, self.grid.rank, self.snapshot_id, self.staged)
+        fs, root = _fs(self.path)
+        write_json(fs, _join(_join(root, step_dir_name(self.step)), index_name(self.grid.rank)),
+                   index)
+
+    def _commit_on_main(self):
+        self.error = None
+        if not self.grid.is_main:
+            return
+        try:
+            fs, root = _fs(self.path)
+            step_dir = _join(root, step_dir_name(self.step))
+            indexes = [read_json(fs, _join(step_dir, index_name(r)))
+                       for r in range(self.grid.world_size)]
+            commit(self.path, self.step, self.snapshot_id, self.meta, indexes)
+        except Exception as e:
+            self.error = e
+            return
+        remove_stale(fs, root, _join, self.step, self.keep)
+
+    def _fail(self, what):
+        own = self.error or (self.write.exception() if self.write is not None and self.write.done()
+                             else None)
+        self.state = IDLE
+        detail = f": {type(own).__name__}: {own}" if own else " (on another rank: see its error)"
+        raise UserError(f"{what} at {self.path}{detail}; the previous snapshot stays the one to "
+                        "resume from")
+
+    # ------------------------------------------------ waiting for the save in flight
+
+    def drain(self):
+        """Finish the save in flight, agreeing with blocking all-reduces (every rank calls
+        it at the same step: a save step, the end of training, a preemption)."""
+        while self.state != IDLE:
+            if self.state == WRITING:
+                try:
+                    self.write.result()
+                except Exception:
+                    pass  # reported through the flags: every rank raises together
+            self.advance(self.grid_all_reduce(self.flags()))
+
+    def grid_all_reduce(self, values):
+        flag = torch.tensor(values, dtype=torch.int64, device=self.grid.device)
+        if self.grid.world_size > 1:
+            dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+        return flag.tolist()
+
+    def close(self):
+        self.pool.shutdown(wait=True)
