@@ -79,7 +79,7 @@ def main(argv=None):
     for v in pick(args.variants, args.preset):
         ranks, threads = v.ranks or args.nproc, v.threads or args.nproc
         overrides = common + [o.format(nproc=ranks) for o in v.overrides] + args.set
-        why, got = check(overrides, ranks)
+        why, got = (v.unavailable, None) if v.unavailable else check(overrides, ranks)
         if why:
             skipped[v.name] = why
             print(f"skip {v.name}: {why}", flush=True)

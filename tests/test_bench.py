@@ -10,7 +10,7 @@ from statistics import median
 
 import pytest
 
-from bench import data, snapshot
+from bench import cp_balance, data, snapshot
 from bench.run_engine import stats, tables
 from bench.run_engine.jobs import check
 from bench.run_engine.tables import fmt_ms
@@ -65,6 +65,77 @@ def test_textbook_figures():
     assert (ddp["state_bytes"], zero3["state_bytes"]) == (16000, 8000)
 
 
+def test_cp_textbook_is_the_hand_count():
+    """Context parallelism's textbook bytes, counted by hand for two layouts of a 2-layer,
+    8-wide model, 16 tokens, global batch 4, on 4 ranks and 1000 parameters."""
+    from types import SimpleNamespace
+    cfg = SimpleNamespace(model=SimpleNamespace(n_layer=2, n_embd=8),
+                          data=SimpleNamespace(block_size=16),
+                          trainer=SimpleNamespace(batch_size=4, grad_accum=1))
+    # cp 2 x dp 2: 2 sequences of 8 tokens per rank, keys + values 2 x 2 x 8 x 8 x 4 = 1024 bytes;
+    # per layer: forward 1 x kv, backward 1 x (kv + their gradients) + the gradients home
+    book = stats.cp_textbook(cfg, 1000, cp=2, n=4)
+    assert book["send_bytes"] == 2 * (1024 + 2 * 1024 + 1024)
+    assert book["all_reduce_bytes"] == 4000 and book["wire_bytes"] == 2 * 3 / 4 * 4000 + 8192
+    # cp 4 x dp 1: 4 sequences of 4 tokens, kv = 2 x 4 x 4 x 8 x 4 = 1024; 3 hops each way + 1
+    assert stats.cp_textbook(cfg, 1000, cp=4, n=4)["send_bytes"] == 2 * (3 * 1024 + 3 * 2048 + 1024)
+    cfg.trainer.grad_accum = 2  # two micro-batches of half the rows: the same bytes
+    assert stats.cp_textbook(cfg, 1000, cp=2, n=4)["send_bytes"] == 8192
+
+
+@pytest.mark.parametrize("N", [2, 3, 4, 8])
+def test_cp_balance_accounting_contiguous_imbalanced_zigzag_balanced(N):
+    """bench.cp_balance's block lists: both splits compute every unmasked (query chunk,
+    key chunk) pair exactly once; the zigzag gives each rank 2N+1 blocks (2N of causal
+    work), the contiguous split rank r 4r+3 (4r+2): rank N-1 does 2N-1 times rank 0's work."""
+    wanted = sorted((q, k) for q in range(2 * N) for k in range(q + 1))
+    for split in cp_balance.SPLITS:
+        done = [b for r in range(N) for b in cp_balance.rank_blocks(split, r, N)]
+        assert sorted((q, k) for q, k, _ in done) == wanted, split
+        assert all(causal == (q == k) for q, k, causal in done), split
+    zigzag = [cp_balance.accounting("zigzag", r, N) for r in range(N)]
+    contiguous = [cp_balance.accounting("contiguous", r, N) for r in range(N)]
+    assert {(a["blocks"], a["causal_work"]) for a in zigzag} == {(2 * N + 1, 2 * N)}
+    assert [(a["blocks"], a["causal_work"]) for a in contiguous] == \
+        [(4 * r + 3, 4 * r + 2) for r in range(N)]
+    assert contiguous[-1]["causal_work"] / contiguous[0]["causal_work"] == 2 * N - 1
+
+
+def test_cp_balance_times_the_contiguous_blocks_it_claims():
+    """The contiguous split's timing runs ring_attention with contiguous_blocks swapped in:
+    rank 0 then holds the sequence's first half and computes only its own causal blocks,
+    so (communication stood in) its output is plain causal attention of its tokens. If
+    ring_attention stopped looking `blocks` up at call time, this would catch the bench
+    silently timing the zigzag twice."""
+    import torch
+    import torch.nn.functional as F
+    from parallel.context_parallel import ring_attention as ring
+    torch.manual_seed(0)
+    q, k, v = (torch.randn(1, 2, 8, 4) for _ in range(3))
+    with cp_balance.split_blocks("contiguous"):
+        got = ring.ring_attention(q, k, v, 0.0, cp_balance.standin(0, 2))
+    torch.testing.assert_close(got, F.scaled_dot_product_attention(q, k, v, is_causal=True))
+    assert ring.blocks is not cp_balance.contiguous_blocks  # swapped back afterwards
+
+
+def test_cp_balance_command_writes_its_tables(tmp_path):
+    """`python -m bench.cp_balance` end to end on a tiny sequence (seconds): results.md's rows
+    are its table functions' rendering of results.json, every rank of both splits timed."""
+    cmd = [sys.executable, "-m", "bench.cp_balance", "--seq", "16", "--cp", "2", "--repeats", "1",
+           "--out", str(tmp_path)]
+    result = run_tree(cmd, 120, "bench.cp_balance", cwd=REPO, env=job_env())
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    doc = json.loads((tmp_path / "results.json").read_text())
+    assert len(doc["rows"]) == 4 and all(r["total_ms"] > 0 for r in doc["rows"])
+    assert cp_balance_rows(doc) == table_rows((tmp_path / "results.md").read_text().splitlines())
+
+
+def cp_balance_rows(doc):
+    rows = doc["rows"]
+    return (cp_balance.summary_table(cp_balance.summarize(rows)) + cp_balance.rank_table(rows)
+            + cp_balance.whole_table(doc["whole"], doc["settings"]["seq"]))
+
+
 def test_committed_results_name_no_path_of_one_machine():
     """The committed benchmark results and docs record commands and settings a fresh
     clone can run as written: no absolute path of the machine that made them."""
@@ -101,7 +172,7 @@ def table_rows(lines):
 
 # every committed results.json but the standalone commands' is bench.run's
 RUN_RESULTS = sorted({os.path.basename(os.path.dirname(p)) for p in glob.glob(
-    committed("*", "results.json"))} - {"data", "snapshot"})
+    committed("*", "results.json"))} - {"data", "snapshot", "cp_balance"})
 
 
 @pytest.mark.parametrize("name", RUN_RESULTS)
@@ -114,6 +185,14 @@ def test_committed_run_results_render_as_committed(name):
                          doc["jobs"], "step_time.png").splitlines()
     want = open(committed(name, "results.md")).read().splitlines()
     assert f"    {doc['command']}" in md and table_rows(md) == table_rows(want)
+
+
+def test_committed_cp_balance_results_render_as_committed():
+    """bench.cp_balance's tables, rendered from its committed results.json, are the rows of
+    its committed results.md."""
+    doc = json.loads(open(committed("cp_balance", "results.json")).read())
+    want = open(committed("cp_balance", "results.md")).read().splitlines()
+    assert cp_balance_rows(doc) == table_rows(want)
 
 
 def test_committed_snapshot_and_data_results_render_as_committed():

@@ -114,6 +114,23 @@ def tp_textbook(cfg, n):
     return {"payload_bytes": payload, "wire_bytes": 2 * (n - 1) / n * payload}
 
 
+def cp_textbook(cfg, params, cp, n):
+    """Context parallelism of degree cp with data parallelism over the rest of n ranks
+    (dp = n / cp; tp = pp = 1), replicated gradients, per rank and optimizer step.
+    Per layer and micro-batch (rows = batch / (dp x grad_accum) sequences of T / cp
+    tokens on this rank; kv = its keys and values, 2 x rows x T/cp x width x 4 bytes):
+    forward, cp-1 sends of kv around the ring; backward, cp-1 sends of keys, values and
+    their gradients (2 kv) and one more of the gradients to their owner (kv). Point to
+    point, so wire = payload; plus a ring all-reduce of one gradient over dp x cp."""
+    L, C, T, M = cfg.model.n_layer, cfg.model.n_embd, cfg.data.block_size, cfg.trainer.grad_accum
+    rows = cfg.trainer.batch_size // (n // cp * M)
+    kv = 2 * rows * (T // cp) * C * 4
+    sends = L * M * ((cp - 1) * kv + (cp - 1) * 2 * kv + kv)
+    grads = textbook(params, n, 0)
+    return {**grads, "send_bytes": sends, "all_reduce_bytes": grads["payload_bytes"],
+            "payload_bytes": grads["payload_bytes"] + sends, "wire_bytes": grads["wire_bytes"] + sends}
+
+
 def textbook(params, n, zero_stage):
     """Per rank per step for fp32 + Adam on n ranks (the ZeRO paper's formulas).
     payload: what our counter would record; wire: what a ring makes a rank send;
@@ -186,6 +203,12 @@ def pipeline_shape(variant, ranks):
             "schedule": keys.get("parallel.pp_schedule", "1f1b")}
 
 
+def context_degree(variant):
+    """parallel.cp of a variant (1 when it does not set it)."""
+    keys = dict(o.split("=", 1) for o in variant.overrides)
+    return int(keys.get("parallel.cp", 1))
+
+
 def pipeline_figures(variant, ranks, recs, jobs):
     """Measured bubble (pp_bubble: the idle share of the schedule, mean over stages) and
     busy/idle per stage, beside the textbook (P-1)/(M+P-1), divided by V interleaved;
@@ -235,6 +258,10 @@ def summarize(jobs, variants, params, warmup, cfg=None):
             o.startswith("parallel.dp=torch_") or o.endswith("_impl=torch") for o in v.overrides)
         if pipeline_shape(v, ranks) and cfg is not None and params:
             out[v.name]["textbook"] = pp_textbook(cfg, pipeline_shape(v, ranks))
+        cp = context_degree(v)
+        if cp > 1 and cfg is not None and params:
+            out[v.name]["textbook"] = cp_textbook(cfg, params, cp, ranks)
+            out[v.name]["context_parallel"] = {"cp": cp, "dp": ranks // cp}
         if v.tensor_parallel and cfg is not None and params:
             layout = tp_parameters(cfg, ranks)
             book = out[v.name]["textbook"] = {**tp_textbook(cfg, ranks),

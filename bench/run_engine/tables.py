@@ -143,6 +143,34 @@ def tensor_parallel(summary):
             "local parameter."]
 
 
+def context_parallel(summary):
+    cps = {n: v for n, v in summary.items() if v.get("context_parallel")}
+    if not cps:
+        return []
+    single = (summary.get("single") or {}).get("activation_peak_mb")
+    rows = []
+    for name, v in cps.items():
+        c, t, cp, act = v["comm"], v["textbook"], v["context_parallel"]["cp"], v["activation_peak_mb"]
+        sent, reduced = c.get("comm_send_bytes", 0), c.get("comm_all_reduce_bytes", 0)
+        rows.append([name, f"{cp} x {v['context_parallel']['dp']}", fmt_mib(sent),
+                     fmt_mib(t["send_bytes"]), f"{sent / t['send_bytes']:.2f}x", fmt_mib(reduced),
+                     fmt_mib(t["all_reduce_bytes"]),
+                     f"{reduced / t['all_reduce_bytes']:.2f}x" if t["all_reduce_bytes"] else "-",
+                     "-" if act is None else f"{act:.1f}",
+                     f"{act / single:.2f}x (1/{cp} = {1 / cp:.2f})" if act and single else "-"])
+    return ["", "## Context parallelism (rank 0, per optimizer step)", "",
+            *table(["variant", "cp x dp", "ring sends MiB", "textbook MiB", "sends / textbook",
+                    "gradient all-reduce MiB", "textbook MiB", "all-reduce / textbook",
+                    "saved for backward MiB", "vs single"], rows, "ll" + "r" * 8),
+            "", "- ring sends: the bytes this rank's ring exchanges send (parallel/comm.py kind "
+            "\"send\"). Textbook, per layer and micro-batch, with kv = this rank's keys and values "
+            "(2 x sequences x T/cp tokens x width x 4 bytes): cp-1 sends of kv in forward, cp-1 of "
+            "keys, values and their gradients (2 kv) in backward and one more of the gradients "
+            "(kv) to their owner. Gradient all-reduce: one fp32 gradient over dp x cp ranks.",
+            "- saved for backward: each rank holds T/cp tokens of every sequence, so its "
+            "activations should fall near 1/cp of single's (with `trainer.measure_activations=true`)."]
+
+
 def left_out(skipped, jobs):
     lines = ["", "## Skipped", "", *(f"- {n}: {why}" for n, why in skipped.items())] if skipped else []
     failed = [j for j in jobs if not j["ok"]]
@@ -165,7 +193,8 @@ def markdown(cmd, settings, summary, skipped, jobs, chart):
                "each job dropped; jobs alternate within each round"]
     lines = [*header(f"Benchmark: {s['model']} model, {s['nproc']} ranks", cmd, details, s),
              *step_time(summary), *communication(summary), *activations(summary),
-             *pipelines(summary), *tensor_parallel(summary), *left_out(skipped, jobs),
+             *pipelines(summary), *tensor_parallel(summary), *context_parallel(summary),
+             *left_out(skipped, jobs),
              "", f"![step time and traffic]({chart})" if chart else
              "(no chart: matplotlib is not installed)", ""]
     return "\n".join(lines)

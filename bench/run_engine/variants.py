@@ -24,6 +24,7 @@ class Variant:
     zero_stage: int = 0      # textbook figures: 0 = replicated (DDP), 1/2/3 = ZeRO stage
     tensor_parallel: bool = False  # textbook figures: pure TP over all ranks (activation traffic)
     note: str = ""
+    unavailable: str = ""    # why it cannot run here at all: skipped with this reason, never launched
 
 
 VARIANTS = [
@@ -114,6 +115,34 @@ def precision_variants():
 
 VARIANTS += precision_variants()
 
+# Found by running it (torch 2.13, CPU, gloo), so the cp preset's report says why the
+# PyTorch comparison is missing instead of silently leaving it out.
+TORCH_CP_ON_CPU = (
+    "torch.distributed.tensor.experimental.context_parallel does not run on CPU: its ring "
+    "exists only for the CUDA SDPA kernels (flash, efficient, cudnn), and CPU's SDPA "
+    "dispatches to aten._scaled_dot_product_flash_attention_for_cpu, which fails with "
+    "'NotImplementedError: Operator aten._scaled_dot_product_flash_attention_for_cpu.default "
+    "does not have a sharding strategy registered.' (the math backend instead fails with "
+    "'aten.add.Tensor got mixed torch.Tensor and DTensor'). The fallback reference, "
+    "all-gathering keys and values (the llama3 style), would be a new attention in "
+    "parallel/reference/ and is not written yet")
+
+
+def context_variants():
+    """Own context parallelism (parallel.cp=2) against the same ranks splitting the batch
+    instead (`ddp_bucket`, its reference), and PyTorch's context_parallel, which cannot run
+    here (`unavailable`). Run with `--model long --set trainer.measure_activations=true`."""
+    return [
+        Variant("cp2", ("parallel.dp=ddp_bucket", "parallel.allreduce=native", "parallel.cp=2"),
+                reference="ddp_bucket",
+                note="own context parallelism: zigzag split, ring attention; gradients over dp x cp"),
+        Variant("torch_cp", (), unavailable=TORCH_CP_ON_CPU,
+                note="PyTorch context_parallel (reference)"),
+    ]
+
+
+VARIANTS += context_variants()
+
 BY_NAME = {v.name: v for v in VARIANTS}
 
 # each preset starts with `single`: every ratio "vs single" needs it in the same round
@@ -125,6 +154,8 @@ PRESETS = {
            "torch_pp_interleaved", "pp_interleaved"],
     "pp_memory": ["single", "pp_gpipe_m2", "pp_gpipe_m4", "pp_gpipe_m8",
                   "pp_1f1b_m2", "pp_1f1b_m4", "pp_1f1b_m8"],
+    # single_1t too: at 2048 tokens single's two threads stall each other under load
+    "cp": ["single", "single_1t", "ddp_bucket", "cp2", "torch_cp"],
     "precision": ["single", "single_bf16", "single_ckpt", "ddp_bucket", "ddp_bucket_bf16",
                   "ddp_bucket_reduce_bf16", "ddp_bucket_bf16_reduce_bf16", "ddp_bucket_fp16",
                   "fsdp3", "fsdp3_ckpt", "pp_1f1b", "pp_1f1b_ckpt"],
@@ -139,6 +170,10 @@ MODELS = {
     # many small parameters: per-parameter collectives (ddp_naive) pay their latency 12x
     "thin12": ["model.n_layer=12", "model.n_head=4", "model.n_embd=64",
                "data.block_size=128", "trainer.batch_size=16"],
+    # long sequences, where context parallelism matters: attention is most of the work
+    # (2 layers x 128 wide, 2048 tokens, global batch 2); about half a second a step here
+    "long": ["model.n_layer=2", "model.n_head=4", "model.n_embd=128",
+             "data.block_size=2048", "trainer.batch_size=2"],
     # for tests and smoke runs: seconds per job
     "tiny": ["model.n_layer=2", "model.n_head=2", "model.n_embd=32",
              "data.block_size=16", "trainer.batch_size=4"],
