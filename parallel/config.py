@@ -13,6 +13,7 @@ class ParallelConfig:
     pp: int = 1                 # pipeline-parallel degree; dp degree = world / (tp * cp * pp)
     pp_impl: str = "own"        # own | torch (torch.distributed.pipelining, the reference)
     cp: int = 1                 # context-parallel degree: each sequence split over cp ranks
+    cp_impl: str = "ring"       # ring (ours) | allgather (gather all keys/values: the reference)
     zero_stage: int = 3         # 1, 2 or 3, for dp=fsdp
     prefetch: bool = True       # fsdp stage 3 / torch_fsdp: all-gather the next unit while this one computes
     reshard_after_forward: bool = True  # fsdp stage 3 / torch_fsdp: free a unit after its forward

@@ -12,6 +12,7 @@ asks them, in the order parallelize() applies the dimensions.
 import math
 
 from errors import UserError
+from parallel.context_parallel.apply import IMPLEMENTATIONS as CP_IMPLEMENTATIONS
 from parallel.context_parallel.apply import refuse as refuse_context
 from parallel.grid import DIMS
 from parallel.parallelize import DATA_PARALLEL, IMPLEMENTATIONS, MOVED, strategy_class
@@ -43,6 +44,8 @@ def check_keys(p):
         (p.dp in DATA_PARALLEL, f"parallel.dp={p.dp!r} is not one of {sorted(DATA_PARALLEL)}"),
         (p.tp_impl in IMPLEMENTATIONS and p.pp_impl in IMPLEMENTATIONS,
          f"parallel.tp_impl and parallel.pp_impl must be one of {IMPLEMENTATIONS}"),
+        (p.cp_impl in CP_IMPLEMENTATIONS,
+         f"parallel.cp_impl must be one of {sorted(CP_IMPLEMENTATIONS)}, got {p.cp_impl!r}"),
         (all(getattr(p, d) >= 1 for d in MODEL_DIMS),
          "parallel." + ", parallel.".join(MODEL_DIMS) + " must be >= 1"),
         (p.reduce_dtype in ("fp32", "bf16"),

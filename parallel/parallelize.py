@@ -72,7 +72,7 @@ def parallelize(model, grid, cfg):
     if grid.tp_size > 1 and cls.own_tensor_parallel:  # 1. tensor
         local.placements, local.tp = apply_tensor_parallel(model, grid, cfg, comm)
     if grid.cp_size > 1:  # 2. context
-        local.split = apply_context_parallel(model, grid, comm).split
+        local.split = apply_context_parallel(model, grid, comm, cfg.cp_impl).split
     if grid.pp_size > 1:  # 3. pipeline (PyTorch's schedules too run on our cut)
         local.pipeline = Pipeline(model, grid, cfg, comm, local.placements)
         local.placements = local.pipeline.placements

@@ -84,6 +84,8 @@ CASES = {
         Case("cp2-ddp_bucket", "ddp_bucket", cp=2),
         Case("cp2-ddp_naive-accum2-vocab65-noclip", "ddp_naive", cp=2, vocab=65, accum=2, clip=0.0),
         Case("cp2-fsdp3", "fsdp", cp=2, parallel={"zero_stage": 3}),
+        Case("cp2-allgather-ddp_bucket-accum2", "ddp_bucket", cp=2, parallel={"cp_impl": "allgather"},
+             accum=2),
     ],
     4: [
         Case("tp4-vocab50", tp=4, vocab=50),

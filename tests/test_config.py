@@ -25,6 +25,7 @@ def test_defaults_and_overrides():
      "block_size / parallel.cp = 6 is not divisible by parallel.tp=4"),
     (["parallel.cp=2", "parallel.tp_impl=torch", "parallel.tp=2"], 4, "alone: it runs without parallel.cp=2"),
     (["parallel.cp=2", "parallel.dp=single"], 2, "single averages no gradients, but with parallel.cp=2"),
+    (["parallel.cp_impl=ulysses"], 1, "parallel.cp_impl must be one of"),
     (["parallel.tp=3"], 3, "n_head=4 is not divisible by parallel.tp=3"),
     (["parallel.tp=2", "parallel.sequence_parallel=true", "data.block_size=15"], 2,
      "block_size=15 is not divisible by parallel.tp=2"),

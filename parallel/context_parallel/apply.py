@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 import torch
 
 from parallel import model_plan as plan
+from parallel.context_parallel.allgather_attention import allgather_attention
 from parallel.context_parallel.ring_attention import ring_attention, zigzag_positions
 
 
@@ -39,9 +40,13 @@ class CPContext:
 
     def positions(self, length):
         """True positions of this rank's `length` tokens (cached per length)."""
-        if length not in self._positions:
-            self._positions[length] = zigzag_positions(self.rank, self.size, length)
-        return self._positions[length]
+        return self.positions_of(self.rank, length)
+
+    def positions_of(self, rank, length):
+        """True positions of cp rank `rank`'s `length` tokens (cached)."""
+        if (rank, length) not in self._positions:
+            self._positions[rank, length] = zigzag_positions(rank, self.size, length)
+        return self._positions[rank, length]
 
     def split(self, x, y):
         """This rank's zigzag chunks of every sequence of a micro-batch (B, T)."""
@@ -76,15 +81,20 @@ def refuse(cfg, sizes):
     return ""
 
 
-def apply_context_parallel(model, grid, comm):
-    """Give every block's attention the ring, and the position embedding the true
-    positions; returns the CPContext (whose `split` the strategy applies to batches)."""
+IMPLEMENTATIONS = {"ring": ring_attention,            # ours: keys and values travel a ring
+                   "allgather": allgather_attention}  # the reference: gather them all (Llama 3)
+
+
+def apply_context_parallel(model, grid, comm, impl="ring"):
+    """Give every block's attention the ring (or the all-gather reference), and the
+    position embedding the true positions; returns the CPContext (whose `split` the
+    strategy applies to batches)."""
     me = grid.cp_rank
     cp = CPContext(grid.cp_group, grid.cp_size, me, comm,
                    right=grid.rank_at(cp=(me + 1) % grid.cp_size),
                    left=grid.rank_at(cp=(me - 1) % grid.cp_size))
     for _, block in plan.blocks(model):
-        plan.set_attention(block, functools.partial(ring_attention, cp=cp))
+        plan.set_attention(block, functools.partial(IMPLEMENTATIONS[impl], cp=cp))
 
     def true_positions(module, args):
         (pos,) = args

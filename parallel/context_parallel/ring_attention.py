@@ -97,11 +97,17 @@ class _RingAttention(Function):
                 m[qp] = m_new
             if nxt is not None:
                 kv = nxt()
-        out = torch.cat([a / li.unsqueeze(-1) for a, li in zip(acc, l)], dim=2)
+        # laid out (B, T, heads, d) in memory, as SDPA's output is: the model's transpose
+        # back to (B, T, C) is then free, and the one tensor saved here is c_proj's input
+        B, H, T, d = q.shape
+        out = torch.empty(B, T, H, d, dtype=q.dtype, device=q.device).transpose(1, 2)
+        c = T // 2
+        for part, (a, li) in enumerate(zip(acc, l)):
+            out[:, :, part * c:(part + 1) * c] = a / li.unsqueeze(-1)
         lse = torch.cat([mi + torch.log(li) for mi, li in zip(m, l)], dim=2)
         ctx.save_for_backward(q, k, v, out, lse)
         ctx.cp, ctx.dropout_p, ctx.seed, ctx.scale = cp, dropout_p, seed, scale
-        return out.to(q.dtype)
+        return out
 
     @staticmethod
     def backward(ctx, grad_out):
@@ -109,7 +115,7 @@ class _RingAttention(Function):
         cp, dropout_p, seed, scale = ctx.cp, ctx.dropout_p, ctx.seed, ctx.scale
         me, N = cp.rank, cp.size
         dout = grad_out.float()
-        delta = (dout * out).sum(-1)  # rowsum(dO * O): the softmax backward's correction
+        delta = (dout * out.float()).sum(-1)  # rowsum(dO * O): the softmax backward's correction
         qs, dos = q.chunk(2, dim=2), dout.chunk(2, dim=2)
         lses, deltas = lse.chunk(2, dim=2), delta.chunk(2, dim=2)
         dq = [torch.zeros(x.shape, device=q.device) for x in qs]
