@@ -83,6 +83,33 @@ def test_cp_textbook_is_the_hand_count():
     assert stats.cp_textbook(cfg, 1000, cp=2, n=4)["send_bytes"] == 8192
 
 
+def test_cp_allgather_textbook_is_the_hand_count():
+    """The all-gather reference's textbook bytes (parallel.cp_impl=allgather), by hand on the
+    model above: per layer and micro-batch one all-gather forward, counted by its output,
+    and one reduce-scatter backward, counted by its input, each cp x this rank's kv."""
+    from types import SimpleNamespace
+    cfg = SimpleNamespace(model=SimpleNamespace(n_layer=2, n_embd=8),
+                          data=SimpleNamespace(block_size=16),
+                          trainer=SimpleNamespace(batch_size=4, grad_accum=1))
+    # cp 2 x dp 2: kv = 2 x 2 sequences x 8 tokens x 8 x 4 = 1024 bytes; gathered 2 x 1024
+    book = stats.cp_allgather_textbook(cfg, 1000, cp=2, n=4)
+    assert book["kv_bytes"] == {"all_gather": 2 * 2048, "reduce_scatter": 2 * 2048}
+    assert book["kv_wire_bytes"] == {"all_gather": 2048, "reduce_scatter": 2048}  # (cp-1)/cp
+    assert book["all_reduce_bytes"] == 4000 and book["payload_bytes"] == 4000 + 8192
+    assert book["wire_bytes"] == 2 * 3 / 4 * 4000 + 4096
+    # cp 4 x dp 1: kv = 2 x 4 x 4 x 8 x 4 = 1024, gathered 4 x 1024; a ring sends 3/4 of it
+    book = stats.cp_allgather_textbook(cfg, 1000, cp=4, n=4)
+    assert book["all_gather_bytes"] == book["reduce_scatter_bytes"] == 2 * 4096
+    assert book["kv_wire_bytes"]["all_gather"] == 2 * 3072
+    cfg.trainer.grad_accum = 2  # two micro-batches of half the rows: the same bytes
+    assert stats.cp_allgather_textbook(cfg, 1000, cp=2, n=4)["all_gather_bytes"] == 4096
+    # the summary picks each variant's textbook by its parallel.cp_impl
+    from bench.run_engine.variants import BY_NAME
+    assert stats.context_impl(BY_NAME["cp2_allgather"]) == "allgather"
+    assert stats.context_impl(BY_NAME["cp2"]) == "ring"
+    assert BY_NAME["cp2"].reference == "cp2_allgather"
+
+
 @pytest.mark.parametrize("N", [2, 3, 4, 8])
 def test_cp_balance_accounting_contiguous_imbalanced_zigzag_balanced(N):
     """bench.cp_balance's block lists: both splits compute every unmasked (query chunk,

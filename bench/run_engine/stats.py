@@ -122,13 +122,41 @@ def cp_textbook(cfg, params, cp, n):
     forward, cp-1 sends of kv around the ring; backward, cp-1 sends of keys, values and
     their gradients (2 kv) and one more of the gradients to their owner (kv). Point to
     point, so wire = payload; plus a ring all-reduce of one gradient over dp x cp."""
-    L, C, T, M = cfg.model.n_layer, cfg.model.n_embd, cfg.data.block_size, cfg.trainer.grad_accum
-    rows = cfg.trainer.batch_size // (n // cp * M)
-    kv = 2 * rows * (T // cp) * C * 4
+    L, M, kv = cfg.model.n_layer, cfg.trainer.grad_accum, cp_kv_bytes(cfg, cp, n)
     sends = L * M * ((cp - 1) * kv + (cp - 1) * 2 * kv + kv)
+    return cp_with_gradients(params, n, {"send": sends}, {"send": sends})
+
+
+def cp_allgather_textbook(cfg, params, cp, n):
+    """The all-gather reference (parallel.cp_impl=allgather) on the same layout as
+    cp_textbook, per rank and optimizer step. Per layer and micro-batch: forward, one
+    all-gather of every rank's keys and values, whose output (what parallel/comm.py
+    counts) is cp x kv; backward, one reduce-scatter of their gradients, whose input
+    (counted) is the same cp x kv. A ring all-gather or reduce-scatter makes a rank send
+    (cp-1)/cp of that; plus the gradient all-reduce over dp x cp, as for the ring."""
+    L, M, kv = cfg.model.n_layer, cfg.trainer.grad_accum, cp_kv_bytes(cfg, cp, n)
+    each = L * M * cp * kv
+    payload = {"all_gather": each, "reduce_scatter": each}
+    return cp_with_gradients(params, n, payload, {k: (cp - 1) / cp * b for k, b in payload.items()})
+
+
+def cp_kv_bytes(cfg, cp, n):
+    """One rank's keys and values of one micro-batch in one layer: 2 x rows x T/cp x
+    width x 4 bytes, rows = batch / (dp x grad_accum), dp = n / cp."""
+    rows = cfg.trainer.batch_size // (n // cp * cfg.trainer.grad_accum)
+    return 2 * rows * (cfg.data.block_size // cp) * cfg.model.n_embd * 4
+
+
+def cp_with_gradients(params, n, kv_payload, kv_wire):
+    """A context-parallel textbook: the K/V collectives by kind (`kv_bytes`, payload as
+    counted; `kv_wire_bytes`, what a rank sends) on top of one gradient all-reduced
+    over all n ranks; `<kind>_bytes` for each kind too."""
     grads = textbook(params, n, 0)
-    return {**grads, "send_bytes": sends, "all_reduce_bytes": grads["payload_bytes"],
-            "payload_bytes": grads["payload_bytes"] + sends, "wire_bytes": grads["wire_bytes"] + sends}
+    return {**grads, **{f"{k}_bytes": b for k, b in kv_payload.items()},
+            "kv_bytes": kv_payload, "kv_wire_bytes": kv_wire,
+            "all_reduce_bytes": grads["payload_bytes"],
+            "payload_bytes": grads["payload_bytes"] + sum(kv_payload.values()),
+            "wire_bytes": grads["wire_bytes"] + sum(kv_wire.values())}
 
 
 def textbook(params, n, zero_stage):
@@ -209,6 +237,14 @@ def context_degree(variant):
     return int(keys.get("parallel.cp", 1))
 
 
+def context_impl(variant):
+    """parallel.cp_impl of a variant: ring (ours, the default) or allgather (the reference)."""
+    return dict(o.split("=", 1) for o in variant.overrides).get("parallel.cp_impl", "ring")
+
+
+CP_TEXTBOOKS = {"ring": cp_textbook, "allgather": cp_allgather_textbook}
+
+
 def pipeline_figures(variant, ranks, recs, jobs):
     """Measured bubble (pp_bubble: the idle share of the schedule, mean over stages) and
     busy/idle per stage, beside the textbook (P-1)/(M+P-1), divided by V interleaved;
@@ -260,8 +296,11 @@ def summarize(jobs, variants, params, warmup, cfg=None):
             out[v.name]["textbook"] = pp_textbook(cfg, pipeline_shape(v, ranks))
         cp = context_degree(v)
         if cp > 1 and cfg is not None and params:
-            out[v.name]["textbook"] = cp_textbook(cfg, params, cp, ranks)
-            out[v.name]["context_parallel"] = {"cp": cp, "dp": ranks // cp}
+            impl = context_impl(v)
+            out[v.name]["textbook"] = CP_TEXTBOOKS[impl](cfg, params, cp, ranks)
+            # the same ranks splitting the batch instead: beside the reference, when it ran
+            out[v.name]["context_parallel"] = {"cp": cp, "dp": ranks // cp, "impl": impl,
+                                               "vs_ddp_bucket": ratio(by_round, v.name, "ddp_bucket")}
         if v.tensor_parallel and cfg is not None and params:
             layout = tp_parameters(cfg, ranks)
             book = out[v.name]["textbook"] = {**tp_textbook(cfg, ranks),

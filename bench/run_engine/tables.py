@@ -143,32 +143,53 @@ def tensor_parallel(summary):
             "local parameter."]
 
 
+KV_KINDS = {"send": "ring sends", "all_gather": "all-gather (forward)",
+            "reduce_scatter": "reduce-scatter (backward)"}
+
+
 def context_parallel(summary):
     cps = {n: v for n, v in summary.items() if v.get("context_parallel")}
     if not cps:
         return []
     single = (summary.get("single") or {}).get("activation_peak_mb")
-    rows = []
+    rows, kv_rows = [], []
     for name, v in cps.items():
-        c, t, cp, act = v["comm"], v["textbook"], v["context_parallel"]["cp"], v["activation_peak_mb"]
-        sent, reduced = c.get("comm_send_bytes", 0), c.get("comm_all_reduce_bytes", 0)
-        rows.append([name, f"{cp} x {v['context_parallel']['dp']}", fmt_mib(sent),
-                     fmt_mib(t["send_bytes"]), f"{sent / t['send_bytes']:.2f}x", fmt_mib(reduced),
+        c, t, info, act = v["comm"], v["textbook"], v["context_parallel"], v["activation_peak_mb"]
+        cp, reduced = info["cp"], c.get("comm_all_reduce_bytes", 0)
+        rows.append([name, info.get("impl", "ring"), f"{cp} x {info['dp']}",
+                     fmt_ratio(info.get("vs_ddp_bucket")), fmt_mib(reduced),
                      fmt_mib(t["all_reduce_bytes"]),
                      f"{reduced / t['all_reduce_bytes']:.2f}x" if t["all_reduce_bytes"] else "-",
                      "-" if act is None else f"{act:.1f}",
                      f"{act / single:.2f}x (1/{cp} = {1 / cp:.2f})" if act and single else "-"])
+        for kind, book in t["kv_bytes"].items():
+            got = c.get(f"comm_{kind}_bytes", 0)
+            kv_rows.append([name, KV_KINDS.get(kind, kind), format(c.get(f"comm_{kind}_calls", 0), "g"),
+                            fmt_mib(got), fmt_mib(book), f"{got / book:.2f}x" if book else "-",
+                            fmt_mib(t["kv_wire_bytes"][kind])])
     return ["", "## Context parallelism (rank 0, per optimizer step)", "",
-            *table(["variant", "cp x dp", "ring sends MiB", "textbook MiB", "sends / textbook",
+            *table(["variant", "attention", "cp x dp", "step time vs ddp_bucket",
                     "gradient all-reduce MiB", "textbook MiB", "all-reduce / textbook",
-                    "saved for backward MiB", "vs single"], rows, "ll" + "r" * 8),
-            "", "- ring sends: the bytes this rank's ring exchanges send (parallel/comm.py kind "
-            "\"send\"). Textbook, per layer and micro-batch, with kv = this rank's keys and values "
-            "(2 x sequences x T/cp tokens x width x 4 bytes): cp-1 sends of kv in forward, cp-1 of "
-            "keys, values and their gradients (2 kv) in backward and one more of the gradients "
-            "(kv) to their owner. Gradient all-reduce: one fp32 gradient over dp x cp ranks.",
+                    "saved for backward MiB", "vs single"], rows, "lll" + "r" * 6),
+            "", *table(["variant", "keys and values", "calls", "payload MiB", "textbook MiB",
+                        "payload / textbook", "textbook wire MiB"], kv_rows, "ll" + "r" * 5),
+            "", "- step time vs ddp_bucket: the same ranks splitting the batch instead of every "
+            "sequence (ratios as in the step-time table). Gradient all-reduce: one fp32 "
+            "gradient over dp x cp ranks, on top of the keys and values' traffic.",
+            "- ring (`parallel.cp_impl=ring`): the bytes this rank's ring exchanges send "
+            "(parallel/comm.py kind \"send\"). Textbook, per layer and micro-batch, with kv = "
+            "this rank's keys and values (2 x sequences x T/cp tokens x width x 4 bytes): cp-1 "
+            "sends of kv in forward, cp-1 of keys, values and their gradients (2 kv) in backward "
+            "and one more of the gradients (kv) to their owner. Point to point: wire = payload.",
+            "- all-gather (`parallel.cp_impl=allgather`, the reference): per layer and "
+            "micro-batch one all-gather of every rank's kv forward, its output (what is counted) "
+            "cp x kv, and one reduce-scatter of their gradients backward, its input cp x kv; a "
+            "ring algorithm sends (cp-1)/cp of each.",
             "- saved for backward: each rank holds T/cp tokens of every sequence, so its "
-            "activations should fall near 1/cp of single's (with `trainer.measure_activations=true`)."]
+            "activations should fall near 1/cp of single's (with "
+            "`trainer.measure_activations=true`); the all-gather's attention also saves the whole "
+            "sequence's keys and values and, on CPU, the (T/cp) x T float mask SDPA makes of "
+            "its boolean causal mask."]
 
 
 def left_out(skipped, jobs):

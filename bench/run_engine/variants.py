@@ -123,18 +123,21 @@ TORCH_CP_ON_CPU = (
     "dispatches to aten._scaled_dot_product_flash_attention_for_cpu, which fails with "
     "'NotImplementedError: Operator aten._scaled_dot_product_flash_attention_for_cpu.default "
     "does not have a sharding strategy registered.' (the math backend instead fails with "
-    "'aten.add.Tensor got mixed torch.Tensor and DTensor'). The fallback reference, "
-    "all-gathering keys and values (the llama3 style), would be a new attention in "
-    "parallel/reference/ and is not written yet")
+    "'aten.add.Tensor got mixed torch.Tensor and DTensor'). The reference cp2 is measured "
+    "against instead is cp2_allgather (parallel.cp_impl=allgather): every rank all-gathers "
+    "the keys and values, Llama 3's way")
 
 
 def context_variants():
-    """Own context parallelism (parallel.cp=2) against the same ranks splitting the batch
-    instead (`ddp_bucket`, its reference), and PyTorch's context_parallel, which cannot run
-    here (`unavailable`). Run with `--model long --set trainer.measure_activations=true`."""
+    """Own context parallelism (parallel.cp=2, the ring) against the all-gather reference
+    (`cp2_allgather`, its reference: PyTorch's context_parallel cannot run here, see
+    `torch_cp`'s `unavailable`), and beside them `ddp_bucket`, the same ranks splitting the
+    batch instead. Run with `--model long --set trainer.measure_activations=true`."""
+    cp2 = ("parallel.dp=ddp_bucket", "parallel.allreduce=native", "parallel.cp=2")
     return [
-        Variant("cp2", ("parallel.dp=ddp_bucket", "parallel.allreduce=native", "parallel.cp=2"),
-                reference="ddp_bucket",
+        Variant("cp2_allgather", cp2 + ("parallel.cp_impl=allgather",),
+                note="the reference: all-gather keys and values (Llama 3)"),
+        Variant("cp2", cp2, reference="cp2_allgather",
                 note="own context parallelism: zigzag split, ring attention; gradients over dp x cp"),
         Variant("torch_cp", (), unavailable=TORCH_CP_ON_CPU,
                 note="PyTorch context_parallel (reference)"),
@@ -155,7 +158,7 @@ PRESETS = {
     "pp_memory": ["single", "pp_gpipe_m2", "pp_gpipe_m4", "pp_gpipe_m8",
                   "pp_1f1b_m2", "pp_1f1b_m4", "pp_1f1b_m8"],
     # single_1t too: at 2048 tokens single's two threads stall each other under load
-    "cp": ["single", "single_1t", "ddp_bucket", "cp2", "torch_cp"],
+    "cp": ["single", "single_1t", "ddp_bucket", "cp2_allgather", "cp2", "torch_cp"],
     "precision": ["single", "single_bf16", "single_ckpt", "ddp_bucket", "ddp_bucket_bf16",
                   "ddp_bucket_reduce_bf16", "ddp_bucket_bf16_reduce_bf16", "ddp_bucket_fp16",
                   "fsdp3", "fsdp3_ckpt", "pp_1f1b", "pp_1f1b_ckpt"],
