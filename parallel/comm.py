@@ -61,16 +61,18 @@ class CommCounter:
         self.record("broadcast", tensor)
         return dist.broadcast(tensor, src=src, group=group, async_op=async_op)
 
-    def exchange(self, send, dst, recv, src, group=None):
-        """Send `send` to dst while receiving `recv` from src, as one batch: on NCCL two
-        separate calls to the same peer could each wait behind the other. Either
-        tensor may be None. Returns the works to wait on."""
+    def exchange(self, sends=(), recvs=(), group=None):
+        """Post sends [(tensor, dst)] and receives [(tensor, src)] as one batch
+        (batch_isend_irecv): on NCCL two separate calls to the same peer could each wait
+        behind the other. Returns one work per operation, receives first (NCCL returns
+        one work for the whole batch: each operation then gets that one)."""
         ops = []
-        if recv is not None:
+        for tensor, src in recvs:
             if self.counting:
                 self.calls["recv"] += 1
-            ops.append(dist.P2POp(dist.irecv, recv, peer=src, group=group))
-        if send is not None:
-            self.record("send", send)
-            ops.append(dist.P2POp(dist.isend, send, peer=dst, group=group))
-        return dist.batch_isend_irecv(ops) if ops else []
+            ops.append(dist.P2POp(dist.irecv, tensor, peer=src, group=group))
+        for tensor, dst in sends:
+            self.record("send", tensor)
+            ops.append(dist.P2POp(dist.isend, tensor, peer=dst, group=group))
+        works = dist.batch_isend_irecv(ops) if ops else []
+        return works if len(works) == len(ops) else [works[0]] * len(ops)

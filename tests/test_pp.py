@@ -2,7 +2,7 @@
 
 - in process: every schedule (gpipe, 1f1b, interleaved) for P up to 4, M up to
   12, V up to 3 runs to the end when each rank blocks on its receives
-  (pp_schedules.simulate), every pair of ranks receives in the order the
+  (pp_simulator.simulate), every pair of ranks receives in the order the
   other sends, each forward and backward runs once, and 1F1B holds at most
   P - rank micro-batches where GPipe holds M;
 - tests/layout_worker.py on 2, 4 and 8 ranks: pp 2 and 4; M 1, 2, 4, 8 (M < P
@@ -25,6 +25,7 @@ from harness import (assert_layout_matches, assert_parity, layout_worker_result,
                      run_metrics, save_then_resume)
 from layout_worker import BATCH, BLOCK, CASES, N_EMBD
 from parallel.pipeline_parallel import schedules as pp_schedules
+from parallel.pipeline_parallel import simulator as pp_simulator
 
 # ---------------------------------------------------------------- schedules, in process
 
@@ -37,7 +38,7 @@ def test_schedule_never_deadlocks_and_pairs_messages_in_order(schedule, V):
         for M in range(1, 13):
             if schedule == "interleaved" and M % P:
                 continue  # refused by config.py
-            sent, received = pp_schedules.simulate(schedule, P, M, V)  # raises on deadlock
+            sent, received = pp_simulator.simulate(schedule, P, M, V)  # raises on deadlock
             assert sent == received, f"{schedule} P={P} M={M} V={V}: a pair's order differs"
             for rank in range(P):
                 actions = pp_schedules.build(schedule, P, M, V, rank)

@@ -43,9 +43,9 @@ def ring_all_reduce(tensor, comm, group=None):
     def exchange(send_idx, recv_into):
         """Send chunks[send_idx] right while receiving into `recv_into` from the left.
         Both sides know every chunk's size, so empty chunks are skipped on both."""
-        send = chunks[send_idx] if chunks[send_idx].numel() else None
-        recv = recv_into if recv_into.numel() else None
-        for w in comm.exchange(send, right, recv, left, group=group):
+        sends = [(chunks[send_idx], right)] if chunks[send_idx].numel() else []
+        recvs = [(recv_into, left)] if recv_into.numel() else []
+        for w in comm.exchange(sends, recvs, group=group):
             w.wait()
 
     for s in range(world - 1):  # reduce-scatter

@@ -17,9 +17,9 @@ the gradient norm and not written to snapshots (the first stage's is).
 
 `run` executes one schedule over M micro-batches. Activations go forward and
 gradients backward by non-blocking point-to-point sends and receives through
-the counted `comm.exchange`; a send is posted together with the next
-receive, in one batch, where both directions meet (the 1F1B steady state);
-sends never block, so any valid schedule completes, M < P included. Each
+the counted `comm.exchange`, batched as pipeline_parallel/p2p_plan.py lays
+out (the simulator, simulator.py, runs that very plan under gloo's and
+NCCL's rules); an action waits only for its own input. Each
 micro-batch's loss is divided by the number of micro-batches of the whole
 step, so gradients equal one process's on the global batch. Per step it
 records every action's start and end, so busy and idle time (the bubble) can
@@ -34,7 +34,8 @@ import torch.distributed as dist
 
 from parallel import model_plan as plan
 from parallel.grid import DIMS
-from parallel.pipeline_parallel.schedules import build, chunk_blocks
+from parallel.pipeline_parallel import p2p_plan
+from parallel.pipeline_parallel.schedules import chunk_blocks
 from parallel.precision import Precision
 
 
@@ -68,7 +69,8 @@ class Pipeline:
         if P > 1 and plan.TIED in self.placements:
             self.placements[plan.TIED] = replace(self.placements[plan.TIED],
                                                  tied="first" if self.has_first else "last")
-        self.actions = build(self.schedule, P, self.M, V, grid.pp_rank)
+        # when each send and receive is posted: p2p_plan.py, the batching the simulator checks
+        self.steps = p2p_plan.plan(self.schedule, P, self.M, V)[grid.pp_rank]
         self.timeline, self.step_started = [], None
         # every chunk forward runs under the strategy's precision (Strategy.configure_compute)
         self.precision = Precision("fp32", grid.device)
@@ -117,58 +119,56 @@ class Pipeline:
         backward_scope(chunk, last) wraps each backward: `last` is the chunk's last
         backward of this pass (data-parallel sync hooks key on it)."""
         device = next(self.model.parameters()).device
-        inputs, outputs, pending, works = {}, {}, None, []
+        inputs, outputs = {}, {}
+        ready = {}     # message -> tensor computed here, until its step sends it
+        arriving = {}  # message -> (receive buffer, work to wait on before using it)
+        sending = []   # (work, tensor): each tensor kept alive until its send is done
         loss_sum = torch.zeros((), device=device)
         self.step_started = self.step_started or time.perf_counter()
 
-        def exchange(recv_from=None, shape=None):
-            """Post the pending send (if any) and a receive (if any) as one batch."""
-            nonlocal pending
-            buf = torch.empty(shape, device=device, dtype=self.wire_dtype) \
-                if recv_from is not None else None
-            send, dst = pending if pending is not None else (None, None)
-            pending = None
-            batch = self.comm.exchange(send, dst, buf, recv_from)  # [recv, send] works
-            if buf is not None:
-                batch[0].wait()  # (gloo: one work per op, each waited once; a send is
-                # never waited here, so no rank blocks on its neighbour's progress)
-            if send is not None:
-                works.append((batch[-1], send))  # keep the tensor alive until it is sent
+        def take(msg):
+            buf, work = arriving.pop(msg)
+            work.wait()
             return buf
 
-        for kind, c, m in self.actions:
-            chunk = self.chunks[c]
-            x, y = micro_batches[m]
-            x, y = x.to(device), y.to(device)
-            if kind == "F":
-                if chunk.first:
-                    exchange()
-                    inp = x
-                else:
-                    inp = exchange(self._peer(c - 1), self._activation_shape(x)).requires_grad_()
-                started = time.perf_counter()
-                out = self._forward(chunk, inp, y)
-                self._record("F", c, m, started)
-                inputs[c, m], outputs[c, m] = inp, out
-                if chunk.last:
-                    loss_sum += out.detach()
-                else:
-                    pending = (out.detach().contiguous(), self._peer(c + 1))
-            else:
-                grad = exchange() if chunk.last else exchange(self._peer(c + 1), outputs[c, m].shape)
-                started = time.perf_counter()
-                with backward_scope(c, m == self.M - 1):
+        for step in self.steps:
+            if step.action is not None:
+                kind, c, m = step.action
+                chunk = self.chunks[c]
+                x, y = micro_batches[m]
+                x, y = x.to(device), y.to(device)
+                if kind == "F":
+                    inp = x if chunk.first else take(("act", c, m)).requires_grad_()
+                    started = time.perf_counter()
+                    out = self._forward(chunk, inp, y)
+                    self._record("F", c, m, started)
+                    inputs[c, m], outputs[c, m] = inp, out
                     if chunk.last:
-                        (outputs[c, m] * scale).backward()
+                        loss_sum += out.detach()
                     else:
-                        outputs[c, m].backward(grad)
-                self._record("B", c, m, started)
-                inp = inputs.pop((c, m))
-                outputs.pop((c, m))
-                if not chunk.first:
-                    pending = (inp.grad.contiguous(), self._peer(c - 1))
-        exchange()
-        for work, _ in works:
+                        ready["act", c + 1, m] = out.detach().contiguous()
+                else:
+                    grad = None if chunk.last else take(("grad", c, m))
+                    started = time.perf_counter()
+                    with backward_scope(c, m == self.M - 1):
+                        if chunk.last:
+                            (outputs[c, m] * scale).backward()
+                        else:
+                            outputs[c, m].backward(grad)
+                    self._record("B", c, m, started)
+                    inp = inputs.pop((c, m))
+                    outputs.pop((c, m))
+                    if not chunk.first:
+                        ready["grad", c - 1, m] = inp.grad.contiguous()
+            sends = [(ready.pop(msg), self._peer(dst)) for dst, msg in step.sends]
+            recvs = [(torch.empty(self._activation_shape(micro_batches[msg[2]][0]), device=device,
+                                  dtype=self.wire_dtype), self._peer(src))
+                     for src, msg in step.recvs]
+            works = self.comm.exchange(sends, recvs)
+            for (_, msg), (buf, _), work in zip(step.recvs, recvs, works):
+                arriving[msg] = (buf, work)
+            sending += [(work, tensor) for (tensor, _), work in zip(sends, works[len(recvs):])]
+        for work, _ in sending:
             work.wait()
         return loss_sum
 
@@ -223,12 +223,12 @@ class Pipeline:
                 chunk = self.chunks[c]
                 if not chunk.first:
                     act = torch.empty(self._activation_shape(x), device=device, dtype=self.wire_dtype)
-                    for w in self.comm.exchange(None, None, act, self._peer(c - 1)):
+                    for w in self.comm.exchange(recvs=[(act, self._peer(c - 1))]):
                         w.wait()
                 result = self._forward(chunk, x if chunk.first else act, y)
                 if chunk.last:
                     out = result
                 else:
-                    for w in self.comm.exchange(result.contiguous(), self._peer(c + 1), None, None):
+                    for w in self.comm.exchange(sends=[(result.contiguous(), self._peer(c + 1))]):
                         w.wait()
         return self.last_stage_value(out)
