@@ -18,6 +18,7 @@
 """
 
 import json
+from types import SimpleNamespace
 
 import pytest
 
@@ -45,6 +46,29 @@ def test_schedule_never_deadlocks_and_pairs_messages_in_order(schedule, V):
                 chunks = [c for c in range(P * V) if c % P == rank]
                 assert sorted(actions) == sorted((k, c, m) for k in "FB" for c in chunks
                                                  for m in range(M))
+
+
+NCCL_SCHEDULES = [(s, v) for s in pp_schedules.SCHEDULES for v in ((1, 2, 3, 4) if s == "interleaved" else (1,))]
+
+
+@pytest.mark.parametrize("schedule,V", NCCL_SCHEDULES, ids=[f"{s}-v{v}" for s, v in NCCL_SCHEDULES])
+def test_executor_batching_never_hangs_under_nccl_rules(schedule, V):
+    """NCCL runs a group's batches in order and a send completes only when its receive
+    is posted; gloo buffers sends, so no run here can see such a hang. The executor's
+    own plan (p2p_plan.plan, not a copy) must finish under NCCL's rules."""
+    for P in range(1, 9):
+        for M in range(1, 33):
+            if refused(schedule, P, M, V):
+                continue
+            sent, received = pp_simulator.simulate(schedule, P, M, V, mode="nccl")  # raises on a hang
+            assert sent == received, f"{schedule} P={P} M={M} V={V}: a pair's order differs"
+
+
+def refused(schedule, P, M, V):
+    """What config.py refuses (pipeline_parallel/schedules.refuse), for P*V layers."""
+    cfg = SimpleNamespace(model=SimpleNamespace(n_layer=P * V), parallel=SimpleNamespace(
+        microbatches=M, pp_virtual_stages=V, pp_schedule=schedule, pp_layers=[]))
+    return bool(pp_schedules.refuse(cfg, {"pp": P}))
 
 
 def in_flight(actions):
