@@ -184,7 +184,9 @@ class Pipeline:
         Not training traffic: uncounted."""
         busy = sum(t1 - t0 for _, _, _, t0, t1 in self.timeline)
         span = max((t1 for *_, t1 in self.timeline), default=0.0)
-        mine = torch.tensor([1000 * busy, 1000 * max(0.0, span - busy)], dtype=torch.float64)
+        # on the grid's device: an NCCL group has no CPU backend
+        mine = torch.tensor([1000 * busy, 1000 * max(0.0, span - busy)], dtype=torch.float64,
+                            device=self.grid.device)
         every = [torch.empty_like(mine) for _ in range(self.P)]
         dist.all_gather(every, mine, group=self.grid.pp_group)
         stats = {}
