@@ -94,6 +94,50 @@ def test_balanced_and_explicit_splits():
     assert pp_schedules.chunk_blocks(8, 4) == [[0, 1], [2, 3], [4, 5], [6, 7]]
 
 
+class FakeCudaEvent:
+    """Stands in for torch.cuda.Event on this CPU-only build: it records the 'device'
+    time `now` (which the test advances while the host clock barely moves), and can be
+    read only after a synchronize, as a CUDA event only once the GPU has passed it."""
+    now, synchronized = 0.0, False
+
+    def __init__(self, enable_timing=False):
+        assert enable_timing
+        self.at = None
+
+    def record(self):
+        self.at = FakeCudaEvent.now
+        FakeCudaEvent.synchronized = False
+
+    def synchronize(self):
+        FakeCudaEvent.synchronized = True
+
+    def elapsed_time(self, end):
+        assert FakeCudaEvent.synchronized, "read before the device got there"
+        return 1000 * (end.at - self.at)  # ms, as CUDA's
+
+
+def test_pipeline_clock_reads_device_events_on_cuda_and_the_host_clock_on_cpu():
+    """On CUDA the host returns before the kernels run: busy/idle must come from
+    events on the stream, not from host timers around launches."""
+    import time
+
+    import torch
+
+    from parallel.pipeline_parallel.clock import DeviceClock
+    clock = DeviceClock(torch.device("cuda"), event_class=FakeCudaEvent)
+    origin = clock.mark()
+    FakeCudaEvent.now = 0.25
+    first = clock.mark()
+    FakeCudaEvent.now = 0.75
+    second = clock.mark()
+    assert clock.seconds(origin, [first, second]) == [0.25, 0.75]
+    host = DeviceClock(torch.device("cpu"))
+    origin = host.mark()
+    time.sleep(0.02)
+    (elapsed,) = host.seconds(origin, [host.mark()])
+    assert 0.02 <= elapsed < 1
+
+
 # ---------------------------------------------------------------- torchrun workers
 
 PP_CASES = [(world, case.name) for world in CASES for case in CASES[world] if case.pp > 1]

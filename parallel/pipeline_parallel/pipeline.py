@@ -26,7 +26,6 @@ records every action's start and end, so busy and idle time (the bubble) can
 be reported per stage.
 """
 
-import time
 from dataclasses import dataclass, replace
 
 import torch
@@ -35,6 +34,7 @@ import torch.distributed as dist
 from parallel import model_plan as plan
 from parallel.grid import DIMS
 from parallel.pipeline_parallel import p2p_plan
+from parallel.pipeline_parallel.clock import DeviceClock
 from parallel.pipeline_parallel.schedules import chunk_blocks
 from parallel.precision import Precision
 
@@ -71,6 +71,8 @@ class Pipeline:
                                                  tied="first" if self.has_first else "last")
         # when each send and receive is posted: p2p_plan.py, the batching the simulator checks
         self.steps = p2p_plan.plan(self.schedule, P, self.M, V)[grid.pp_rank]
+        # each action's start and end on the device's timeline (CUDA events on CUDA)
+        self.clock = DeviceClock(grid.device)
         self.timeline, self.step_started = [], None
         # every chunk forward runs under the strategy's precision (Strategy.configure_compute)
         self.precision = Precision("fp32", grid.device)
@@ -124,7 +126,8 @@ class Pipeline:
         arriving = {}  # message -> (receive buffer, work to wait on before using it)
         sending = []   # (work, tensor): each tensor kept alive until its send is done
         loss_sum = torch.zeros((), device=device)
-        self.step_started = self.step_started or time.perf_counter()
+        if self.step_started is None:
+            self.step_started = self.clock.mark()
 
         def take(msg):
             buf, work = arriving.pop(msg)
@@ -139,7 +142,7 @@ class Pipeline:
                 x, y = x.to(device), y.to(device)
                 if kind == "F":
                     inp = x if chunk.first else take(("act", c, m)).requires_grad_()
-                    started = time.perf_counter()
+                    started = self.clock.mark()
                     out = self._forward(chunk, inp, y)
                     self._record("F", c, m, started)
                     inputs[c, m], outputs[c, m] = inp, out
@@ -149,7 +152,7 @@ class Pipeline:
                         ready["act", c + 1, m] = out.detach().contiguous()
                 else:
                     grad = None if chunk.last else take(("grad", c, m))
-                    started = time.perf_counter()
+                    started = self.clock.mark()
                     with backward_scope(c, m == self.M - 1):
                         if chunk.last:
                             (outputs[c, m] * scale).backward()
@@ -173,8 +176,7 @@ class Pipeline:
         return loss_sum
 
     def _record(self, kind, c, m, started):
-        now = time.perf_counter()
-        self.timeline.append((kind, c, m, started - self.step_started, now - self.step_started))
+        self.timeline.append((kind, c, m, started, self.clock.mark()))
 
     def step_stats(self, with_timeline=False):
         """Busy and idle time of every stage of this rank's pipeline in the last step
@@ -182,8 +184,12 @@ class Pipeline:
         the bubble), on every rank; with_timeline: also every stage's actions
         (kind, chunk, micro-batch, start ms, end ms). Then start the next step's record.
         Not training traffic: uncounted."""
-        busy = sum(t1 - t0 for _, _, _, t0, t1 in self.timeline)
-        span = max((t1 for *_, t1 in self.timeline), default=0.0)
+        seconds = self.clock.seconds(self.step_started, [t for *_, t0, t1 in self.timeline
+                                                         for t in (t0, t1)])
+        actions = [(k, c, m, seconds[2 * i], seconds[2 * i + 1])
+                   for i, (k, c, m, _, _) in enumerate(self.timeline)]
+        busy = sum(t1 - t0 for _, _, _, t0, t1 in actions)
+        span = max((t1 for *_, t1 in actions), default=0.0)
         # on the grid's device: an NCCL group has no CPU backend
         mine = torch.tensor([1000 * busy, 1000 * max(0.0, span - busy)], dtype=torch.float64,
                             device=self.grid.device)
@@ -197,7 +203,7 @@ class Pipeline:
         if with_timeline:
             timelines = [None] * self.P
             mine_actions = [(k, c, m, round(1000 * t0, 3), round(1000 * t1, 3))
-                            for k, c, m, t0, t1 in self.timeline]
+                            for k, c, m, t0, t1 in actions]
             dist.all_gather_object(timelines, mine_actions, group=self.grid.pp_group)
         self.timeline, self.step_started = [], None
         return stats, timelines
