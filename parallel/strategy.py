@@ -307,7 +307,8 @@ class Strategy:
         (losses, for logging; deliberately not counted as training traffic)."""
         value = value.detach().clone()
         if self.grid.grad_size > 1:
-            dist.all_reduce(value, group=self.grid.grad_group)
+            with self.comm.uncounted():
+                self.comm.all_reduce(value, group=self.grid.grad_group)
             value /= self.grid.grad_size
         return value.item()
 

@@ -29,7 +29,6 @@ be reported per stage.
 from dataclasses import dataclass, replace
 
 import torch
-import torch.distributed as dist
 
 from parallel import model_plan as plan
 from parallel.grid import DIMS
@@ -37,6 +36,9 @@ from parallel.pipeline_parallel import p2p_plan
 from parallel.pipeline_parallel.clock import DeviceClock
 from parallel.pipeline_parallel.schedules import chunk_blocks
 from parallel.precision import Precision
+
+
+KINDS = ("F", "B")  # an action's kind, as a number in step_stats' table
 
 
 @dataclass
@@ -183,30 +185,29 @@ class Pipeline:
         (idle: time inside the schedule not spent computing -- waiting for a neighbour,
         the bubble), on every rank; with_timeline: also every stage's actions
         (kind, chunk, micro-batch, start ms, end ms). Then start the next step's record.
-        Not training traffic: uncounted."""
+        One all-gather of every stage's table of actions (each stage runs the same
+        number); not training traffic: uncounted."""
         seconds = self.clock.seconds(self.step_started, [t for *_, t0, t1 in self.timeline
                                                          for t in (t0, t1)])
-        actions = [(k, c, m, seconds[2 * i], seconds[2 * i + 1])
-                   for i, (k, c, m, _, _) in enumerate(self.timeline)]
-        busy = sum(t1 - t0 for _, _, _, t0, t1 in actions)
-        span = max((t1 for *_, t1 in actions), default=0.0)
         # on the grid's device: an NCCL group has no CPU backend
-        mine = torch.tensor([1000 * busy, 1000 * max(0.0, span - busy)], dtype=torch.float64,
-                            device=self.grid.device)
-        every = [torch.empty_like(mine) for _ in range(self.P)]
-        dist.all_gather(every, mine, group=self.grid.pp_group)
-        stats = {}
-        for s, t in enumerate(every):
-            stats[f"pp_busy_ms_stage{s}"], stats[f"pp_idle_ms_stage{s}"] = t.tolist()
-        stats["pp_bubble"] = sum(t[1].item() / max(t.sum().item(), 1e-9) for t in every) / self.P
-        timelines = None
-        if with_timeline:
-            timelines = [None] * self.P
-            mine_actions = [(k, c, m, round(1000 * t0, 3), round(1000 * t1, 3))
-                            for k, c, m, t0, t1 in actions]
-            dist.all_gather_object(timelines, mine_actions, group=self.grid.pp_group)
+        mine = torch.tensor([[KINDS.index(k), c, m, 1000 * seconds[2 * i], 1000 * seconds[2 * i + 1]]
+                             for i, (k, c, m, _, _) in enumerate(self.timeline)],
+                            dtype=torch.float64, device=self.grid.device).reshape(-1, 5)
+        every = torch.empty(self.P * mine.numel(), dtype=mine.dtype, device=mine.device)
+        with self.comm.uncounted():
+            self.comm.all_gather(every, mine.view(-1), group=self.grid.pp_group)
+        every = every.view(self.P, -1, 5)
+        stats, timelines, bubble = {}, [], 0.0
+        for s, table in enumerate(every.tolist()):
+            busy = sum(t1 - t0 for *_, t0, t1 in table)
+            idle = max(0.0, max((t1 for *_, t1 in table), default=0.0) - busy)
+            stats[f"pp_busy_ms_stage{s}"], stats[f"pp_idle_ms_stage{s}"] = busy, idle
+            bubble += idle / max(busy + idle, 1e-9) / self.P
+            timelines.append([(KINDS[int(k)], int(c), int(m), round(t0, 3), round(t1, 3))
+                              for k, c, m, t0, t1 in table])
+        stats["pp_bubble"] = bubble
         self.timeline, self.step_started = [], None
-        return stats, timelines
+        return stats, (timelines if with_timeline else None)
 
     # ------------------------------------------------ loss and evaluation
 
@@ -214,7 +215,8 @@ class Pipeline:
         """Broadcast a scalar from the last stage to this rank's whole pipeline (not
         training traffic: uncounted)."""
         value = value.detach().clone().reshape(1)
-        dist.broadcast(value, src=self._peer(self.P - 1), group=self.grid.pp_group)
+        with self.comm.uncounted():
+            self.comm.broadcast(value, src=self._peer(self.P - 1), group=self.grid.pp_group)
         return value[0]
 
     @torch.no_grad()
