@@ -36,13 +36,13 @@ from launch import preemption
 from launch.exit import flush_and_exit
 from model import GPT, GPTConfig
 from parallel import parallelize
-from parallel.grid import ProcessGrid, together
+from parallel.grid import ProcessGrid, together, uses_cuda
 from parallel.layout import grid_sizes
 from trainer import Trainer
 
 
 def pick_device(choice, local_rank):
-    if choice == "cuda" or (choice == "auto" and torch.cuda.is_available()):
+    if uses_cuda(choice):
         if not torch.cuda.is_available():
             raise UserError("trainer.device=cuda but no CUDA device is available")
         torch.cuda.set_device(local_rank)

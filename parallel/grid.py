@@ -94,6 +94,12 @@ class ProcessGrid:
         return f"ProcessGrid({sizes}; rank {self.rank} at {at})"
 
 
+def uses_cuda(device_choice) -> bool:
+    """trainer.device as main.pick_device reads it (here, so that config-time rules read
+    it the same way): cuda, or auto where a CUDA device is available."""
+    return device_choice == "cuda" or (device_choice == "auto" and torch.cuda.is_available())
+
+
 def together(grid, what, fn):
     """Run fn on every rank; if it fails on any rank, every rank raises, so none is left
     waiting in the next collective for a rank that has gone."""

@@ -281,6 +281,7 @@ def test_pp_snapshot_samples_like_the_run_that_wrote_it(tmp_path):
     (2, ["parallel.pp=2", "parallel.dp=fsdp", "parallel.zero_stage=3"], "zero_stage=3 with parallel.pp"),
     (2, ["parallel.pp=2", "model.n_layer=1"], "more stages than layers"),
     (2, ["parallel.pp=2", "parallel.pp_layers=[2,1]"], "pp_layers"),
+    (4, ["parallel.pp=2", "parallel.allreduce=ring", "trainer.device=cuda"], "refused on CUDA"),
 ])
 def test_bad_pipeline_layout_stops_every_rank_with_one_line(tmp_path, nproc, overrides, needle):
     from test_bad_input import assert_clean_failure
