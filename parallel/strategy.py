@@ -281,9 +281,9 @@ class Strategy:
                 for key, shape, box, t in snapshot_pieces(self.regions(), self.optimizer,
                                                           with_optimizer=False)]
         everyone = [mine]
-        if self.grid.world_size > 1:
+        if self.grid.world_size > 1:  # in host memory (gloo), never staged on the GPU
             everyone = [None] * self.grid.world_size if self.grid.is_main else None
-            dist.gather_object(mine, everyone, dst=0)
+            dist.gather_object(mine, everyone, dst=0, group=self.grid.host_group)
         if not self.grid.is_main:
             return {}
         state = {}  # every rank's pieces: under a pipeline this rank holds only its stage

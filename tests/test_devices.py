@@ -5,6 +5,8 @@
   a tensor made without device= lands on the CPU, and an NCCL collective given
   it crashes ("No backend type associated with device type cpu") -- or worse,
   it silently runs a computation on the host.
+- Object collectives run on the grid's gloo group (host memory), never staged
+  on the GPU.
 - The counted comm (parallel/comm.py) refuses a tensor on another device than
   the grid's with one clear message: handed a `meta` tensor where the grid
   works on the CPU, and a CPU tensor where it works on `meta` (a CUDA tensor
@@ -105,6 +107,26 @@ def test_the_scan_sees_a_constructor_without_device(tmp_path):
                                    "        a = torch.zeros(3)\n"
                                    "        return torch.zeros(3, device=d), torch.zeros_like(a)\n")
     assert constructors_without_device("m.py", str(tmp_path)) == [(4, "torch.zeros", "A.f")]
+
+
+OBJECT_COLLECTIVES = {"gather_object", "all_gather_object", "broadcast_object_list",
+                      "scatter_object_list", "send_object_list", "recv_object_list"}
+
+
+def test_object_collectives_run_on_the_host_group():
+    """Object collectives pickle into tensors on their group's device: over NCCL the
+    end-of-run gather staged world x the largest share on the GPU, beside the model
+    and optimizer state. Every one must name `group=<grid>.host_group` (gloo)."""
+    offending = []
+    for path in product_files():
+        with open(os.path.join(REPO, path)) as f:
+            tree = ast.parse(f.read(), path)
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Call) and getattr(node.func, "attr", None) in OBJECT_COLLECTIVES:
+                group = next((k.value for k in node.keywords if k.arg == "group"), None)
+                if not (isinstance(group, ast.Attribute) and group.attr == "host_group"):
+                    offending.append(f"{path}:{node.lineno} {node.func.attr}")
+    assert not offending, "object collectives off grid.host_group:\n  " + "\n  ".join(offending)
 
 
 @pytest.mark.parametrize("grid_device,tensor_device", [("cpu", "meta"), ("meta", "cpu")])
