@@ -198,8 +198,9 @@ class Strategy:
 
     def forward_loss(self, model, x, y):
         """One forward under the configured precision: (logits, loss)."""
+        x, y = self.to_device(x, y)
         with self.precision.autocast():
-            return model(x.to(self.device), y.to(self.device))
+            return model(x, y)
 
     def backward(self, loss, divide_by):
         """Backward of loss / divide_by, times the fp16 loss scale (if any)."""
@@ -221,6 +222,7 @@ class Strategy:
         rounds, M = len(micro_batches), self.pipeline.M
         total = torch.zeros((), device=self.device)
         for r, (x, y) in enumerate(micro_batches):
+            x, y = self.to_device(x, y)  # once, not once per pipeline action
             final = r == rounds - 1
             scale = 1.0 / (M * rounds)  # and the fp16 loss scale, if any
             if self.precision.loss_scale != 1.0:
@@ -228,6 +230,13 @@ class Strategy:
             total += self.pipeline.run(list(zip(x.chunk(M), y.chunk(M))), scale,
                                        lambda c, last: self.backward_scope(c, last and final))
         return self.pipeline.last_stage_value(total / (M * rounds))
+
+    def to_device(self, *tensors):
+        """Host tensors to the device. CUDA: through pinned memory, asynchronously, so the
+        copy overlaps what the stream is still computing."""
+        if self.device.type != "cuda":
+            return [t.to(self.device) for t in tensors]
+        return [t.pin_memory().to(self.device, non_blocking=True) for t in tensors]
 
     def finish_gradients(self):
         """After backward and the data-parallel sync: sums over TP (sequence parallelism)

@@ -151,3 +151,15 @@ def test_counted_comm_refuses_a_tensor_on_another_device_than_the_grids(grid_dev
         assert message.startswith(f"{kind}:") and f"is on {tensor_device}" in message \
             and f"work on {grid_device}" in message and "device=grid.device" in message, message
     assert comm.pop()["comm_calls"] == 0  # nothing was counted either
+
+
+def test_each_rank_picks_its_gpu_or_says_why_it_cannot():
+    """torchrun: LOCAL_RANK indexes the node's GPUs; a launcher that shows each task one
+    GPU (srun --gpus-per-task=1): device 0 whatever LOCAL_RANK; more ranks than GPUs:
+    one line (NCCL would fail on two ranks sharing a GPU)."""
+    from errors import UserError
+    from main import cuda_index
+    assert [cuda_index(r, 8) for r in range(8)] == list(range(8))
+    assert [cuda_index(r, 1) for r in range(4)] == [0, 0, 0, 0]
+    with pytest.raises(UserError, match="LOCAL_RANK=5 but this task sees 4 CUDA devices"):
+        cuda_index(5, 4)

@@ -118,7 +118,8 @@ class Pipeline:
     # ------------------------------------------------ the schedule
 
     def run(self, micro_batches, scale, backward_scope):
-        """One pass of the schedule over len(micro_batches) == M micro-batches. Returns
+        """One pass of the schedule over len(micro_batches) == M micro-batches (on the
+        device already: Strategy.to_device, once per step). Returns
         the sum of the micro-batches' losses on the last stage (else 0).
         backward_scope(chunk, last) wraps each backward: `last` is the chunk's last
         backward of this pass (data-parallel sync hooks key on it)."""
@@ -141,7 +142,6 @@ class Pipeline:
                 kind, c, m = step.action
                 chunk = self.chunks[c]
                 x, y = micro_batches[m]
-                x, y = x.to(device), y.to(device)
                 if kind == "F":
                     inp = x if chunk.first else take(("act", c, m)).requires_grad_()
                     started = self.clock.mark()
