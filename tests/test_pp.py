@@ -4,7 +4,9 @@
   12, V up to 3 runs to the end when each rank blocks on its receives
   (pp_simulator.simulate), every pair of ranks receives in the order the
   other sends, each forward and backward runs once, and 1F1B holds at most
-  P - rank micro-batches where GPipe holds M;
+  P - rank micro-batches where GPipe holds M; the executor's own batching
+  (p2p_plan.plan) finishes under NCCL's rules for P <= 8, M <= 32, V <= 4;
+  the device clock reads CUDA events on CUDA;
 - tests/layout_worker.py on 2, 4 and 8 ranks: pp 2 and 4; M 1, 2, 4, 8 (M < P
   included); every schedule; uneven splits (5 layers on 2 stages, pp_layers);
   dp=2 x pp=2 with ddp_naive, ddp_bucket, fsdp 1 and 2; tp=2 x pp=2 (with
