@@ -36,23 +36,40 @@ from launch import preemption
 from launch.exit import flush_and_exit
 from model import GPT, GPTConfig
 from parallel import parallelize
-from parallel.grid import ProcessGrid, together
+from parallel.grid import ProcessGrid, together, uses_cuda
 from parallel.layout import grid_sizes
 from trainer import Trainer
 
 
 def pick_device(choice, local_rank):
-    if choice == "cuda" or (choice == "auto" and torch.cuda.is_available()):
+    if uses_cuda(choice):
         if not torch.cuda.is_available():
             raise UserError("trainer.device=cuda but no CUDA device is available")
-        torch.cuda.set_device(local_rank)
-        return torch.device("cuda", local_rank)
+        index = cuda_index(local_rank, torch.cuda.device_count())
+        torch.cuda.set_device(index)
+        return torch.device("cuda", index)
     return torch.device("cpu")
+
+
+def cuda_index(local_rank, visible):
+    """This rank's GPU: LOCAL_RANK when the node's ranks share its GPUs (torchrun), 0 when
+    the launcher shows each task just one (srun --gpus-per-task=1: every task sees its
+    own GPU as device 0). Two ranks on one GPU would fail inside NCCL: refused here."""
+    if visible == 1:
+        return 0
+    if local_rank >= visible:
+        raise UserError(f"LOCAL_RANK={local_rank} but this task sees {visible} CUDA devices: start "
+                        f"at most {visible} ranks per node, or give each task one GPU "
+                        "(CUDA_VISIBLE_DEVICES)")
+    return local_rank
 
 
 def init_process_group(device, timeout_s, rank, world_size):
     backend = "nccl" if device.type == "cuda" else "gloo"
     timeout = datetime.timedelta(seconds=timeout_s)
+    # NCCL: bind the group to this rank's GPU now (communicators created eagerly; barriers
+    # know the device instead of guessing it from the rank)
+    bound = {"device_id": device} if device.type == "cuda" else {}
     if "MASTER_ADDR" in os.environ:  # launched by torchrun (or by hand with env://)
         store, rank, world_size = next(dist.rendezvous("env://", timeout=timeout))
         # torchrun keeps one key-value store across --max-restarts attempts: without a
@@ -60,10 +77,10 @@ def init_process_group(device, timeout_s, rank, world_size):
         attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
         store = dist.PrefixStore(f"attempt-{attempt}", store)
         dist.init_process_group(backend, store=store, rank=rank, world_size=world_size,
-                                timeout=timeout)
+                                timeout=timeout, **bound)
     else:  # plain `python main.py`: a one-rank group, so the code path is the same
         dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1,
-                                timeout=timeout)
+                                timeout=timeout, **bound)
 
 
 def read_inputs(cfg, is_main):

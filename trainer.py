@@ -27,7 +27,7 @@ from launch import preemption
 from parallel.grid import together
 from telemetry import mfu
 from telemetry.activation_meter import ActivationMeter
-from telemetry.metrics import MetricsLog, peak_memory_mb
+from telemetry.metrics import MetricsLog, peak_memory
 
 AGREED_READ_FAILURE = "stopping: another rank failed while reading the data (see its error)"
 
@@ -141,7 +141,7 @@ class Trainer:
             record = {"step": self.step, "loss": loss, "grad_norm": grad_norm, "lr": lr,
                       "tokens_per_s": t.batch_size * self.train_set.block_size / elapsed,
                       "step_ms": 1000 * elapsed, "data_ms": data_ms,
-                      "peak_mem_mb": peak_memory_mb(g.device),
+                      **peak_memory(g.device),
                       "state_bytes": self.strategy.state_bytes(),
                       **self.strategy.comm_stats(), **stats, **self.strategy.precision.metrics()}
             if self.peak_flops:

@@ -93,7 +93,8 @@ def save_sharded(path, grid, step, pieces, meta, keep=1):
         except Exception as e:
             error = e
     agree(error)
-    dist.broadcast_object_list(ids, src=0)  # one id ties parts to their manifest
+    # one id ties parts to their manifest; objects travel in host memory (grid.host_group)
+    dist.broadcast_object_list(ids, src=0, group=grid.host_group)
 
     index = []
     try:
@@ -102,7 +103,7 @@ def save_sharded(path, grid, step, pieces, meta, keep=1):
         error = e
     agree(error)
     indexes = [None] * grid.world_size
-    dist.all_gather_object(indexes, index)
+    dist.all_gather_object(indexes, index, group=grid.host_group)
 
     if grid.is_main:
         try:

@@ -2,6 +2,10 @@
 how many collective calls each rank made per step and how many bytes it handed
 to them, by kind (`comm_calls`, `comm_bytes`, and `comm_<kind>_calls/bytes`).
 
+Every tensor handed to them must be on the grid's device: a CPU tensor headed for
+an NCCL group fails here with one clear message, on the first step, instead of
+deep inside the backend ("No backend type associated with device type cpu").
+
 "Bytes handed" is the payload of the call on this rank (the tensor given to
 all_reduce, the output of an all_gather, the input of a reduce_scatter, what a
 send sends), not what the algorithm puts on the wire: the benchmark compares
@@ -11,15 +15,31 @@ it with the textbook volumes.
 from collections import Counter
 from contextlib import contextmanager
 
+import torch
 import torch.distributed as dist
 
 
+class WrongDevice(RuntimeError):
+    """A collective was handed a tensor on another device than its process group's."""
+
+
 class CommCounter:
-    def __init__(self):
+    def __init__(self, device=None):
+        """device: the grid's device, which every tensor handed over must be on (None:
+        unchecked, for tools that build a counter without a grid)."""
         self.calls, self.bytes = Counter(), Counter()
         self.counting = True
+        self.device = None if device is None else torch.device(device)
+
+    def check(self, kind, *tensors):
+        for t in tensors:
+            if self.device is not None and t.device != self.device:
+                raise WrongDevice(f"{kind}: tensor of shape {tuple(t.shape)} is on {t.device}, but "
+                                  f"the process groups work on {self.device}: create it with "
+                                  f"device=grid.device (an NCCL group cannot send CPU tensors)")
 
     def record(self, kind, tensor):
+        self.check(kind, tensor)
         if self.counting:
             self.calls[kind] += 1
             self.bytes[kind] += tensor.numel() * tensor.element_size()
@@ -50,10 +70,12 @@ class CommCounter:
         return dist.all_reduce(tensor, op=op, group=group, async_op=async_op)
 
     def reduce_scatter(self, output, input, group=None, op=dist.ReduceOp.SUM, async_op=False):
+        self.check("reduce_scatter", output)
         self.record("reduce_scatter", input)
         return dist.reduce_scatter_single(output, input, op=op, group=group, async_op=async_op)
 
     def all_gather(self, output, input, group=None, async_op=False):
+        self.check("all_gather", input)
         self.record("all_gather", output)
         return dist.all_gather_single(output, input, group=group, async_op=async_op)
 
@@ -61,16 +83,19 @@ class CommCounter:
         self.record("broadcast", tensor)
         return dist.broadcast(tensor, src=src, group=group, async_op=async_op)
 
-    def exchange(self, send, dst, recv, src, group=None):
-        """Send `send` to dst while receiving `recv` from src, as one batch: on NCCL two
-        separate calls to the same peer could each wait behind the other. Either
-        tensor may be None. Returns the works to wait on."""
+    def exchange(self, sends=(), recvs=(), group=None):
+        """Post sends [(tensor, dst)] and receives [(tensor, src)] as one batch
+        (batch_isend_irecv): on NCCL two separate calls to the same peer could each wait
+        behind the other. Returns one work per operation, receives first (NCCL returns
+        one work for the whole batch: each operation then gets that one)."""
         ops = []
-        if recv is not None:
+        for tensor, src in recvs:
+            self.check("recv", tensor)
             if self.counting:
                 self.calls["recv"] += 1
-            ops.append(dist.P2POp(dist.irecv, recv, peer=src, group=group))
-        if send is not None:
-            self.record("send", send)
-            ops.append(dist.P2POp(dist.isend, send, peer=dst, group=group))
-        return dist.batch_isend_irecv(ops) if ops else []
+            ops.append(dist.P2POp(dist.irecv, tensor, peer=src, group=group))
+        for tensor, dst in sends:
+            self.record("send", tensor)
+            ops.append(dist.P2POp(dist.isend, tensor, peer=dst, group=group))
+        works = dist.batch_isend_irecv(ops) if ops else []
+        return works if len(works) == len(ops) else [works[0]] * len(ops)

@@ -44,6 +44,11 @@ class ProcessGrid:
             setattr(self, f"{d}_rank", self.coords[d])
             setattr(self, f"{d}_group", self.group_over(d))
         self.grad_group = self.group_over(*GRAD_DIMS)
+        # object collectives (snapshot manifests, the end-of-run state) pickle into tensors on
+        # the group's device: over NCCL that stages world x the largest object on the GPU,
+        # beside the model and optimizer state. They run on a gloo group, in host memory
+        # (created under gloo too, so that CPU runs take the path GPU runs take).
+        self.host_group = dist.new_group(backend="gloo")
         self.grad_size = math.prod(self.sizes[d] for d in GRAD_DIMS)
         self.grad_rank = 0
         for d in GRAD_DIMS:  # row-major over GRAD_DIMS: this rank's place in grad_group
@@ -92,6 +97,12 @@ class ProcessGrid:
         sizes = ", ".join(f"{d}={n}" for d, n in self.sizes.items())
         at = " ".join(f"{d}={c}" for d, c in self.coords.items())
         return f"ProcessGrid({sizes}; rank {self.rank} at {at})"
+
+
+def uses_cuda(device_choice) -> bool:
+    """trainer.device as main.pick_device reads it (here, so that config-time rules read
+    it the same way): cuda, or auto where a CUDA device is available."""
+    return device_choice == "cuda" or (device_choice == "auto" and torch.cuda.is_available())
 
 
 def together(grid, what, fn):

@@ -66,7 +66,7 @@ def parallelize(model, grid, cfg):
     same on every rank), in that order; returns this rank's Strategy. cfg: the
     `parallel:` section (parallel/config.py)."""
     cls = strategy_class(cfg)
-    comm = CommCounter()  # training traffic goes through it, so it is counted
+    comm = CommCounter(grid.device)  # counts training traffic; checks every tensor's device
     local = LocalModel(model, {n: Placement.whole(n, p.shape) for n, p in model.named_parameters()},
                        comm)
     if grid.tp_size > 1 and cls.own_tensor_parallel:  # 1. tensor

@@ -205,8 +205,9 @@ class Strategy:
 
     def forward_loss(self, model, x, y):
         """One forward under the configured precision: (logits, loss)."""
+        x, y = self.to_device(x, y)
         with self.precision.autocast():
-            return model(x.to(self.device), y.to(self.device))
+            return model(x, y)
 
     def backward(self, loss, divide_by):
         """Backward of loss / divide_by, times the fp16 loss scale (if any)."""
@@ -228,6 +229,7 @@ class Strategy:
         rounds, M = len(micro_batches), self.pipeline.M
         total = torch.zeros((), device=self.device)
         for r, (x, y) in enumerate(micro_batches):
+            x, y = self.to_device(x, y)  # once, not once per pipeline action
             final = r == rounds - 1
             scale = 1.0 / (M * rounds)  # and the fp16 loss scale, if any
             if self.precision.loss_scale != 1.0:
@@ -235,6 +237,13 @@ class Strategy:
             total += self.pipeline.run(list(zip(x.chunk(M), y.chunk(M))), scale,
                                        lambda c, last: self.backward_scope(c, last and final))
         return self.pipeline.last_stage_value(total / (M * rounds))
+
+    def to_device(self, *tensors):
+        """Host tensors to the device. CUDA: through pinned memory, asynchronously, so the
+        copy overlaps what the stream is still computing."""
+        if self.device.type != "cuda":
+            return [t.to(self.device) for t in tensors]
+        return [t.pin_memory().to(self.device, non_blocking=True) for t in tensors]
 
     def finish_gradients(self):
         """After backward and the data-parallel sync: sums over TP (sequence parallelism)
@@ -288,9 +297,9 @@ class Strategy:
                 for key, shape, box, t in snapshot_pieces(self.regions(), self.optimizer,
                                                           with_optimizer=False)]
         everyone = [mine]
-        if self.grid.world_size > 1:
+        if self.grid.world_size > 1:  # in host memory (gloo), never staged on the GPU
             everyone = [None] * self.grid.world_size if self.grid.is_main else None
-            dist.gather_object(mine, everyone, dst=0)
+            dist.gather_object(mine, everyone, dst=0, group=self.grid.host_group)
         if not self.grid.is_main:
             return {}
         state = {}  # every rank's pieces: under a pipeline this rank holds only its stage
@@ -314,7 +323,8 @@ class Strategy:
         (losses, for logging; deliberately not counted as training traffic)."""
         value = value.detach().clone()
         if self.grid.grad_size > 1:
-            dist.all_reduce(value, group=self.grid.grad_group)
+            with self.comm.uncounted():
+                self.comm.all_reduce(value, group=self.grid.grad_group)
             value /= self.grid.grad_size
         return value.item()
 

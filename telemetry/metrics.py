@@ -9,12 +9,17 @@ import sys
 import torch
 
 
-def peak_memory_mb(device) -> float:
-    """Peak memory of this process: allocator peak on CUDA, max RSS on CPU."""
+def peak_memory(device) -> dict:
+    """Peak memory of this process, in MiB. CUDA: `peak_mem_mb`, the most the caching
+    allocator had handed to tensors at once (max_memory_allocated), and
+    `peak_mem_reserved_mb`, the most it held from the driver (max_memory_reserved: what
+    nvidia-smi shows, minus the CUDA context) -- an out-of-memory comes when reserved
+    memory cannot grow. CPU: `peak_mem_mb` is the process's max RSS."""
     if device.type == "cuda":
-        return torch.cuda.max_memory_allocated(device) / 2**20
+        return {"peak_mem_mb": torch.cuda.max_memory_allocated(device) / 2**20,
+                "peak_mem_reserved_mb": torch.cuda.max_memory_reserved(device) / 2**20}
     import resource
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # Linux: KiB
+    return {"peak_mem_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}  # Linux: KiB
 
 
 class MetricsLog:

@@ -72,6 +72,11 @@ def test_defaults_and_overrides():
     (["trainer.resume_step=0"], 1, "resume_step"),
     (["trainer.precision=fp8"], 1, "trainer.precision must be fp32, bf16 or fp16"),
     (["trainer.precision=fp16", "trainer.fp16_growth_interval=0"], 1, "fp16_growth_interval"),
+    # the ring's thread beside autograd's NCCL communicators (refused on CUDA only: gloo runs it)
+    (["parallel.allreduce=ring", "parallel.tp=2", "trainer.device=cuda"], 4,
+     "parallel.allreduce=ring and parallel.tp=2 is refused on CUDA"),
+    (["parallel.allreduce=ring", "parallel.pp=2", "trainer.device=cuda"], 4,
+     "parallel.allreduce=ring and parallel.pp=2 is refused on CUDA"),
     (["parallel.reduce_dtype=fp16"], 2, "parallel.reduce_dtype must be fp32 or bf16"),
     (["parallel.dp=torch_ddp", "parallel.reduce_dtype=bf16"], 2, "PyTorch's reference and reduces in fp32"),
     (["parallel.tp_impl=torch", "parallel.tp=2", "trainer.precision=bf16"], 2, "runs in fp32"),

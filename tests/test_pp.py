@@ -2,9 +2,11 @@
 
 - in process: every schedule (gpipe, 1f1b, interleaved) for P up to 4, M up to
   12, V up to 3 runs to the end when each rank blocks on its receives
-  (pp_schedules.simulate), every pair of ranks receives in the order the
+  (pp_simulator.simulate), every pair of ranks receives in the order the
   other sends, each forward and backward runs once, and 1F1B holds at most
-  P - rank micro-batches where GPipe holds M;
+  P - rank micro-batches where GPipe holds M; the executor's own batching
+  (p2p_plan.plan) finishes under NCCL's rules for P <= 8, M <= 32, V <= 4;
+  the device clock reads CUDA events on CUDA;
 - tests/layout_worker.py on 2, 4 and 8 ranks: pp 2 and 4; M 1, 2, 4, 8 (M < P
   included); every schedule; uneven splits (5 layers on 2 stages, pp_layers);
   dp=2 x pp=2 with ddp_naive, ddp_bucket, fsdp 1 and 2; tp=2 x pp=2 (with
@@ -18,6 +20,7 @@
 """
 
 import json
+from types import SimpleNamespace
 
 import pytest
 
@@ -25,6 +28,7 @@ from harness import (assert_layout_matches, assert_parity, layout_worker_result,
                      run_metrics, save_then_resume)
 from layout_worker import BATCH, BLOCK, CASES, N_EMBD
 from parallel.pipeline_parallel import schedules as pp_schedules
+from parallel.pipeline_parallel import simulator as pp_simulator
 
 # ---------------------------------------------------------------- schedules, in process
 
@@ -37,13 +41,36 @@ def test_schedule_never_deadlocks_and_pairs_messages_in_order(schedule, V):
         for M in range(1, 13):
             if schedule == "interleaved" and M % P:
                 continue  # refused by config.py
-            sent, received = pp_schedules.simulate(schedule, P, M, V)  # raises on deadlock
+            sent, received = pp_simulator.simulate(schedule, P, M, V)  # raises on deadlock
             assert sent == received, f"{schedule} P={P} M={M} V={V}: a pair's order differs"
             for rank in range(P):
                 actions = pp_schedules.build(schedule, P, M, V, rank)
                 chunks = [c for c in range(P * V) if c % P == rank]
                 assert sorted(actions) == sorted((k, c, m) for k in "FB" for c in chunks
                                                  for m in range(M))
+
+
+NCCL_SCHEDULES = [(s, v) for s in pp_schedules.SCHEDULES for v in ((1, 2, 3, 4) if s == "interleaved" else (1,))]
+
+
+@pytest.mark.parametrize("schedule,V", NCCL_SCHEDULES, ids=[f"{s}-v{v}" for s, v in NCCL_SCHEDULES])
+def test_executor_batching_never_hangs_under_nccl_rules(schedule, V):
+    """NCCL runs a group's batches in order and a send completes only when its receive
+    is posted; gloo buffers sends, so no run here can see such a hang. The executor's
+    own plan (p2p_plan.plan, not a copy) must finish under NCCL's rules."""
+    for P in range(1, 9):
+        for M in range(1, 33):
+            if refused(schedule, P, M, V):
+                continue
+            sent, received = pp_simulator.simulate(schedule, P, M, V, mode="nccl")  # raises on a hang
+            assert sent == received, f"{schedule} P={P} M={M} V={V}: a pair's order differs"
+
+
+def refused(schedule, P, M, V):
+    """What config.py refuses (pipeline_parallel/schedules.refuse), for P*V layers."""
+    cfg = SimpleNamespace(model=SimpleNamespace(n_layer=P * V), parallel=SimpleNamespace(
+        microbatches=M, pp_virtual_stages=V, pp_schedule=schedule, pp_layers=[]))
+    return bool(pp_schedules.refuse(cfg, {"pp": P}))
 
 
 def in_flight(actions):
@@ -67,6 +94,50 @@ def test_balanced_and_explicit_splits():
     assert pp_schedules.chunk_blocks(5, 2) == [[0, 1, 2], [3, 4]]
     assert pp_schedules.chunk_blocks(5, 2, [1, 4]) == [[0], [1, 2, 3, 4]]
     assert pp_schedules.chunk_blocks(8, 4) == [[0, 1], [2, 3], [4, 5], [6, 7]]
+
+
+class FakeCudaEvent:
+    """Stands in for torch.cuda.Event on this CPU-only build: it records the 'device'
+    time `now` (which the test advances while the host clock barely moves), and can be
+    read only after a synchronize, as a CUDA event only once the GPU has passed it."""
+    now, synchronized = 0.0, False
+
+    def __init__(self, enable_timing=False):
+        assert enable_timing
+        self.at = None
+
+    def record(self):
+        self.at = FakeCudaEvent.now
+        FakeCudaEvent.synchronized = False
+
+    def synchronize(self):
+        FakeCudaEvent.synchronized = True
+
+    def elapsed_time(self, end):
+        assert FakeCudaEvent.synchronized, "read before the device got there"
+        return 1000 * (end.at - self.at)  # ms, as CUDA's
+
+
+def test_pipeline_clock_reads_device_events_on_cuda_and_the_host_clock_on_cpu():
+    """On CUDA the host returns before the kernels run: busy/idle must come from
+    events on the stream, not from host timers around launches."""
+    import time
+
+    import torch
+
+    from parallel.pipeline_parallel.clock import DeviceClock
+    clock = DeviceClock(torch.device("cuda"), event_class=FakeCudaEvent)
+    origin = clock.mark()
+    FakeCudaEvent.now = 0.25
+    first = clock.mark()
+    FakeCudaEvent.now = 0.75
+    second = clock.mark()
+    assert clock.seconds(origin, [first, second]) == [0.25, 0.75]
+    host = DeviceClock(torch.device("cpu"))
+    origin = host.mark()
+    time.sleep(0.02)
+    (elapsed,) = host.seconds(origin, [host.mark()])
+    assert 0.02 <= elapsed < 1
 
 
 # ---------------------------------------------------------------- torchrun workers
@@ -213,6 +284,7 @@ def test_pp_snapshot_samples_like_the_run_that_wrote_it(tmp_path):
     (2, ["parallel.pp=2", "parallel.dp=fsdp", "parallel.zero_stage=3"], "zero_stage=3 with parallel.pp"),
     (2, ["parallel.pp=2", "model.n_layer=1"], "more stages than layers"),
     (2, ["parallel.pp=2", "parallel.pp_layers=[2,1]"], "pp_layers"),
+    (4, ["parallel.pp=2", "parallel.allreduce=ring", "trainer.device=cuda"], "refused on CUDA"),
 ])
 def test_bad_pipeline_layout_stops_every_rank_with_one_line(tmp_path, nproc, overrides, needle):
     from test_bad_input import assert_clean_failure

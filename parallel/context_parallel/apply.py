@@ -57,7 +57,8 @@ class CPContext:
         """Send `tensor` to the right, receive the left's (same shape); returns a function
         that waits for both and gives what came in (call it after overlapping work)."""
         incoming = torch.empty_like(tensor)
-        works = self.comm.exchange(tensor, self.right, incoming, self.left, group=self.group)
+        works = self.comm.exchange(sends=[(tensor, self.right)], recvs=[(incoming, self.left)],
+                                   group=self.group)
 
         def arrived():
             for work in works:

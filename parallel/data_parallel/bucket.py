@@ -35,6 +35,7 @@ import torch
 
 from parallel.data_parallel.naive import DDPNaive, unused_parameter_error
 from parallel.data_parallel.ring import DoneHandle, RingRunner
+from parallel.grid import uses_cuda
 
 
 def plan_buckets(named_params, cap_bytes):
@@ -75,6 +76,22 @@ class Bucket:
 class DDPBucket(DDPNaive):
     name = "ddp_bucket"
 
+    @classmethod
+    def refuse(cls, cfg, sizes):
+        """The ring's worker thread drives the dp communicator while autograd drives tp's
+        (or the pipeline's) from the training thread: on NCCL, two host threads may order
+        two communicators differently on different ranks, a documented deadlock. gloo
+        has no such rule, so CPU runs keep it (and ddp_naive's ring, in one thread)."""
+        others = [f"parallel.{d}={sizes[d]}" for d in ("tp", "pp") if sizes[d] > 1]
+        if (cfg.parallel.allreduce == "ring" and sizes["dp"] > 1 and others
+                and uses_cuda(cfg.trainer.device)):
+            return (f"parallel.dp=ddp_bucket with parallel.allreduce=ring and {' and '.join(others)} "
+                    "is refused on CUDA: the ring's thread and the training thread would drive two "
+                    "NCCL communicators in an order that can differ between ranks (a deadlock); use "
+                    "parallel.allreduce=native, or parallel.dp=ddp_naive (its ring runs in the "
+                    "training thread)")
+        return ""
+
     def __init__(self, local, grid, cfg):
         super().__init__(local, grid, cfg)  # broadcasts rank 0's weights
         trainable = [(n, p) for n, p in self.module.named_parameters() if p.requires_grad]
@@ -87,7 +104,7 @@ class DDPBucket(DDPNaive):
                 # named_parameters lists the tied embedding / LM head weight once, so it gets one
                 # hook, which fires once, after both of its uses have accumulated
                 p.register_post_accumulate_grad_hook(self._on_grad_ready)
-        self.ring = RingRunner(self.comm, self.group) if self.use_ring else None
+        self.ring = RingRunner(self.comm, self.group, self.device) if self.use_ring else None
         self.syncing, self.next_launch, self.grads_copied = False, 0, 0
 
     def forward_backward(self, micro_batches):

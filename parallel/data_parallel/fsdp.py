@@ -220,7 +220,8 @@ class FSDP(Strategy):
         trainer logs rank 0's value, and it should be the worst rank's."""
         value = torch.tensor([self.last_state_bytes], dtype=torch.int64, device=self.device)
         if self.grid.grad_size > 1:
-            dist.all_reduce(value, op=dist.ReduceOp.MAX, group=self.grid.grad_group)
+            with self.comm.uncounted():
+                self.comm.all_reduce(value, group=self.grid.grad_group, op=dist.ReduceOp.MAX)
         return int(value.item())
 
     # ------------------------------------------------ what this rank holds, canonically

@@ -20,6 +20,15 @@ Every send goes through a CommCounter (parallel/comm.py), so it is counted.
 `RingRunner` gives the async flavour the bucket hooks need: rings run one at
 a time, in submission order, on one background thread, and `submit` returns
 a handle whose wait() blocks until that ring is done (or re-raises its error).
+
+On CUDA the thread makes the rank's own device current (a new thread starts on
+device 0, and NCCL's batched point-to-point needs the right one) and runs the
+ring on a side stream: it starts after an event recorded on the compute stream
+when the bucket was handed over, and wait() makes the compute stream wait for
+the ring's end event, so backward keeps computing while rings run. Two host
+threads driving two NCCL communicators (the ring's, and tensor or pipeline
+parallelism's from autograd) can order them differently on different ranks, a
+documented NCCL deadlock: ddp_bucket refuses the ring with tp or pp > 1 on CUDA.
 """
 
 from concurrent.futures import ThreadPoolExecutor
@@ -43,9 +52,9 @@ def ring_all_reduce(tensor, comm, group=None):
     def exchange(send_idx, recv_into):
         """Send chunks[send_idx] right while receiving into `recv_into` from the left.
         Both sides know every chunk's size, so empty chunks are skipped on both."""
-        send = chunks[send_idx] if chunks[send_idx].numel() else None
-        recv = recv_into if recv_into.numel() else None
-        for w in comm.exchange(send, right, recv, left, group=group):
+        sends = [(chunks[send_idx], right)] if chunks[send_idx].numel() else []
+        recvs = [(recv_into, left)] if recv_into.numel() else []
+        for w in comm.exchange(sends, recvs, group=group):
             w.wait()
 
     for s in range(world - 1):  # reduce-scatter
@@ -69,11 +78,13 @@ class DoneHandle:
 
 
 class _RingHandle:
-    def __init__(self, future):
-        self.future = future
+    def __init__(self, future, on_side_stream=False):
+        self.future, self.on_side_stream = future, on_side_stream
 
     def wait(self):
-        self.future.result()  # re-raises whatever the ring raised
+        done = self.future.result()  # re-raises whatever the ring raised
+        if self.on_side_stream:  # CUDA: the compute stream waits for the ring, the host does not
+            torch.cuda.current_stream().wait_event(done)
         return True
 
 
@@ -85,11 +96,28 @@ class RingRunner:
     another (they share peers and tags).
     """
 
-    def __init__(self, comm, group=None):
+    def __init__(self, comm, group=None, device=torch.device("cpu")):
         self.comm, self.group = comm, group
-        self.pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ring-allreduce")
+        cuda = device.type == "cuda"
+        self.stream = torch.cuda.Stream(device) if cuda else None
+        self.pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ring-allreduce",
+                                       initializer=torch.cuda.set_device if cuda else None,
+                                       initargs=(device,) if cuda else ())
 
     def submit(self, tensor):
         if dist.get_world_size(self.group) == 1:
             return DoneHandle()
-        return _RingHandle(self.pool.submit(ring_all_reduce, tensor, self.comm, self.group))
+        if self.stream is None:
+            return _RingHandle(self.pool.submit(ring_all_reduce, tensor, self.comm, self.group))
+        filled = torch.cuda.Event()
+        filled.record()  # on the compute stream: the bucket's gradients are written then
+        tensor.record_stream(self.stream)  # the allocator must not reuse it before the ring ends
+        return _RingHandle(self.pool.submit(self._on_side_stream, tensor, filled), on_side_stream=True)
+
+    def _on_side_stream(self, tensor, filled):
+        with torch.cuda.stream(self.stream):
+            self.stream.wait_event(filled)
+            ring_all_reduce(tensor, self.comm, self.group)
+            done = torch.cuda.Event()
+            done.record(self.stream)
+        return done

@@ -17,25 +17,28 @@ the gradient norm and not written to snapshots (the first stage's is).
 
 `run` executes one schedule over M micro-batches. Activations go forward and
 gradients backward by non-blocking point-to-point sends and receives through
-the counted `comm.exchange`; a send is posted together with the next
-receive, in one batch, where both directions meet (the 1F1B steady state);
-sends never block, so any valid schedule completes, M < P included. Each
+the counted `comm.exchange`, batched as pipeline_parallel/p2p_plan.py lays
+out (the simulator, simulator.py, runs that very plan under gloo's and
+NCCL's rules); an action waits only for its own input. Each
 micro-batch's loss is divided by the number of micro-batches of the whole
 step, so gradients equal one process's on the global batch. Per step it
 records every action's start and end, so busy and idle time (the bubble) can
 be reported per stage.
 """
 
-import time
 from dataclasses import dataclass, replace
 
 import torch
-import torch.distributed as dist
 
 from parallel import model_plan as plan
 from parallel.grid import DIMS
-from parallel.pipeline_parallel.schedules import build, chunk_blocks
+from parallel.pipeline_parallel import p2p_plan
+from parallel.pipeline_parallel.clock import DeviceClock
+from parallel.pipeline_parallel.schedules import chunk_blocks
 from parallel.precision import Precision
+
+
+KINDS = ("F", "B")  # an action's kind, as a number in step_stats' table
 
 
 @dataclass
@@ -68,7 +71,10 @@ class Pipeline:
         if P > 1 and plan.TIED in self.placements:
             self.placements[plan.TIED] = replace(self.placements[plan.TIED],
                                                  tied="first" if self.has_first else "last")
-        self.actions = build(self.schedule, P, self.M, V, grid.pp_rank)
+        # when each send and receive is posted: p2p_plan.py, the batching the simulator checks
+        self.steps = p2p_plan.plan(self.schedule, P, self.M, V)[grid.pp_rank]
+        # each action's start and end on the device's timeline (CUDA events on CUDA)
+        self.clock = DeviceClock(grid.device)
         self.timeline, self.step_started = [], None
         # every chunk forward runs under the strategy's precision (Strategy.configure_compute)
         self.precision = Precision("fp32", grid.device)
@@ -112,93 +118,96 @@ class Pipeline:
     # ------------------------------------------------ the schedule
 
     def run(self, micro_batches, scale, backward_scope):
-        """One pass of the schedule over len(micro_batches) == M micro-batches. Returns
+        """One pass of the schedule over len(micro_batches) == M micro-batches (on the
+        device already: Strategy.to_device, once per step). Returns
         the sum of the micro-batches' losses on the last stage (else 0).
         backward_scope(chunk, last) wraps each backward: `last` is the chunk's last
         backward of this pass (data-parallel sync hooks key on it)."""
         device = next(self.model.parameters()).device
-        inputs, outputs, pending, works = {}, {}, None, []
+        inputs, outputs = {}, {}
+        ready = {}     # message -> tensor computed here, until its step sends it
+        arriving = {}  # message -> (receive buffer, work to wait on before using it)
+        sending = []   # (work, tensor): each tensor kept alive until its send is done
         loss_sum = torch.zeros((), device=device)
-        self.step_started = self.step_started or time.perf_counter()
+        if self.step_started is None:
+            self.step_started = self.clock.mark()
 
-        def exchange(recv_from=None, shape=None):
-            """Post the pending send (if any) and a receive (if any) as one batch."""
-            nonlocal pending
-            buf = torch.empty(shape, device=device, dtype=self.wire_dtype) \
-                if recv_from is not None else None
-            send, dst = pending if pending is not None else (None, None)
-            pending = None
-            batch = self.comm.exchange(send, dst, buf, recv_from)  # [recv, send] works
-            if buf is not None:
-                batch[0].wait()  # (gloo: one work per op, each waited once; a send is
-                # never waited here, so no rank blocks on its neighbour's progress)
-            if send is not None:
-                works.append((batch[-1], send))  # keep the tensor alive until it is sent
+        def take(msg):
+            buf, work = arriving.pop(msg)
+            work.wait()
             return buf
 
-        for kind, c, m in self.actions:
-            chunk = self.chunks[c]
-            x, y = micro_batches[m]
-            x, y = x.to(device), y.to(device)
-            if kind == "F":
-                if chunk.first:
-                    exchange()
-                    inp = x
-                else:
-                    inp = exchange(self._peer(c - 1), self._activation_shape(x)).requires_grad_()
-                started = time.perf_counter()
-                out = self._forward(chunk, inp, y)
-                self._record("F", c, m, started)
-                inputs[c, m], outputs[c, m] = inp, out
-                if chunk.last:
-                    loss_sum += out.detach()
-                else:
-                    pending = (out.detach().contiguous(), self._peer(c + 1))
-            else:
-                grad = exchange() if chunk.last else exchange(self._peer(c + 1), outputs[c, m].shape)
-                started = time.perf_counter()
-                with backward_scope(c, m == self.M - 1):
+        for step in self.steps:
+            if step.action is not None:
+                kind, c, m = step.action
+                chunk = self.chunks[c]
+                x, y = micro_batches[m]
+                if kind == "F":
+                    inp = x if chunk.first else take(("act", c, m)).requires_grad_()
+                    started = self.clock.mark()
+                    out = self._forward(chunk, inp, y)
+                    self._record("F", c, m, started)
+                    inputs[c, m], outputs[c, m] = inp, out
                     if chunk.last:
-                        (outputs[c, m] * scale).backward()
+                        loss_sum += out.detach()
                     else:
-                        outputs[c, m].backward(grad)
-                self._record("B", c, m, started)
-                inp = inputs.pop((c, m))
-                outputs.pop((c, m))
-                if not chunk.first:
-                    pending = (inp.grad.contiguous(), self._peer(c - 1))
-        exchange()
-        for work, _ in works:
+                        ready["act", c + 1, m] = out.detach().contiguous()
+                else:
+                    grad = None if chunk.last else take(("grad", c, m))
+                    started = self.clock.mark()
+                    with backward_scope(c, m == self.M - 1):
+                        if chunk.last:
+                            (outputs[c, m] * scale).backward()
+                        else:
+                            outputs[c, m].backward(grad)
+                    self._record("B", c, m, started)
+                    inp = inputs.pop((c, m))
+                    outputs.pop((c, m))
+                    if not chunk.first:
+                        ready["grad", c - 1, m] = inp.grad.contiguous()
+            sends = [(ready.pop(msg), self._peer(dst)) for dst, msg in step.sends]
+            recvs = [(torch.empty(self._activation_shape(micro_batches[msg[2]][0]), device=device,
+                                  dtype=self.wire_dtype), self._peer(src))
+                     for src, msg in step.recvs]
+            works = self.comm.exchange(sends, recvs)
+            for (_, msg), (buf, _), work in zip(step.recvs, recvs, works):
+                arriving[msg] = (buf, work)
+            sending += [(work, tensor) for (tensor, _), work in zip(sends, works[len(recvs):])]
+        for work, _ in sending:
             work.wait()
         return loss_sum
 
     def _record(self, kind, c, m, started):
-        now = time.perf_counter()
-        self.timeline.append((kind, c, m, started - self.step_started, now - self.step_started))
+        self.timeline.append((kind, c, m, started, self.clock.mark()))
 
     def step_stats(self, with_timeline=False):
         """Busy and idle time of every stage of this rank's pipeline in the last step
         (idle: time inside the schedule not spent computing -- waiting for a neighbour,
         the bubble), on every rank; with_timeline: also every stage's actions
         (kind, chunk, micro-batch, start ms, end ms). Then start the next step's record.
-        Not training traffic: uncounted."""
-        busy = sum(t1 - t0 for _, _, _, t0, t1 in self.timeline)
-        span = max((t1 for *_, t1 in self.timeline), default=0.0)
-        mine = torch.tensor([1000 * busy, 1000 * max(0.0, span - busy)], dtype=torch.float64)
-        every = [torch.empty_like(mine) for _ in range(self.P)]
-        dist.all_gather(every, mine, group=self.grid.pp_group)
-        stats = {}
-        for s, t in enumerate(every):
-            stats[f"pp_busy_ms_stage{s}"], stats[f"pp_idle_ms_stage{s}"] = t.tolist()
-        stats["pp_bubble"] = sum(t[1].item() / max(t.sum().item(), 1e-9) for t in every) / self.P
-        timelines = None
-        if with_timeline:
-            timelines = [None] * self.P
-            mine_actions = [(k, c, m, round(1000 * t0, 3), round(1000 * t1, 3))
-                            for k, c, m, t0, t1 in self.timeline]
-            dist.all_gather_object(timelines, mine_actions, group=self.grid.pp_group)
+        One all-gather of every stage's table of actions (each stage runs the same
+        number); not training traffic: uncounted."""
+        seconds = self.clock.seconds(self.step_started, [t for *_, t0, t1 in self.timeline
+                                                         for t in (t0, t1)])
+        # on the grid's device: an NCCL group has no CPU backend
+        mine = torch.tensor([[KINDS.index(k), c, m, 1000 * seconds[2 * i], 1000 * seconds[2 * i + 1]]
+                             for i, (k, c, m, _, _) in enumerate(self.timeline)],
+                            dtype=torch.float64, device=self.grid.device).reshape(-1, 5)
+        every = torch.empty(self.P * mine.numel(), dtype=mine.dtype, device=mine.device)
+        with self.comm.uncounted():
+            self.comm.all_gather(every, mine.view(-1), group=self.grid.pp_group)
+        every = every.view(self.P, -1, 5)
+        stats, timelines, bubble = {}, [], 0.0
+        for s, table in enumerate(every.tolist()):
+            busy = sum(t1 - t0 for *_, t0, t1 in table)
+            idle = max(0.0, max((t1 for *_, t1 in table), default=0.0) - busy)
+            stats[f"pp_busy_ms_stage{s}"], stats[f"pp_idle_ms_stage{s}"] = busy, idle
+            bubble += idle / max(busy + idle, 1e-9) / self.P
+            timelines.append([(KINDS[int(k)], int(c), int(m), round(t0, 3), round(t1, 3))
+                              for k, c, m, t0, t1 in table])
+        stats["pp_bubble"] = bubble
         self.timeline, self.step_started = [], None
-        return stats, timelines
+        return stats, (timelines if with_timeline else None)
 
     # ------------------------------------------------ loss and evaluation
 
@@ -206,7 +215,8 @@ class Pipeline:
         """Broadcast a scalar from the last stage to this rank's whole pipeline (not
         training traffic: uncounted)."""
         value = value.detach().clone().reshape(1)
-        dist.broadcast(value, src=self._peer(self.P - 1), group=self.grid.pp_group)
+        with self.comm.uncounted():
+            self.comm.broadcast(value, src=self._peer(self.P - 1), group=self.grid.pp_group)
         return value[0]
 
     @torch.no_grad()
@@ -223,12 +233,12 @@ class Pipeline:
                 chunk = self.chunks[c]
                 if not chunk.first:
                     act = torch.empty(self._activation_shape(x), device=device, dtype=self.wire_dtype)
-                    for w in self.comm.exchange(None, None, act, self._peer(c - 1)):
+                    for w in self.comm.exchange(recvs=[(act, self._peer(c - 1))]):
                         w.wait()
                 result = self._forward(chunk, x if chunk.first else act, y)
                 if chunk.last:
                     out = result
                 else:
-                    for w in self.comm.exchange(result.contiguous(), self._peer(c + 1), None, None):
+                    for w in self.comm.exchange(sends=[(result.contiguous(), self._peer(c + 1))]):
                         w.wait()
         return self.last_stage_value(out)

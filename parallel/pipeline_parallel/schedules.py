@@ -16,10 +16,10 @@ activations a rank holds at once:
   divides the bubble by V. Micro-batches go through in groups of P, so M must
   be a multiple of P (Megatron's rule; config.py refuses the rest).
 
-`simulate` executes all ranks' lists against each other (a rank blocks on a
-receive until the sender has run the action that produces it) and returns
-the order of every message, so tests can show a schedule never deadlocks and
-that each pair of ranks sends and receives messages in the same order.
+`messages` says what each action receives and sends; p2p_plan.py batches
+those sends and receives, and simulator.py runs every rank's plan against the
+others under gloo's and NCCL's rules, so tests can show a schedule never hangs
+and that each pair of ranks sends and receives messages in the same order.
 """
 
 
@@ -116,30 +116,3 @@ def messages(action, P, V):
         recv = [((c + 1) % P, ("grad", c, m))] if c < last else []
         send = [((c - 1) % P, ("grad", c - 1, m))] if c > 0 else []
     return recv, send
-
-
-def simulate(schedule, P, M, V=1):
-    """Run every rank's actions with blocking receives and non-blocking sends. Returns
-    {(src, dst): [message, ...] in send order} and the receive orders, or raises
-    RuntimeError naming the ranks stuck (a deadlock)."""
-    lists = [build(schedule, P, M, V, r) for r in range(P)]
-    pos, sent, received = [0] * P, {}, {}
-    delivered = set()
-    while any(pos[r] < len(lists[r]) for r in range(P)):
-        progressed = False
-        for r in range(P):
-            if pos[r] >= len(lists[r]):
-                continue
-            recv, send = messages(lists[r][pos[r]], P, V)
-            if all(msg in delivered for _, msg in recv):
-                for src, msg in recv:
-                    received.setdefault((src, r), []).append(msg)
-                for dst, msg in send:
-                    sent.setdefault((r, dst), []).append(msg)
-                    delivered.add(msg)
-                pos[r] += 1
-                progressed = True
-        if not progressed:
-            stuck = {r: lists[r][pos[r]] for r in range(P) if pos[r] < len(lists[r])}
-            raise RuntimeError(f"{schedule} P={P} M={M} V={V} deadlocks: waiting {stuck}")
-    return sent, received

@@ -1,0 +1,167 @@
+"""Device mistakes fail fast, on CPU, before a GPU ever sees them.
+
+- Every tensor constructor of the product's code (not tests/, not bench/) names
+  its device, except a short allow-list of host-only uses, each with its reason:
+  a tensor made without device= lands on the CPU, and an NCCL collective given
+  it crashes ("No backend type associated with device type cpu") -- or worse,
+  it silently runs a computation on the host.
+- Object collectives run on the grid's gloo group (host memory), never staged
+  on the GPU.
+- The counted comm (parallel/comm.py) refuses a tensor on another device than
+  the grid's with one clear message: handed a `meta` tensor where the grid
+  works on the CPU, and a CPU tensor where it works on `meta` (a CUDA tensor
+  cannot be made on this CPU-only build; the check compares devices, whichever).
+"""
+
+import ast
+import os
+
+import pytest
+import torch
+
+from harness import REPO
+
+# torch functions that create a tensor and take device=; *_like copy their argument's
+# device, and from_numpy / frombuffer wrap host memory (they take no device at all)
+CONSTRUCTORS = {"tensor", "as_tensor", "zeros", "ones", "empty", "full", "arange", "linspace",
+                "logspace", "eye", "rand", "randn", "randint", "randperm", "empty_strided"}
+
+HOST_ONLY = {  # a directory, a file, or "file:function" -> why its tensors stay on the host
+    "data/": "the data pipeline reads and orders windows on the host; the strategy moves "
+             "each micro-batch to the device",
+    "checkpoint/": "snapshots and exports are read and written through host memory",
+    "char_dataset.py": "the tokens and the windows cut from them live on the host",
+    "main.py:generate_text": "the final sample runs on a fresh CPU model after the process "
+                             "group is gone",
+    "parallel/grid.py:ProcessGrid.__init__": "rank arithmetic: which rank sits where",
+    "parallel/placement.py:_flat_index": "element positions; indexing moves them to the "
+                                         "indexed tensor's device",
+    "parallel/reference/torch_tp.py:head_major_rows": "a row permutation used as an index",
+    "parallel/context_parallel/ring_attention.py:zigzag_positions": "token positions, used as "
+                                                                    "an index on the batch's device",
+    "parallel/strategy.py:Strategy.state_dict": "the canonical state is assembled on the main "
+                                                "rank's host for the sample and the export",
+}
+
+
+def product_files():
+    for top, dirs, files in os.walk(REPO):
+        rel = os.path.relpath(top, REPO)
+        dirs[:] = sorted(d for d in dirs if not d.startswith((".", "__"))
+                         and not (rel == "." and d in ("tests", "bench", "docs"))
+                         and not os.path.exists(os.path.join(top, d, "pyvenv.cfg")))
+        for name in sorted(files):
+            if name.endswith(".py"):
+                yield os.path.normpath(os.path.join(rel, name)).replace(os.sep, "/")
+
+
+def constructors_without_device(path, root=REPO):
+    """[(line, "torch.<name>", enclosing "Class.function")] in one file."""
+    with open(os.path.join(root, path)) as f:
+        tree = ast.parse(f.read(), path)
+    found = []
+
+    def visit(node, scope):
+        for child in ast.iter_child_nodes(node):
+            if isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+                visit(child, scope + [child.name])
+                continue
+            func = getattr(child, "func", None)
+            if (isinstance(child, ast.Call) and isinstance(func, ast.Attribute)
+                    and func.attr in CONSTRUCTORS and isinstance(func.value, ast.Name)
+                    and func.value.id == "torch"
+                    and not any(k.arg == "device" for k in child.keywords)):
+                found.append((child.lineno, f"torch.{func.attr}", ".".join(scope)))
+            visit(child, scope)
+
+    visit(tree, [])
+    return found
+
+
+def allowed(path, scope):
+    """The HOST_ONLY entry covering a constructor in `scope` of `path`, or None."""
+    for entry in HOST_ONLY:
+        where, _, function = entry.partition(":")
+        if (path.startswith(where) if where.endswith("/") else path == where) and \
+                (not function or scope == function or scope.startswith(function + ".")):
+            return entry
+    return None
+
+
+def test_every_tensor_constructor_names_its_device_or_is_a_listed_host_only_use():
+    unlisted, used = [], set()
+    for path in product_files():
+        for line, call, scope in constructors_without_device(path):
+            entry = allowed(path, scope)
+            if entry is None:
+                unlisted.append(f"{path}:{line} {call} in {scope or 'module'}")
+            used.add(entry)
+    assert not unlisted, ("tensor constructors without device= (add device=grid.device, or a "
+                          "HOST_ONLY entry saying why the tensor stays on the host):\n  "
+                          + "\n  ".join(unlisted))
+    stale = set(HOST_ONLY) - used
+    assert not stale, f"HOST_ONLY entries that no longer cover anything: {sorted(stale)}"
+
+
+def test_the_scan_sees_a_constructor_without_device(tmp_path):
+    """The scanner itself: a missing device= is found, a present one is not."""
+    (tmp_path / "m.py").write_text("import torch\nclass A:\n    def f(self, d):\n"
+                                   "        a = torch.zeros(3)\n"
+                                   "        return torch.zeros(3, device=d), torch.zeros_like(a)\n")
+    assert constructors_without_device("m.py", str(tmp_path)) == [(4, "torch.zeros", "A.f")]
+
+
+OBJECT_COLLECTIVES = {"gather_object", "all_gather_object", "broadcast_object_list",
+                      "scatter_object_list", "send_object_list", "recv_object_list"}
+
+
+def test_object_collectives_run_on_the_host_group():
+    """Object collectives pickle into tensors on their group's device: over NCCL the
+    end-of-run gather staged world x the largest share on the GPU, beside the model
+    and optimizer state. Every one must name `group=<grid>.host_group` (gloo)."""
+    offending = []
+    for path in product_files():
+        with open(os.path.join(REPO, path)) as f:
+            tree = ast.parse(f.read(), path)
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Call) and getattr(node.func, "attr", None) in OBJECT_COLLECTIVES:
+                group = next((k.value for k in node.keywords if k.arg == "group"), None)
+                if not (isinstance(group, ast.Attribute) and group.attr == "host_group"):
+                    offending.append(f"{path}:{node.lineno} {node.func.attr}")
+    assert not offending, "object collectives off grid.host_group:\n  " + "\n  ".join(offending)
+
+
+@pytest.mark.parametrize("grid_device,tensor_device", [("cpu", "meta"), ("meta", "cpu")])
+def test_counted_comm_refuses_a_tensor_on_another_device_than_the_grids(grid_device, tensor_device):
+    """No process group is needed: the check runs before torch.distributed is called."""
+    from parallel.comm import CommCounter, WrongDevice
+    comm = CommCounter(torch.device(grid_device))
+    wrong = torch.zeros(2, 3, device=tensor_device)
+    right = torch.zeros(6, device=grid_device)
+    calls = {
+        "all_reduce": lambda: comm.all_reduce(wrong),
+        "broadcast": lambda: comm.broadcast(wrong, src=0),
+        "all_gather": lambda: comm.all_gather(right, wrong),
+        "reduce_scatter": lambda: comm.reduce_scatter(wrong.view(-1), right),
+        "send": lambda: comm.exchange(sends=[(wrong, 1)]),
+        "recv": lambda: comm.exchange(recvs=[(wrong, 1)]),
+    }
+    for kind, call in calls.items():
+        with pytest.raises(WrongDevice) as raised:
+            call()
+        message = str(raised.value)
+        assert message.startswith(f"{kind}:") and f"is on {tensor_device}" in message \
+            and f"work on {grid_device}" in message and "device=grid.device" in message, message
+    assert comm.pop()["comm_calls"] == 0  # nothing was counted either
+
+
+def test_each_rank_picks_its_gpu_or_says_why_it_cannot():
+    """torchrun: LOCAL_RANK indexes the node's GPUs; a launcher that shows each task one
+    GPU (srun --gpus-per-task=1): device 0 whatever LOCAL_RANK; more ranks than GPUs:
+    one line (NCCL would fail on two ranks sharing a GPU)."""
+    from errors import UserError
+    from main import cuda_index
+    assert [cuda_index(r, 8) for r in range(8)] == list(range(8))
+    assert [cuda_index(r, 1) for r in range(4)] == [0, 0, 0, 0]
+    with pytest.raises(UserError, match="LOCAL_RANK=5 but this task sees 4 CUDA devices"):
+        cuda_index(5, 4)
