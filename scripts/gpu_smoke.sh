@@ -47,6 +47,7 @@ MATRIX=(
   "pp2-1f1b|2|$RTOL|${PP[*]} parallel.pp_schedule=1f1b"
   "pp2-interleaved-v2|2|$RTOL|${PP[*]} parallel.pp_schedule=interleaved parallel.pp_virtual_stages=2"
   "ddp_bucket-bf16|2|$BF16_RTOL|parallel.dp=ddp_bucket trainer.precision=bf16"
+  "cp2|2|$RTOL|parallel.dp=ddp_bucket parallel.cp=2"
 )
 
 echo "gpu_smoke ($MODE): jobs under $OUT"
