@@ -144,8 +144,6 @@ CASES = {
              parallel=pp("interleaved", 2, 2), n_layer=4),
         Case("dp2cp2tp2-ddp_bucket-sp-accum2", "ddp_bucket", dp=2, cp=2, tp=2,
              parallel={"sequence_parallel": True}, vocab=65, accum=2),
-        Case("cp2pp2tp2-fsdp1-1f1b-m2", "fsdp", cp=2, pp=2, tp=2,
-             parallel=pp("1f1b", 2, zero_stage=1)),
     ],
 }
 

@@ -51,11 +51,13 @@ SLOW_FS = textwrap.dedent('''
     import fsspec
     from fsspec.implementations.local import LocalFileSystem
 
-    class _SlowWrites:
+    class _SlowWrites:  # the first write of a part file waits 2 s: the file stays open
         def __init__(self, f):
-            self.f = f
+            self.f, self.waited = f, False
         def write(self, data):
-            time.sleep(0.5)
+            if not self.waited:
+                time.sleep(2.0)
+                self.waited = True
             return self.f.write(data)
         def __getattr__(self, name):
             return getattr(self.f, name)

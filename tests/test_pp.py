@@ -166,7 +166,7 @@ def test_pipeline_stages_draw_their_own_dropout_masks(world):
 
 
 PURE_PP = [(world, case.name) for world in CASES for case in CASES[world]
-           if case.pp > 1 and case.dp == case.tp == 1]
+           if case.pp > 1 and case.dp == case.tp == case.cp == 1]
 
 
 @pytest.mark.parametrize("world,name", PURE_PP, ids=[n for _, n in PURE_PP])

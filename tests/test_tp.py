@@ -139,7 +139,7 @@ def test_torch_tp_reference_matches_single_and_resumes_into_ours(tmp_path):
 
 @pytest.mark.parametrize("nproc,overrides,needle", [
     (2, ["parallel.tp=2", "model.n_head=3", "model.n_embd=48"], "n_head=3 is not divisible"),
-    (2, ["parallel.tp=4", "model.n_head=4"], "not divisible by parallel.tp * parallel.pp"),
+    (2, ["parallel.tp=4", "model.n_head=4"], "not divisible by parallel.tp * parallel.cp * parallel.pp"),
     (2, ["parallel.tp=2", "parallel.sequence_parallel=true", "data.block_size=15"],
      "block_size=15 is not divisible"),
 ])
