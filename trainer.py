@@ -84,6 +84,7 @@ class Trainer:
         self.batches = GlobalBatches(len(train_set), self.t.batch_size, self.t.seed,
                                      cfg.data.sampler)
         self.step, self.wandb_id = 0, uuid.uuid4().hex[:12]
+        self.resumed_record = None  # the snapshot step's metrics record (restore())
         strategy.configure_compute(self.t)
         strategy.configure_optimizer(self.t)
         # model FLOPs utilisation where the device's peak is known (never on CPU: telemetry/mfu.py)
@@ -99,12 +100,13 @@ class Trainer:
         self.strategy.load_shards(reader)
         self.strategy.precision.load_state(reader.meta.get("precision"))  # the fp16 loss scale
         self.step, self.wandb_id = reader.meta["step"], reader.meta["wandb_id"]
+        self.resumed_record = reader.meta.get("metrics_record")
         if self.grid.is_main:
             print(f"resuming from snapshot {self.snapshot_path} at step {self.step}", flush=True)
 
     def open_metrics(self):
         self.metrics = MetricsLog(self.cfg, self.snapshot_meta["config"], self.grid.is_main,
-                                  self.step, self.wandb_id)
+                                  self.step, self.wandb_id, self.resumed_record)
 
     def _reseed(self, step):
         """Dropout etc. draw from streams fixed by (seed, step) and the rank's place in
@@ -153,10 +155,11 @@ class Trainer:
             if t.eval_every and (self.step % t.eval_every == 0 or last):
                 record["val_loss"] = self.evaluate()
             saved = (t.save_every and self.step % t.save_every == 0) or last
-            if saved:
-                record.update(self.save(final=last))
             logged = t.log_every and (self.step % t.log_every == 0 or last)
-            if logged or "val_loss" in record:
+            written = logged or "val_loss" in record
+            if saved:
+                record.update(self.save(final=last, record=record if written else None))
+            if written:
                 self.metrics.write(record, t.max_steps, console=bool(logged) or last)
             else:
                 self.metrics.progress(self.step, t.max_steps)
@@ -218,22 +221,30 @@ class Trainer:
         losses = [self.strategy.eval_loss(x, y) for x, y in micro]
         return sum(losses) / len(losses)
 
-    def save(self, final=False):
+    def save(self, final=False, record=None):
         """Collective: every rank writes the part of the state it owns: now, or (with
         trainer.snapshot_async, unless `final`) staged in host memory and written in the
-        background. Returns the figures for the step's metrics record."""
+        background. Returns the figures for the step's metrics record.
+
+        record: that metrics record as it stands; the snapshot carries it, because it is
+        written to metrics.jsonl only after the snapshot commits: a kill in between
+        would otherwise leave the step missing from metrics.jsonl (the resumed run starts
+        after it), and MetricsLog writes it back from here."""
         started = time.perf_counter()
         pieces = self.strategy.shard_pieces()
+        meta = self._snapshot_meta()
+        if record is not None:
+            meta["metrics_record"] = dict(record)
         if self.async_snapshots is None:
             save_sharded(self.snapshot_path, self.grid, self.step, pieces, keep=self.t.keep_snapshots,
-                         meta=self._snapshot_meta())
+                         meta=meta)
             return {"snapshot_ms": 1000 * (time.perf_counter() - started)}
         if final:  # the end, or a stop: what is in flight first, then this step, synchronously
             self.async_snapshots.drain()
             save_sharded(self.snapshot_path, self.grid, self.step, pieces, keep=self.t.keep_snapshots,
-                         meta=self._snapshot_meta())
+                         meta=meta)
         else:
-            self.async_snapshots.begin(self.step, pieces, self._snapshot_meta())
+            self.async_snapshots.begin(self.step, pieces, meta)
         return {"snapshot_ms": 1000 * (time.perf_counter() - started),
                 "snapshot_wait_ms": self.async_snapshots.last_wait_ms if not final else 0.0}
 

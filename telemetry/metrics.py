@@ -25,37 +25,48 @@ def peak_memory(device) -> dict:
 class MetricsLog:
     """metrics.jsonl, the console and wandb; active on the main rank only."""
 
-    def __init__(self, cfg, config_dict, active, resumed_step, wandb_id):
+    def __init__(self, cfg, config_dict, active, resumed_step, wandb_id, resumed_record=None):
+        """resumed_record: the metrics record the snapshot of resumed_step carries
+        (Trainer.save), written back if a kill came between the commit and its line."""
         self.active, self.run = active, None
         self.tty = active and sys.stdout.isatty()
         if not active:
             return
         os.makedirs(cfg.trainer.run_dir, exist_ok=True)
         self.path = os.path.join(cfg.trainer.run_dir, "metrics.jsonl")
-        self._keep_steps_up_to(resumed_step)  # a fresh run starts an empty file
+        restored = self._keep_steps_up_to(resumed_step, resumed_record)  # a fresh run starts empty
         if cfg.wandb.mode != "disabled":
             import wandb
             self.run = wandb.init(
                 project=cfg.wandb.project, id=wandb_id, resume="allow", mode=cfg.wandb.mode,
                 name=cfg.wandb.name or os.path.basename(os.path.normpath(cfg.trainer.run_dir)),
                 dir=cfg.trainer.run_dir, config=config_dict)
+            if restored is not None:
+                self.run.log(restored, step=restored["step"])
 
-    def _keep_steps_up_to(self, step):
+    def _keep_steps_up_to(self, step, snapshot_record=None):
         """Drop records past the snapshot (the resumed run writes those steps again) and
-        any line a crash left half-written; replace the file atomically."""
-        lines = []
+        any line a crash left half-written, add the snapshot step's own record if the file
+        lacks it (and return that record); replace the file atomically."""
+        lines, last = [], 0
         if os.path.exists(self.path):
             with open(self.path) as f:
                 for line in f:
                     try:
-                        if json.loads(line)["step"] <= step:
+                        logged = json.loads(line)["step"]
+                        if logged <= step:
                             lines.append(line if line.endswith("\n") else line + "\n")
+                            last = max(last, logged)
                     except (ValueError, KeyError, TypeError):
                         pass
+        restored = snapshot_record if snapshot_record is not None and last < step else None
+        if restored is not None:
+            lines.append(json.dumps(restored) + "\n")
         tmp = f"{self.path}.tmp"
         with open(tmp, "w") as f:
             f.writelines(lines)
         os.replace(tmp, self.path)
+        return restored
 
     def write(self, record, total_steps, console):
         if not self.active:
