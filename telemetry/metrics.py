@@ -47,9 +47,10 @@ class MetricsLog:
     def _keep_steps_up_to(self, step, snapshot_record=None):
         """Drop records past the snapshot (the resumed run writes those steps again) and
         any line a crash left half-written, add the snapshot step's own record if the file
-        lacks it (and return that record); replace the file atomically."""
-        lines, last = [], 0
-        if os.path.exists(self.path):
+        lacks it (and return that record; a new run directory starts after the snapshot,
+        without it); replace the file atomically."""
+        lines, last, continued = [], 0, os.path.exists(self.path)
+        if continued:  # this run directory's own run goes on (not a new one from a snapshot)
             with open(self.path) as f:
                 for line in f:
                     try:
@@ -59,7 +60,8 @@ class MetricsLog:
                             last = max(last, logged)
                     except (ValueError, KeyError, TypeError):
                         pass
-        restored = snapshot_record if snapshot_record is not None and last < step else None
+        restored = snapshot_record if continued and snapshot_record is not None and last < step \
+            else None
         if restored is not None:
             lines.append(json.dumps(restored) + "\n")
         tmp = f"{self.path}.tmp"
