@@ -17,7 +17,7 @@ class ParallelConfig:
     zero_stage: int = 3         # 1, 2 or 3, for dp=fsdp
     prefetch: bool = True       # fsdp stage 3 / torch_fsdp: all-gather the next unit while this one computes
     reshard_after_forward: bool = True  # fsdp stage 3 / torch_fsdp: free a unit after its forward
-    pp_schedule: str = "1f1b"   # gpipe | 1f1b | interleaved, for pp > 1
+    pp_schedule: str = "1f1b"   # gpipe | 1f1b | interleaved | zb1p | zbv, for pp > 1
     microbatches: int = 1       # pipeline micro-batches per (accumulation) step, for pp > 1
     pp_virtual_stages: int = 1  # model chunks per pipeline rank, for pp_schedule=interleaved
     pp_layers: List[int] = field(default_factory=list)  # blocks per chunk; [] = balanced

@@ -4,7 +4,7 @@ bad layout stops every rank with the same one line, and none waits in a collecti
 
 The rules live with their code: each dimension's folder says what it needs
 (`refuse` in tensor_parallel/apply.py, context_parallel/apply.py and
-pipeline_parallel/schedules.py),
+pipeline_parallel/schedules/),
 and each strategy what it composes with (`Strategy.refuse`); this file only
 asks them, in the order parallelize() applies the dimensions.
 """

@@ -314,9 +314,16 @@ class Strategy:
         return self.comm.pop()
 
     def state_bytes(self) -> int:
-        """Bytes of parameters + gradients + optimizer state resident on this rank,
-        measured at the end of the last optimizer step (before grads are freed)."""
-        return self.last_state_bytes
+        """Bytes of parameters + gradients + optimizer state resident on the fullest rank,
+        measured at the end of the last optimizer step (before grads are freed). The max
+        over every rank: shards, pipeline stages and TP ranks hold different amounts, and
+        the trainer logs rank 0's value, which should be the worst rank's. Not training
+        traffic: uncounted."""
+        value = torch.tensor([self.last_state_bytes], dtype=torch.int64, device=self.device)
+        if self.grid.world_size > 1:
+            with self.comm.uncounted():
+                self.comm.all_reduce(value, op=dist.ReduceOp.MAX)
+        return int(value.item())
 
     def dp_mean(self, value: torch.Tensor) -> float:
         """Average a scalar over the ranks that see different data, grid.grad_group

@@ -81,6 +81,14 @@ CASES = {
              clip=0.0),
         Case("pp2-uneven-5layers-1f1b-m4", pp=2, parallel=pp("1f1b", 4), n_layer=5),
         Case("pp2-layers41-gpipe-m2", pp=2, parallel=pp("gpipe", 2, pp_layers=[4, 1]), n_layer=5),
+        # zero bubble (split backward): M = P and 2P, accumulation, an uneven split
+        Case("pp2-zb1p-m2", pp=2, parallel=pp("zb1p", 2)),
+        Case("pp2-zb1p-m4-accum2-noclip", pp=2, parallel=pp("zb1p", 4), accum=2, clip=0.0),
+        Case("pp2-zb1p-m4-uneven-5layers-vocab65", pp=2, parallel=pp("zb1p", 4), n_layer=5, vocab=65),
+        Case("pp2-zbv-m2", pp=2, parallel=pp("zbv", 2), n_layer=4),
+        Case("pp2-zbv-m4-accum2", pp=2, parallel=pp("zbv", 4), n_layer=4, accum=2),
+        Case("pp2-zbv-m4-layers2111-noclip", pp=2, parallel=pp("zbv", 4, pp_layers=[2, 1, 1, 1]),
+             n_layer=5, clip=0.0),
         Case("cp2-ddp_bucket", "ddp_bucket", cp=2),
         Case("cp2-ddp_naive-accum2-vocab65-noclip", "ddp_naive", cp=2, vocab=65, accum=2, clip=0.0),
         Case("cp2-fsdp3", "fsdp", cp=2, parallel={"zero_stage": 3}),
@@ -121,6 +129,23 @@ CASES = {
         Case("tp2pp2-1f1b-m2", tp=2, pp=2, parallel=pp("1f1b", 2), vocab=65),
         Case("tp2pp2-sp-interleaved-v2-m2", tp=2, pp=2,
              parallel=pp("interleaved", 2, 2, sequence_parallel=True), n_layer=4),
+        Case("pp4-zb1p-m4", pp=4, parallel=pp("zb1p", 4), n_layer=4),
+        Case("pp4-zb1p-m8-noclip", pp=4, parallel=pp("zb1p", 8), n_layer=4, clip=0.0),
+        Case("pp4-zbv-m4", pp=4, parallel=pp("zbv", 4), n_layer=8),
+        Case("pp4-zbv-m8-vocab65", pp=4, parallel=pp("zbv", 8), n_layer=8, vocab=65),
+        Case("dp2pp2-ddp_bucket-tinycap-zb1p-m2", "ddp_bucket", dp=2, pp=2,
+             parallel=pp("zb1p", 2, bucket_cap_mb=0.01)),
+        Case("dp2pp2-ddp_bucket-tinycap-zbv-m4", "ddp_bucket", dp=2, pp=2,
+             parallel=pp("zbv", 4, bucket_cap_mb=0.01), n_layer=4),
+        Case("dp2pp2-fsdp1-zb1p-m2-accum2", "fsdp", dp=2, pp=2,
+             parallel=pp("zb1p", 2, zero_stage=1), accum=2),
+        Case("dp2pp2-fsdp1-zbv-m2", "fsdp", dp=2, pp=2, parallel=pp("zbv", 2, zero_stage=1), n_layer=4),
+        Case("dp2pp2-fsdp2-zb1p-m4-noclip", "fsdp", dp=2, pp=2,
+             parallel=pp("zb1p", 4, zero_stage=2), clip=0.0),
+        Case("dp2pp2-fsdp2-zbv-m2-accum2", "fsdp", dp=2, pp=2,
+             parallel=pp("zbv", 2, zero_stage=2), n_layer=4, accum=2),
+        Case("tp2pp2-sp-zb1p-m2", tp=2, pp=2, parallel=pp("zb1p", 2, sequence_parallel=True), vocab=65),
+        Case("tp2pp2-zbv-m4", tp=2, pp=2, parallel=pp("zbv", 4), n_layer=4, vocab=65),
         Case("cp4-ddp_bucket", "ddp_bucket", cp=4),
         Case("dp2cp2-ddp_bucket-ring-accum2", "ddp_bucket", dp=2, cp=2,
              parallel={"allreduce": "ring"}, accum=2),
@@ -142,6 +167,10 @@ CASES = {
              parallel=pp("gpipe", 4, zero_stage=2, sequence_parallel=True), clip=0.0),
         Case("dp2pp2tp2-ddp_naive-interleaved-v2-m2", "ddp_naive", dp=2, pp=2, tp=2,
              parallel=pp("interleaved", 2, 2), n_layer=4),
+        Case("dp2pp2tp2-ddp_bucket-zb1p-m2-accum2", "ddp_bucket", dp=2, pp=2, tp=2,
+             parallel=pp("zb1p", 2), vocab=65, accum=2),
+        Case("dp2pp2tp2-fsdp2-sp-zbv-m4-noclip", "fsdp", dp=2, pp=2, tp=2,
+             parallel=pp("zbv", 4, zero_stage=2, sequence_parallel=True), n_layer=4, clip=0.0),
         Case("dp2cp2tp2-ddp_bucket-sp-accum2", "ddp_bucket", dp=2, cp=2, tp=2,
              parallel={"sequence_parallel": True}, vocab=65, accum=2),
     ],
@@ -320,9 +349,11 @@ def main():
     dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=60))
     world = dist.get_world_size()
     result = {"cases": {}, "random": {}}
+    only = os.environ.get("LAYOUT_ONLY")  # debugging aid: cases whose name contains it
     for case in CASES[world]:
-        result["cases"][case.name] = check_case(case)
-    if world in (2, 4):  # the random streams of a TP group of all ranks
+        if not only or only in case.name:
+            result["cases"][case.name] = check_case(case)
+    if world in (2, 4) and not only:  # the random streams of a TP group of all ranks
         for sp in (False, True):
             result["random"][f"sp={sp}"] = check_random_streams(sp)
         result["random"]["pp"] = check_pipeline_streams()

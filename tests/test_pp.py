@@ -32,7 +32,8 @@ from parallel.pipeline_parallel import simulator as pp_simulator
 
 # ---------------------------------------------------------------- schedules, in process
 
-SCHEDULES = [("gpipe", 1), ("1f1b", 1), ("interleaved", 1), ("interleaved", 2), ("interleaved", 3)]
+SCHEDULES = [("gpipe", 1), ("1f1b", 1), ("interleaved", 1), ("interleaved", 2), ("interleaved", 3),
+             ("zb1p", 1), ("zbv", 2)]
 
 
 @pytest.mark.parametrize("schedule,V", SCHEDULES, ids=[f"{s}-v{v}" for s, v in SCHEDULES])
@@ -43,14 +44,17 @@ def test_schedule_never_deadlocks_and_pairs_messages_in_order(schedule, V):
                 continue  # refused by config.py
             sent, received = pp_simulator.simulate(schedule, P, M, V)  # raises on deadlock
             assert sent == received, f"{schedule} P={P} M={M} V={V}: a pair's order differs"
+            ranks = pp_schedules.chunk_ranks(schedule, P, V)
+            kinds = "FBW" if pp_schedules.SCHEDULES[schedule].split_backward else "FB"
             for rank in range(P):
                 actions = pp_schedules.build(schedule, P, M, V, rank)
-                chunks = [c for c in range(P * V) if c % P == rank]
-                assert sorted(actions) == sorted((k, c, m) for k in "FB" for c in chunks
+                chunks = [c for c in range(P * V) if ranks[c] == rank]
+                assert sorted(actions) == sorted((k, c, m) for k in kinds for c in chunks
                                                  for m in range(M))
 
 
-NCCL_SCHEDULES = [(s, v) for s in pp_schedules.SCHEDULES for v in ((1, 2, 3, 4) if s == "interleaved" else (1,))]
+NCCL_SCHEDULES = [(s, v) for s in pp_schedules.SCHEDULES
+                  for v in {"interleaved": (1, 2, 3, 4), "zbv": (2,)}.get(s, (1,))]
 
 
 @pytest.mark.parametrize("schedule,V", NCCL_SCHEDULES, ids=[f"{s}-v{v}" for s, v in NCCL_SCHEDULES])
@@ -69,15 +73,18 @@ def test_executor_batching_never_hangs_under_nccl_rules(schedule, V):
 def refused(schedule, P, M, V):
     """What config.py refuses (pipeline_parallel/schedules.refuse), for P*V layers."""
     cfg = SimpleNamespace(model=SimpleNamespace(n_layer=P * V), parallel=SimpleNamespace(
-        microbatches=M, pp_virtual_stages=V, pp_schedule=schedule, pp_layers=[]))
+        microbatches=M, pp_virtual_stages=V, pp_schedule=schedule, pp_layers=[]),
+        trainer=SimpleNamespace(activation_checkpointing=False))
     return bool(pp_schedules.refuse(cfg, {"pp": P}))
 
 
 def in_flight(actions):
-    """The most micro-batches a rank holds activations of (forwarded, not yet backwarded)."""
+    """The most chunk micro-batches a rank holds activations of: from F to the end of
+    their backward (B, or W where the backward is split: W needs the graph)."""
+    split = any(kind == "W" for kind, _, _ in actions)
     live = peak = 0
     for kind, _, _ in actions:
-        live += 1 if kind == "F" else -1
+        live += {"F": 1, "B": 0 if split else -1, "W": -1}[kind]
         peak = max(peak, live)
     return peak
 
@@ -88,6 +95,26 @@ def test_1f1b_holds_at_most_P_minus_rank_micro_batches_and_gpipe_holds_M():
             for rank in range(P):
                 assert in_flight(pp_schedules.one_f_one_b(P, M, rank)) == min(P - rank, M)
                 assert in_flight(pp_schedules.gpipe(P, M, rank)) == M
+
+
+def test_zero_bubble_schedules_hold_at_most_P_micro_batches_and_cut_the_bubble():
+    """ZB-H1 and ZB-V hold 1F1B's stage-0 memory on every rank (P whole-stage micro-batches;
+    zbv's chunks are half a stage), and in the textbook's unit-time model (F = B = W)
+    ZB-H1's step is 3M + P - 1 long against 1F1B's 3M + 3(P - 1): a third of the bubble;
+    ZB-V's is shorter still once M >= 2P."""
+    for P in range(2, 5):
+        for M in range(1, 13):
+            for rank in range(P):
+                assert in_flight(pp_schedules.zb1p(P, M, rank)) <= min(P, M)
+                assert in_flight(pp_schedules.zbv(P, M, rank)) <= min(2 * P, 2 * M)
+            one_f_one_b, _ = pp_simulator.unit_time("1f1b", P, M)
+            zb1p, _ = pp_simulator.unit_time("zb1p", P, M)
+            zbv, _ = pp_simulator.unit_time("zbv", P, M, 2)
+            assert one_f_one_b == 3 * M + 3 * (P - 1)
+            if M >= P:
+                assert zb1p == 3 * M + P - 1, (P, M, zb1p)
+            if M >= 2 * P:
+                assert zbv / 2 < zb1p, (P, M, zbv, zb1p)  # half-size chunks: units of half a stage
 
 
 def test_balanced_and_explicit_splits():
@@ -152,8 +179,11 @@ def test_pp_layout_matches_single_process(world, name):
     print(f"{name}: loss {r['loss_rel_diff']:.3g}, grad norm {r['norm_rel_diff']:.3g}, "
           f"final parameters {r['param_max_abs_diff']:.3g}")
     assert_layout_matches(r)
-    assert r["tied_equal"] and all(r["tied_equal"]), \
-        f"the first and last stage's copies of the tied embedding differ: {r['tied_equal']}"
+    if r["parallel"]["pp_schedule"] == "zbv":  # both ends on rank 0: one parameter, no copy
+        assert not any(r["tied_equal"]), r["tied_equal"]
+    else:
+        assert r["tied_equal"] and all(r["tied_equal"]), \
+            f"the first and last stage's copies of the tied embedding differ: {r['tied_equal']}"
 
 
 @pytest.mark.parametrize("world", [2, 4])
@@ -173,13 +203,17 @@ PURE_PP = [(world, case.name) for world in CASES for case in CASES[world]
 def test_pure_pp_sends_each_activation_and_gradient_once(world, name):
     """Rank 0 (stage 0) per step: an activation forward from each of its V chunks and a
     gradient back from each but chunk 0, per micro-batch; one all-reduce of the tied
-    embedding's gradient with the last stage; one scalar for the gradient norm."""
+    embedding's gradient with the last stage; one scalar for the gradient norm. Under
+    zbv rank 0 holds the first and the last chunk: one activation out (chunk 0) and one
+    in (the last chunk's input), one gradient each way, and the tie needs no collective."""
     r = layout_worker_result(world)["cases"][name]
     V, M, accum = r["parallel"].get("pp_virtual_stages", 1), r["parallel"]["microbatches"], r["accum"]
-    crossings = 2 * V - 1
+    zbv = r["parallel"]["pp_schedule"] == "zbv"
+    crossings = 2 if zbv else 2 * V - 1
     expected = {"comm_send_calls": accum * M * crossings, "comm_recv_calls": accum * M * crossings,
                 "comm_send_bytes": crossings * BATCH * BLOCK * N_EMBD * 4,
-                "comm_all_reduce_calls": 2, "comm_all_reduce_bytes": 4 * r["vocab"] * N_EMBD + 4}
+                "comm_all_reduce_calls": 1 if zbv else 2,
+                "comm_all_reduce_bytes": 4 if zbv else 4 * r["vocab"] * N_EMBD + 4}
     for step, got in enumerate(r["comm"]):
         assert {k: got.get(k) for k in expected} == expected, f"step {step}: {got}"
 
@@ -194,13 +228,11 @@ def single4(tmp_path_factory):
     return run_metrics(tmp_path_factory.mktemp("single"), 1, ["parallel.dp=single"] + FOUR)
 
 
-@pytest.mark.parametrize("schedule,extra", [
-    ("gpipe", ["parallel.microbatches=4"]),
-    ("1f1b", ["parallel.microbatches=3"]),
-    ("interleaved", ["parallel.microbatches=2", "parallel.pp_virtual_stages=2"]),
-])
+@pytest.mark.parametrize("schedule,M,V", [
+    ("gpipe", 4, 1), ("1f1b", 3, 1), ("interleaved", 2, 2), ("zb1p", 4, 1), ("zbv", 4, 2)])
 def test_schedule_through_main_matches_single_with_validation_and_bubble(
-        tmp_path, single4, schedule, extra):
+        tmp_path, single4, schedule, M, V):
+    extra = [f"parallel.microbatches={M}"] + (["parallel.pp_virtual_stages=2"] if V > 1 else [])
     got = run_metrics(tmp_path, 2, ["parallel.dp=single", "parallel.pp=2",
                                     f"parallel.pp_schedule={schedule}"] + extra + FOUR)
     assert_parity(single4, got)
@@ -214,8 +246,6 @@ def test_schedule_through_main_matches_single_with_validation_and_bubble(
     run_dir = next(tmp_path.glob("job-*")) / "runs" / "default"
     with open(run_dir / "pipeline_timeline.json") as f:
         timeline = json.load(f)
-    M = int(extra[0].split("=")[1])
-    V = int(extra[1].split("=")[1]) if len(extra) > 1 else 1
     for stage, actions in enumerate(timeline["stages"]):
         # the executor ran exactly the schedule's order, one action after another
         assert [tuple(a[:3]) for a in actions] == pp_schedules.build(schedule, 2, M, V, stage)
@@ -243,6 +273,27 @@ def test_1f1b_holds_fewer_activations_than_gpipe(tmp_path):
     assert peak["1f1b"] < 0.5 * peak["gpipe"]
 
 
+def test_state_bytes_is_the_fullest_stage_s(tmp_path):
+    """metrics.jsonl's state_bytes (parameters, gradients, AdamW state: 16 bytes a
+    parameter in fp32) is the fullest rank's: with 1 block on stage 0 and 3 on stage 1,
+    stage 1's, which rank 0 (stage 0) does not hold."""
+    from model import GPT, GPTConfig
+    got = run_metrics(tmp_path, 2, ["parallel.dp=single", "parallel.pp=2", "model.n_layer=4",
+                                    "parallel.pp_layers=[1,3]", "trainer.max_steps=2"])
+    from checkpoint.snapshot import open_snapshot
+    snapshot = next(tmp_path.glob("job-*")) / "runs" / "default" / "snapshot"
+    gpt = GPT(GPTConfig(**open_snapshot(str(snapshot)).meta["gpt_config"]))
+    sizes = {n: p.numel() for n, p in gpt.named_parameters()}
+    blocks = lambda ids: sum(v for n, v in sizes.items() if any(n.startswith(f"transformer.h.{i}.")
+                                                                 for i in ids))
+    wte, wpe = sizes["transformer.wte.weight"], sizes["transformer.wpe.weight"]
+    ln_f = sizes["transformer.ln_f.weight"] + sizes["transformer.ln_f.bias"]
+    stage0, stage1 = wte + wpe + blocks([0]), wte + ln_f + blocks([1, 2, 3])
+    state = got[-1]["state_bytes"]
+    print(f"state_bytes {state}: stage 0 ~{16 * stage0}, stage 1 ~{16 * stage1}")
+    assert abs(state / (16 * stage1) - 1) < 0.01, (state, 16 * stage0, 16 * stage1)
+
+
 MB2 = ["parallel.microbatches=2"]
 LAYOUTS = {
     "single": (1, ["parallel.dp=single"]),
@@ -268,6 +319,37 @@ def test_resume_across_pipeline_layouts(tmp_path, uninterrupted, saved_under, re
     assert_parity(uninterrupted[3:], resumed)
 
 
+ZB = ["parallel.pp=2", "parallel.microbatches=2"]
+LAYOUTS4 = {  # 4 layers: zbv's two chunks per rank need P * 2 of them
+    "single": (1, ["parallel.dp=single"]),
+    "zbv-pp2": (2, ["parallel.dp=single", "parallel.pp_schedule=zbv"] + ZB),
+    "zb1p-dp2pp2": (4, ["parallel.dp=ddp_bucket", "parallel.pp_schedule=zb1p"] + ZB),
+    "1f1b-pp2": (2, ["parallel.dp=single", "parallel.pp_schedule=1f1b"] + ZB),
+    "torch_pp-pp2": (2, ["parallel.pp_impl=torch", "parallel.pp_schedule=1f1b"] + ZB),
+    "torch_tp-tp2": (2, ["parallel.tp_impl=torch", "parallel.tp=2"]),
+}
+
+
+@pytest.fixture(scope="module")
+def uninterrupted4(tmp_path_factory):
+    return run_metrics(tmp_path_factory.mktemp("ref4"), 1, LAYOUTS4["single"][1] + CONSTANT
+                       + ["model.n_layer=4", "trainer.max_steps=6"])
+
+
+@pytest.mark.parametrize("saved_under,resumed_under", [
+    ("zbv-pp2", "single"), ("zb1p-dp2pp2", "1f1b-pp2"),
+    ("torch_pp-pp2", "torch_pp-pp2"), ("torch_tp-tp2", "torch_tp-tp2")])
+def test_resume_from_zero_bubble_and_torch_references(tmp_path, uninterrupted4, saved_under,
+                                                      resumed_under):
+    """A zero-bubble run's snapshot (the split backward's W ran before it was taken)
+    resumes under another layout and schedule; PyTorch's pipelining and DTensor TP
+    references save and load their AdamW state like our own strategies (constant lr:
+    a lost optimizer state would change every resumed step)."""
+    resumed = save_then_resume(tmp_path, LAYOUTS4[saved_under], LAYOUTS4[resumed_under],
+                               CONSTANT + ["model.n_layer=4"])
+    assert_parity(uninterrupted4[3:], resumed)
+
+
 def test_pp_snapshot_samples_like_the_run_that_wrote_it(tmp_path):
     sample = ["sample.length=60", "sample.seed=5"]
     train = run_job(tmp_path, 2, LAYOUTS["pp2"][1] + ["trainer.max_steps=3"] + sample)
@@ -284,6 +366,11 @@ def test_pp_snapshot_samples_like_the_run_that_wrote_it(tmp_path):
     (2, ["parallel.pp=2", "parallel.dp=fsdp", "parallel.zero_stage=3"], "zero_stage=3 with parallel.pp"),
     (2, ["parallel.pp=2", "model.n_layer=1"], "more stages than layers"),
     (2, ["parallel.pp=2", "parallel.pp_layers=[2,1]"], "pp_layers"),
+    (2, ["parallel.pp=2", "parallel.pp_schedule=zbv", "parallel.pp_virtual_stages=3",
+         "model.n_layer=6"], "zbv always runs 2 chunks per rank"),
+    (2, ["parallel.pp=2", "parallel.pp_schedule=zbv"], "more stages than layers"),
+    (2, ["parallel.pp=2", "parallel.pp_schedule=zb1p", "trainer.activation_checkpointing=true"],
+     "use one of them"),
     (4, ["parallel.pp=2", "parallel.allreduce=ring", "trainer.device=cuda"], "refused on CUDA"),
 ])
 def test_bad_pipeline_layout_stops_every_rank_with_one_line(tmp_path, nproc, overrides, needle):

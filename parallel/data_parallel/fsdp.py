@@ -182,8 +182,18 @@ class FSDP(Strategy):
         """{pipeline chunk (None without a pipeline): the units its backward touches}."""
         if self.pipeline is None:
             return {None: self.units}
-        return {c: [u for u in self.units if any(n.startswith(p) for n in u.names for p in prefixes)]
-                for c, prefixes in self.pipeline.chunk_units().items()}
+        per_chunk = {c: [u for u in self.units if any(n.startswith(p) for n in u.names for p in prefixes)]
+                     for c, prefixes in self.pipeline.chunk_units().items()}
+        if self.stage == 1:
+            # stage 1 reduce-scatters a unit's step gradient once, into a shard that is a
+            # view of that gradient: a unit two chunks of this rank share (zbv's rank 0:
+            # the embedding and the LM head's) is reduced in the scope of the chunk whose
+            # backward ends last, when all of its gradient is in
+            order = self.pipeline.chunks_by_last_backward()
+            for c in per_chunk:
+                later = order[order.index(c) + 1:]
+                per_chunk[c] = [u for u in per_chunk[c] if not any(u in per_chunk[d] for d in later)]
+        return per_chunk
 
     @contextmanager
     def backward_scope(self, chunk, last):
@@ -214,15 +224,6 @@ class FSDP(Strategy):
         self.last_state_bytes = opt + sum(u.resident_bytes() for u in self.units)
         for u in self.units:
             u.zero_grads()
-
-    def state_bytes(self):
-        """Max over the shards (not training traffic, so not counted): the
-        trainer logs rank 0's value, and it should be the worst rank's."""
-        value = torch.tensor([self.last_state_bytes], dtype=torch.int64, device=self.device)
-        if self.grid.grad_size > 1:
-            with self.comm.uncounted():
-                self.comm.all_reduce(value, group=self.grid.grad_group, op=dist.ReduceOp.MAX)
-        return int(value.item())
 
     # ------------------------------------------------ what this rank holds, canonically
 

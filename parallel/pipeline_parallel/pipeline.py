@@ -1,7 +1,7 @@
 """`parallel.pp=P`: pipeline parallelism, applied to the GPT from outside.
 
 `Pipeline` cuts the model in place, so this rank keeps only its chunks: the
-transformer blocks of each chunk it runs (pipeline_parallel/schedules.py says which
+transformer blocks of each chunk it runs (pipeline_parallel/schedules/ says which
 chunk runs where, and balances blocks, or follows `parallel.pp_layers`), the
 token and position embeddings if it runs the first chunk, the final LayerNorm
 and LM head if it runs the last (the model plan, parallel/model_plan.py,
@@ -34,11 +34,12 @@ from parallel import model_plan as plan
 from parallel.grid import DIMS
 from parallel.pipeline_parallel import p2p_plan
 from parallel.pipeline_parallel.clock import DeviceClock
-from parallel.pipeline_parallel.schedules import chunk_blocks
+from parallel.pipeline_parallel.schedules import SCHEDULES, chunk_blocks, chunk_ranks, virtual_stages
+from parallel.pipeline_parallel.split_backward import backward_input, backward_weight
 from parallel.precision import Precision
 
 
-KINDS = ("F", "B")  # an action's kind, as a number in step_stats' table
+KINDS = ("F", "B", "W")  # an action's kind, as a number in step_stats' table
 
 
 @dataclass
@@ -56,23 +57,39 @@ class Pipeline:
         self.grid, self.comm, self.model = grid, comm, model
         # under sequence parallelism the activations between stages are sequence shards
         self.seq_shards = grid.tp_size if cfg.sequence_parallel else 1
-        P, V = grid.pp_size, cfg.pp_virtual_stages
+        P, V = grid.pp_size, virtual_stages(cfg.pp_schedule, cfg.pp_virtual_stages)
         self.P, self.V, self.M, self.schedule = P, V, cfg.microbatches, cfg.pp_schedule
+        self.split = SCHEDULES[cfg.pp_schedule].split_backward  # B and W apart (zero bubble)
+        self.ranks = chunk_ranks(cfg.pp_schedule, P, V)  # the pipeline rank of each chunk
         layout = chunk_blocks(model.config.n_layer, P * V, cfg.pp_layers)
         self.chunks = {c: Chunk(c, layout[c], c == 0, c == P * V - 1)
-                       for c in range(P * V) if c % P == grid.pp_rank}
+                       for c in range(P * V) if self.ranks[c] == grid.pp_rank}
         self.has_first = any(ch.first for ch in self.chunks.values())
         self.has_last = any(ch.last for ch in self.chunks.values())
         plan.keep_for_stage(model, [i for ch in self.chunks.values() for i in ch.blocks],
                             self.has_first, self.has_last)
         self.blocks = dict(plan.blocks(model))  # canonical index -> block
-        names = {n for n, _ in model.named_parameters()}
-        self.placements = {n: pl for n, pl in placements.items() if n in names}
-        if P > 1 and plan.TIED in self.placements:
+        named = dict(model.named_parameters())  # the tied weight once
+        self.placements = {n: pl for n, pl in placements.items() if n in named}
+        # both ends of the tie on one rank (zbv): one parameter, as on a single device
+        self.tie_across_ranks = P > 1 and self.ranks[0] != self.ranks[-1]
+        if self.tie_across_ranks and plan.TIED in self.placements:
             self.placements[plan.TIED] = replace(self.placements[plan.TIED],
                                                  tied="first" if self.has_first else "last")
+        # each chunk's parameters, for its W (the tied weight in both end chunks)
+        self.chunk_params = {c: [p for n, p in named.items()
+                                 if n.startswith(tuple(plan.chunk_prefixes(ch.blocks, ch.first, ch.last)))]
+                             for c, ch in self.chunks.items()}
+        # zbv's rank 0 runs the LM head's W and later the embedding's: the tied weight's
+        # gradient hooks must fire only once all of its step's gradient is in, so the
+        # head's part is added without them (split_backward.backward_weight's `quiet`)
+        self.quiet = {}
+        if self.split and self.has_first and self.has_last and plan.TIED in named:
+            self.quiet = {c: [named[plan.TIED]] for c, ch in self.chunks.items() if ch.last}
         # when each send and receive is posted: p2p_plan.py, the batching the simulator checks
         self.steps = p2p_plan.plan(self.schedule, P, self.M, V)[grid.pp_rank]
+        if self.quiet:
+            self._check_tied_order()
         # each action's start and end on the device's timeline (CUDA events on CUDA)
         self.clock = DeviceClock(grid.device)
         self.timeline, self.step_started = [], None
@@ -85,10 +102,10 @@ class Pipeline:
         self.wire_dtype = next(model.parameters()).dtype
         # the two ranks (first and last stage) holding the tied embedding, one pair for
         # each pipeline of the grid (every rank passes every pair, in the same order)
-        if P > 1:
+        if self.tie_across_ranks:
             axis = grid.ranks.dim() - 1  # pp moved last: pairs (first, last) of each pipeline
-            ends = grid.ranks.movedim(DIMS.index("pp"), axis)[..., [0, P - 1]].reshape(-1, 2)
-            self.embedding_group = grid.group_of_lines(ends.tolist())
+            ends = grid.ranks.movedim(DIMS.index("pp"), axis)[..., [self.ranks[0], self.ranks[-1]]]
+            self.embedding_group = grid.group_of_lines(ends.reshape(-1, 2).tolist())
         else:
             self.embedding_group = None
 
@@ -98,10 +115,17 @@ class Pipeline:
 
     # ------------------------------------------------ one chunk's compute
 
-    def _forward(self, chunk, x, y):
+    def _forward(self, chunk, x, y, seam=None):
+        """The chunk's output (its loss on the last chunk). seam: a list that, on the first
+        chunk, receives (embedding output, the leaf the blocks start from): the split
+        backward's B stops at that leaf, and W runs the embedding's backward after the
+        blocks' weights (split_backward.py needs an input to split at)."""
         with self.precision.autocast():
             if chunk.first:
                 x = self.model.embed(x)
+                if seam is not None:
+                    embedded, x = x, x.detach().requires_grad_()
+                    seam += [embedded, x]
             for i in chunk.blocks:
                 x = self.blocks[i](x)
             if chunk.last:
@@ -121,50 +145,71 @@ class Pipeline:
         """One pass of the schedule over len(micro_batches) == M micro-batches (on the
         device already: Strategy.to_device, once per step). Returns
         the sum of the micro-batches' losses on the last stage (else 0).
-        backward_scope(chunk, last) wraps each backward: `last` is the chunk's last
-        backward of this pass (data-parallel sync hooks key on it)."""
+        backward_scope(chunk, last) wraps each backward that accumulates into .grad (B,
+        or W under a split schedule): `last` is the chunk's last of this pass
+        (data-parallel sync hooks key on it)."""
         device = next(self.model.parameters()).device
         inputs, outputs = {}, {}
+        seams = {}     # (chunk, micro-batch) -> (embedding output, blocks' input): split, first chunk
+        deferred = {}  # (chunk, micro-batch) -> what its W needs (split_backward.py)
         ready = {}     # message -> tensor computed here, until its step sends it
         arriving = {}  # message -> (receive buffer, work to wait on before using it)
+        local = {}     # message -> tensor from another chunk of this rank (zbv)
         sending = []   # (work, tensor): each tensor kept alive until its send is done
         loss_sum = torch.zeros((), device=device)
         if self.step_started is None:
             self.step_started = self.clock.mark()
 
         def take(msg):
+            if msg in local:
+                return local.pop(msg)
             buf, work = arriving.pop(msg)
             work.wait()
             return buf
+
+        def hand_over(msg, chunk, tensor):
+            """Give a result to the rank of `chunk`: in memory if it is this one."""
+            (local if chunk in self.chunks else ready)[msg] = tensor
 
         for step in self.steps:
             if step.action is not None:
                 kind, c, m = step.action
                 chunk = self.chunks[c]
                 x, y = micro_batches[m]
+                started = self.clock.mark()
                 if kind == "F":
                     inp = x if chunk.first else take(("act", c, m)).requires_grad_()
                     started = self.clock.mark()
-                    out = self._forward(chunk, inp, y)
-                    self._record("F", c, m, started)
+                    seam = [] if self.split and chunk.first else None
+                    out = self._forward(chunk, inp, y, seam)
+                    if seam:
+                        seams[c, m] = seam[0]
+                        inp = seam[1]
                     inputs[c, m], outputs[c, m] = inp, out
                     if chunk.last:
                         loss_sum += out.detach()
                     else:
-                        ready["act", c + 1, m] = out.detach().contiguous()
-                else:
+                        hand_over(("act", c + 1, m), c + 1, out.detach().contiguous())
+                elif kind == "B":
                     grad = None if chunk.last else take(("grad", c, m))
                     started = self.clock.mark()
-                    with backward_scope(c, m == self.M - 1):
-                        if chunk.last:
-                            (outputs[c, m] * scale).backward()
-                        else:
-                            outputs[c, m].backward(grad)
-                    self._record("B", c, m, started)
-                    inp = inputs.pop((c, m))
-                    outputs.pop((c, m))
+                    out, inp = outputs.pop((c, m)), inputs.pop((c, m))
+                    if chunk.last:
+                        out = out * scale
+                    if self.split:  # the input's gradient now, the weights' at this chunk's W
+                        inp_grad, deferred[c, m] = backward_input(out, grad, inp, self.chunk_params[c])
+                        if chunk.first:
+                            deferred[c, m].then = (seams.pop((c, m)), inp_grad)
+                    else:
+                        with backward_scope(c, m == self.M - 1):
+                            out.backward(grad)
+                        inp_grad = None if chunk.first else inp.grad
                     if not chunk.first:
-                        ready["grad", c - 1, m] = inp.grad.contiguous()
+                        hand_over(("grad", c - 1, m), c - 1, inp_grad.contiguous())
+                else:  # W
+                    with backward_scope(c, m == self.M - 1):
+                        backward_weight(deferred.pop((c, m)), quiet=self.quiet.get(c, ()))
+                self._record(kind, c, m, started)
             sends = [(ready.pop(msg), self._peer(dst)) for dst, msg in step.sends]
             recvs = [(torch.empty(self._activation_shape(micro_batches[msg[2]][0]), device=device,
                                   dtype=self.wire_dtype), self._peer(src))
@@ -175,7 +220,27 @@ class Pipeline:
             sending += [(work, tensor) for (tensor, _), work in zip(sends, works[len(recvs):])]
         for work, _ in sending:
             work.wait()
+        assert not deferred, f"W never ran for {sorted(deferred)}"  # a schedule without them
         return loss_sum
+
+    def chunks_by_last_backward(self):
+        """This rank's chunks in the order their last gradient-accumulating action of a
+        pass runs (B, or W under a split schedule)."""
+        kind = "W" if self.split else "B"
+        last = {st.action[1]: i for i, st in enumerate(self.steps)
+                if st.action and st.action[0] == kind}
+        return sorted(last, key=last.get)
+
+    def _check_tied_order(self):
+        """zbv, rank 0: the embedding chunk's last W must come after the LM head's (see
+        self.quiet): the tied weight's hooks then fire with all of its gradient in."""
+        order = self.chunks_by_last_backward()
+        first = next(c for c, ch in self.chunks.items() if ch.first)
+        head = next(c for c, ch in self.chunks.items() if ch.last)
+        if order.index(first) < order.index(head):
+            raise RuntimeError(f"pipeline schedule {self.schedule}: the embedding chunk's last W "
+                               "runs before the LM head's; the tied weight's gradient would be "
+                               "synced before it is complete")
 
     def _record(self, kind, c, m, started):
         self.timeline.append((kind, c, m, started, self.clock.mark()))
@@ -216,7 +281,7 @@ class Pipeline:
         training traffic: uncounted)."""
         value = value.detach().clone().reshape(1)
         with self.comm.uncounted():
-            self.comm.broadcast(value, src=self._peer(self.P - 1), group=self.grid.pp_group)
+            self.comm.broadcast(value, src=self._peer(self.ranks[-1]), group=self.grid.pp_group)
         return value[0]
 
     @torch.no_grad()
@@ -231,14 +296,16 @@ class Pipeline:
                 if c not in self.chunks:
                     continue
                 chunk = self.chunks[c]
-                if not chunk.first:
+                if not chunk.first and c - 1 not in self.chunks:  # else `act` is still here
                     act = torch.empty(self._activation_shape(x), device=device, dtype=self.wire_dtype)
-                    for w in self.comm.exchange(recvs=[(act, self._peer(c - 1))]):
+                    for w in self.comm.exchange(recvs=[(act, self._peer(self.ranks[c - 1]))]):
                         w.wait()
                 result = self._forward(chunk, x if chunk.first else act, y)
                 if chunk.last:
                     out = result
+                elif c + 1 in self.chunks:
+                    act = result
                 else:
-                    for w in self.comm.exchange(sends=[(result.contiguous(), self._peer(c + 1))]):
+                    for w in self.comm.exchange(sends=[(result.contiguous(), self._peer(self.ranks[c + 1]))]):
                         w.wait()
         return self.last_stage_value(out)
