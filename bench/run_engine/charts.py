@@ -24,9 +24,13 @@ def step_time(plt, summary):
     return fig
 
 
+COLORS = {"F": "tab:blue", "B": "tab:orange", "W": "tab:green"}
+
+
 def pipeline_timeline(plt, summary):
-    """One panel per pipeline variant: a row per stage, a box per forward (light) and
-    backward (dark), labelled by micro-batch (and chunk, interleaved). None without any."""
+    """One panel per pipeline variant: a row per stage, a box per forward (blue), backward
+    (orange; under zb1p / zbv the input gradient B only) and weight gradient W (green),
+    labelled by micro-batch (and chunk, with several per rank). None without any."""
     runs = {n: v["pipeline"]["timeline"] for n, v in summary.items()
             if v.get("pipeline") and v["pipeline"]["timeline"]}
     if not runs:
@@ -36,8 +40,7 @@ def pipeline_timeline(plt, summary):
     for ax, (name, t) in zip(axes[:, 0], runs.items()):
         for s, actions in enumerate(t["stages"]):
             for kind, chunk, m, t0, t1 in actions:
-                ax.broken_barh([(t0, t1 - t0)], (s - 0.4, 0.8),
-                               color="tab:blue" if kind == "F" else "tab:orange",
+                ax.broken_barh([(t0, t1 - t0)], (s - 0.4, 0.8), color=COLORS[kind],
                                alpha=0.55 if kind == "F" else 0.85, edgecolor="black", linewidth=0.4)
                 label = f"{m}" if t["virtual_stages"] == 1 else f"{m}.{chunk}"
                 ax.text((t0 + t1) / 2, s, label, ha="center", va="center", fontsize=6)
@@ -45,6 +48,6 @@ def pipeline_timeline(plt, summary):
         ax.invert_yaxis()
         ax.set_title(f"{name}: {t['schedule']}, M={t['microbatches']}"
                      + (f", V={t['virtual_stages']}" if t["virtual_stages"] > 1 else "")
-                     + " (blue forward, orange backward; label = micro-batch[.chunk])", fontsize=8)
+                     + " (blue F, orange B, green W; label = micro-batch[.chunk])", fontsize=8)
         ax.set_xlabel("ms since the step's first action")
     return fig

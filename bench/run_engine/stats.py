@@ -80,21 +80,28 @@ def tp_parameters(cfg, tp):
 
 
 def pp_textbook(cfg, pipe):
-    """Pure pipeline, rank 0 (stage 0, chunks 0, P, 2P, ...) per step: each of its V chunks
-    sends one activation per micro-batch forward, each but chunk 0 one gradient back
-    (together (2V-1) x batch x tokens x width x 4 bytes, point to point: wire = payload),
-    plus the tied embedding's gradient to the last stage and the norm's scalar; state: 16
-    bytes per parameter of its chunks (blocks, embeddings)."""
+    """Pure pipeline, rank 0 per step: each activation its chunks send forward to another
+    rank and each gradient they send back, one per micro-batch (together crossings x
+    batch x tokens x width x 4 bytes, point to point: wire = payload; loop placement:
+    2V - 1 crossings, zbv's V: 2), plus the tied embedding's gradient to the last stage
+    when that is another rank, and the norm's scalar; state: 16 bytes per parameter of
+    its chunks (blocks, embeddings)."""
     from parallel import model_plan
-    from parallel.pipeline_parallel.schedules import chunk_blocks
+    from parallel.pipeline_parallel.schedules import (chunk_blocks, chunk_ranks, messages,
+                                                      virtual_stages)
     model = meta_gpt(cfg)
     C, T, B = cfg.model.n_embd, cfg.data.block_size, cfg.trainer.batch_size
     named = dict(model.named_parameters())
     tied = named[model_plan.TIED].numel()
-    payload = (2 * pipe["V"] - 1) * B * T * C * 4 + 4 * tied + 4
-    P, V = pipe["P"], pipe["V"]
+    P, schedule = pipe["P"], pipe["schedule"]
+    V = virtual_stages(schedule, pipe["V"])
+    ranks = chunk_ranks(schedule, P, V)
+    mine = [c for c in range(P * V) if ranks[c] == 0]
+    crossings = sum(dst != 0 for c in mine for kind in "FB"
+                    for dst, _ in messages((kind, c, 0), ranks)[1])
+    payload = crossings * B * T * C * 4 + (4 * tied if ranks[-1] != 0 else 0) + 4
     chunks = chunk_blocks(cfg.model.n_layer, P * V, cfg.parallel.pp_layers)
-    prefixes = {pre for c in range(0, P * V, P)  # rank 0's chunks: 0, P, 2P, ...
+    prefixes = {pre for c in mine
                 for pre in model_plan.chunk_prefixes(chunks[c], c == 0, c == P * V - 1)}
     params = sum(p.numel() for n, p in named.items() if any(n.startswith(pre) for pre in prefixes))
     return {"grad_bytes": 4 * params, "payload_bytes": payload, "wire_bytes": payload,
@@ -247,15 +254,21 @@ CP_TEXTBOOKS = {"ring": cp_textbook, "allgather": cp_allgather_textbook}
 
 def pipeline_figures(variant, ranks, recs, jobs):
     """Measured bubble (pp_bubble: the idle share of the schedule, mean over stages) and
-    busy/idle per stage, beside the textbook (P-1)/(M+P-1), divided by V interleaved;
+    busy/idle per stage, beside the textbook (P-1)/(M+P-1), divided by V interleaved, and
+    the schedule's own bubble in the unit-time model (F = B = W, a whole backward 2:
+    pipeline_parallel/simulator.unit_time; for zb1p and zbv the only formula that fits);
     the first job's timeline of its last step. None for a variant without a pipeline."""
     shape = pipeline_shape(variant, ranks)
     if not recs or "pp_bubble" not in recs[0]:
         return None
     P, M, V = shape["P"], shape["M"], shape["V"]
     stages = sorted(int(k[len("pp_busy_ms_stage"):]) for k in recs[0] if k.startswith("pp_busy_ms_stage"))
-    return {**shape, "bubble": median(r["pp_bubble"] for r in recs),
+    from parallel.pipeline_parallel.schedules import virtual_stages
+    from parallel.pipeline_parallel.simulator import unit_time
+    V = virtual_stages(shape["schedule"], V)
+    return {**shape, "V": V, "bubble": median(r["pp_bubble"] for r in recs),
             "textbook_bubble": (P - 1) / (M + P - 1) / V,
+            "unit_time_bubble": unit_time(shape["schedule"], P, M, V)[1],
             "busy_ms": [median(r[f"pp_busy_ms_stage{s}"] for r in recs) for s in stages],
             "idle_ms": [median(r[f"pp_idle_ms_stage{s}"] for r in recs) for s in stages],
             "timeline": next((j["timeline"] for j in jobs if j.get("timeline")), None)}

@@ -94,26 +94,41 @@ def activations(summary):
             "`trainer.measure_activations=true`), peak within a step."]
 
 
+def unit_time_bubble(p):
+    """The schedule's bubble with F = B = W (simulator.unit_time), from the run's shape: a
+    property of the schedule, so results written before it was recorded show it too."""
+    if "unit_time_bubble" in p:
+        return p["unit_time_bubble"]
+    from parallel.pipeline_parallel.simulator import unit_time
+    return unit_time(p["schedule"], p["P"], p["M"], p["V"])[1]
+
+
 def pipelines(summary):
     pipes = {n: v["pipeline"] for n, v in summary.items() if v.get("pipeline")}
     if not pipes:
         return []
     rows = [[name, f"{p['P']} x {p['M']}" + (f" x {p['V']}" if p["V"] > 1 else ""),
              f"{p['bubble']:.3f}", f"{p['textbook_bubble']:.3f}",
+             f"{unit_time_bubble(p):.3f}",
              " / ".join(f"{b:.1f}" for b in p["busy_ms"]),
              " / ".join(f"{i:.1f}" for i in p["idle_ms"])] for name, p in pipes.items()]
     lines = ["", "## Pipeline: bubble and busy time (per stage, median step)", "",
              *table(["variant", "P x M (x V)", "bubble measured", "textbook (P-1)/(M+P-1)/V",
-                     "busy ms per stage", "idle ms per stage"], rows, "llrrll"),
+                     "schedule, unit time", "busy ms per stage", "idle ms per stage"], rows,
+                    "llrrrll"),
              "", "- bubble: the idle share of each stage's schedule (time waiting for a "
              "neighbour, from the start of the step's first action to the end of its last), "
              "averaged over stages; busy: time computing forwards and backwards. The "
              "textbook assumes equal stages, a backward costing what a forward does and "
-             "free communication.",
+             "free communication. Schedule, unit time: this schedule's own order run with "
+             "F = B = W = 1 unit (a whole backward 2) and free messages "
+             "(pipeline_parallel/simulator.unit_time): the bubble it should have; for zb1p "
+             "and zbv, whose backward is split, the only fitting formula.",
              "- pipeline textbook traffic (rank 0, point to point, so wire = payload): one "
              "activation forward per micro-batch from each of its V chunks and one gradient "
              "back into each but the first, (2V-1) x batch x tokens x width x 4 bytes a "
-             "step, plus the tied embedding's gradient (to the last stage) and the norm's "
+             "step (zbv, whose rank 0 holds the first and the last chunk: 2), plus the tied "
+             "embedding's gradient to the last stage (none under zbv) and the norm's "
              "scalar; textbook state: 16 bytes per parameter of rank 0's chunks."]
     if any(p["timeline"] for p in pipes.values()):
         lines += ["", "![pipeline timelines](pipeline_timeline.png)"]

@@ -66,7 +66,8 @@ def pipeline_variants():
     and own GPipe / 1F1B at M = 2, 4, 8 for activation memory."""
     out = []
     for schedule, extra in (("gpipe", ()), ("1f1b", ()),
-                            ("interleaved", ("parallel.pp_virtual_stages=2",))):
+                            ("interleaved", ("parallel.pp_virtual_stages=2",)),
+                            ("zb1p", ()), ("zbv", ())):
         common = ("parallel.pp={nproc}", f"parallel.pp_schedule={schedule}",
                   "parallel.microbatches=4") + extra
         out.append(Variant(f"torch_pp_{schedule}", ("parallel.pp_impl=torch", "parallel.dp=single") + common,
@@ -154,7 +155,11 @@ PRESETS = {
     "fsdp": ["single", "torch_ddp", "torch_fsdp", "fsdp1", "fsdp2", "fsdp3", "fsdp3_noprefetch"],
     "tp": ["single", "torch_tp", "tp", "tp_sp"],
     "pp": ["single", "torch_pp_gpipe", "pp_gpipe", "torch_pp_1f1b", "pp_1f1b",
-           "torch_pp_interleaved", "pp_interleaved"],
+           "torch_pp_interleaved", "pp_interleaved", "torch_pp_zb1p", "pp_zb1p",
+           "torch_pp_zbv", "pp_zbv"],
+    # the zero-bubble schedules against own 1F1B / interleaved and PyTorch's zero bubble
+    "pp_zb": ["single", "pp_1f1b", "pp_interleaved", "torch_pp_zb1p", "pp_zb1p",
+              "torch_pp_zbv", "pp_zbv"],
     "pp_memory": ["single", "pp_gpipe_m2", "pp_gpipe_m4", "pp_gpipe_m8",
                   "pp_1f1b_m2", "pp_1f1b_m4", "pp_1f1b_m8"],
     # single_1t too: at 2048 tokens single's two threads stall each other under load

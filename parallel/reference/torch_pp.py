@@ -4,8 +4,9 @@ Not one of our strategies: it is what our pipeline is measured against (parity
 and speed) in the same benchmark run, on the same model and the same split.
 Pure PP only (data- and tensor-parallel degree 1), chosen as
 `parallel.pp_impl=torch parallel.pp=P` with the same `pp_schedule`,
-`microbatches` and `pp_virtual_stages` keys: ScheduleGPipe, Schedule1F1B or
-ScheduleInterleaved1F1B over PipelineStage objects.
+`microbatches` and `pp_virtual_stages` keys: ScheduleGPipe, Schedule1F1B,
+ScheduleInterleaved1F1B, ScheduleInterleavedZeroBubble (for zb1p) or
+ScheduleZBVZeroBubble (for zbv, on our V placement) over PipelineStage objects.
 
 The model is cut by our own Pipeline (so the split, the canonical names, the
 snapshots and the tied embedding's gradient sum between first and last stage
@@ -18,13 +19,18 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 from torch.distributed.pipelining import (PipelineStage, Schedule1F1B, ScheduleGPipe,
-                                          ScheduleInterleaved1F1B)
+                                          ScheduleInterleaved1F1B, ScheduleInterleavedZeroBubble,
+                                          ScheduleZBVZeroBubble)
 
 from parallel import model_plan as plan
 from parallel.data_parallel.replicated import ReplicatedStrategy
 from parallel.reference import refuse_model_parallel_reference
 
-SCHEDULES = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B, "interleaved": ScheduleInterleaved1F1B}
+SCHEDULES = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B, "interleaved": ScheduleInterleaved1F1B,
+             # torch's zero-bubble schedules (its own split backward): the references for zb1p
+             # (ZB-H1's order is its interleaved zero bubble with one chunk per rank) and zbv
+             "zb1p": ScheduleInterleavedZeroBubble, "zbv": ScheduleZBVZeroBubble}
+SINGLE_STAGE = ("gpipe", "1f1b")  # schedules that take one stage, not a list
 
 
 class ChunkModule(nn.Module):
@@ -67,10 +73,10 @@ class TorchPP(ReplicatedStrategy):
         self.first = any(c.first for c in chunks)
         self.last = any(c.last for c in chunks)
         self.stages = [PipelineStage(ChunkModule(self.module, c, self.pipeline.blocks), c.index,
-                                     P * cfg.pp_virtual_stages,
+                                     P * self.pipeline.V,
                                      self.device, group=grid.pp_group) for c in chunks]
         cls = SCHEDULES[cfg.pp_schedule]
-        stages = self.stages if cfg.pp_schedule == "interleaved" else self.stages[0]
+        stages = self.stages[0] if cfg.pp_schedule in SINGLE_STAGE else self.stages
         self.scale = 1.0
         # scale_grads=False: torch would divide the stage's gradients by M after every
         # step() call, accumulated ones included; the loss carries 1 / (M x rounds) instead
