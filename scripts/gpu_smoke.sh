@@ -46,6 +46,8 @@ MATRIX=(
   "pp2-gpipe|2|$RTOL|${PP[*]} parallel.pp_schedule=gpipe"
   "pp2-1f1b|2|$RTOL|${PP[*]} parallel.pp_schedule=1f1b"
   "pp2-interleaved-v2|2|$RTOL|${PP[*]} parallel.pp_schedule=interleaved parallel.pp_virtual_stages=2"
+  "pp2-zb1p|2|$RTOL|${PP[*]} parallel.pp_schedule=zb1p"
+  "pp2-zbv|2|$RTOL|${PP[*]} parallel.pp_schedule=zbv"
   "ddp_bucket-bf16|2|$BF16_RTOL|parallel.dp=ddp_bucket trainer.precision=bf16"
   "cp2|2|$RTOL|parallel.dp=ddp_bucket parallel.cp=2"
 )

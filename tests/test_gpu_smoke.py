@@ -9,7 +9,7 @@ import os
 from harness import REPO, job_env, run_tree
 
 LAYOUTS = ["single", "ddp_bucket", "ddp_bucket-ring", "fsdp3-prefetch", "tp2-sp", "pp2-gpipe",
-           "pp2-1f1b", "pp2-interleaved-v2", "ddp_bucket-bf16", "cp2"]
+           "pp2-1f1b", "pp2-interleaved-v2", "pp2-zb1p", "pp2-zbv", "ddp_bucket-bf16", "cp2"]
 
 
 def test_gpu_smoke_passes_on_cpu(tmp_path):

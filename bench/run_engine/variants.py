@@ -160,6 +160,8 @@ PRESETS = {
     # the zero-bubble schedules against own 1F1B / interleaved and PyTorch's zero bubble
     "pp_zb": ["single", "pp_1f1b", "pp_interleaved", "torch_pp_zb1p", "pp_zb1p",
               "torch_pp_zbv", "pp_zbv"],
+    # with --set trainer.measure_activations=true: what each schedule holds on stage 0
+    "pp_zb_memory": ["single", "pp_gpipe", "pp_1f1b", "pp_interleaved", "pp_zb1p", "pp_zbv"],
     "pp_memory": ["single", "pp_gpipe_m2", "pp_gpipe_m4", "pp_gpipe_m8",
                   "pp_1f1b_m2", "pp_1f1b_m4", "pp_1f1b_m8"],
     # single_1t too: at 2048 tokens single's two threads stall each other under load
