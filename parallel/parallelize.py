@@ -31,11 +31,9 @@ from parallel.data_parallel.fsdp import FSDP
 from parallel.data_parallel.naive import DDPNaive
 from parallel.data_parallel.single import Single
 from parallel.pipeline_parallel.pipeline import Pipeline
+import importlib
+
 from parallel.placement import Placement
-from parallel.reference.torch_ddp import TorchDDP
-from parallel.reference.torch_fsdp import TorchFSDP
-from parallel.reference.torch_pp import TorchPP
-from parallel.reference.torch_tp import TorchTP
 from parallel.strategy import LocalModel
 from parallel.tensor_parallel.apply import apply_tensor_parallel
 
@@ -44,21 +42,34 @@ DATA_PARALLEL = {  # parallel.dp
     "ddp_naive": DDPNaive,     # own DP: one all-reduce per parameter after backward
     "ddp_bucket": DDPBucket,   # own DP: bucketed all-reduces overlapping backward
     "fsdp": FSDP,              # own ZeRO stage 1/2/3 (parallel.zero_stage) on flat units
-    "torch_ddp": TorchDDP,     # PyTorch DDP; the reference for ddp_*
-    "torch_fsdp": TorchFSDP,   # PyTorch FSDP2 fully_shard; the reference for fsdp
+    # PyTorch's, named by "module:class" and imported only when chosen: importing
+    # torch.distributed.fsdp and .pipelining costs ~0.9 s, paid by every rank at start
+    "torch_ddp": "parallel.reference.torch_ddp:TorchDDP",     # PyTorch DDP; the reference for ddp_*
+    "torch_fsdp": "parallel.reference.torch_fsdp:TorchFSDP",  # FSDP2 fully_shard; the reference for fsdp
 }
 IMPLEMENTATIONS = ("own", "torch")  # parallel.tp_impl, parallel.pp_impl
-TORCH_REFERENCES = {"tp": TorchTP, "pp": TorchPP}  # <dim>_impl=torch: PyTorch's, for that dim
+TORCH_REFERENCES = {  # <dim>_impl=torch: PyTorch's, for that dim
+    "tp": "parallel.reference.torch_tp:TorchTP",
+    "pp": "parallel.reference.torch_pp:TorchPP",
+}
 # old parallel.dp values, now chosen per dimension
 MOVED = {"torch_tp": "parallel.tp_impl=torch", "torch_pp": "parallel.pp_impl=torch"}
 
 
 def strategy_class(p):
     """The Strategy class a `parallel:` section asks for."""
-    for dim, cls in TORCH_REFERENCES.items():
+    for dim, entry in TORCH_REFERENCES.items():
         if getattr(p, f"{dim}_impl") == "torch":
-            return cls
-    return DATA_PARALLEL[p.dp]
+            return _load(entry)
+    return _load(DATA_PARALLEL[p.dp])
+
+
+def _load(entry):
+    """A registry entry: a class, or "module:class" imported now."""
+    if not isinstance(entry, str):
+        return entry
+    module, _, name = entry.partition(":")
+    return getattr(importlib.import_module(module), name)
 
 
 def parallelize(model, grid, cfg):

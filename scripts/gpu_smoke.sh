@@ -8,6 +8,7 @@
 #
 #   bash scripts/gpu_smoke.sh          # 2 GPUs, nccl; activations above NCCL's buffering
 #   bash scripts/gpu_smoke.sh --cpu    # 2 CPU processes, gloo, tiny sizes (tests/test_gpu_smoke.py)
+#   SMOKE_LAYOUTS="single pp2-zbv" bash scripts/gpu_smoke.sh --cpu   # only those layouts
 #
 # Every job writes under a fresh temporary directory (printed), never into the checkout.
 set -uo pipefail
@@ -56,6 +57,8 @@ echo "gpu_smoke ($MODE): jobs under $OUT"
 ROWS=()
 for row in "${MATRIX[@]}"; do
   IFS='|' read -r name nproc rtol overrides <<<"$row"
+  # SMOKE_LAYOUTS="single cp2 ...": only those rows (tests/test_gpu_smoke.py runs a few)
+  if [[ -n "${SMOKE_LAYOUTS:-}" && " $SMOKE_LAYOUTS " != *" $name "* ]]; then continue; fi
   dir="$OUT/$name"
   mkdir -p "$dir"
   if [[ $nproc == 1 ]]; then

@@ -360,7 +360,7 @@ def test_pp_snapshot_samples_like_the_run_that_wrote_it(tmp_path):
     assert sampled.stdout == after_training and after_training.strip()
 
 
-@pytest.mark.parametrize("nproc,overrides,needle", [
+BAD_PP = [
     (2, ["parallel.pp=2", "parallel.pp_schedule=interleaved", "parallel.pp_virtual_stages=2",
          "model.n_layer=4", "parallel.microbatches=3"], "must be a multiple of it"),
     (2, ["parallel.pp=2", "parallel.dp=fsdp", "parallel.zero_stage=3"], "zero_stage=3 with parallel.pp"),
@@ -368,11 +368,25 @@ def test_pp_snapshot_samples_like_the_run_that_wrote_it(tmp_path):
     (2, ["parallel.pp=2", "parallel.pp_layers=[2,1]"], "pp_layers"),
     (2, ["parallel.pp=2", "parallel.pp_schedule=zbv", "parallel.pp_virtual_stages=3",
          "model.n_layer=6"], "zbv always runs 2 chunks per rank"),
-    (2, ["parallel.pp=2", "parallel.pp_schedule=zbv"], "more stages than layers"),
+    (2, ["parallel.pp=2", "parallel.pp_schedule=zbv", "model.n_layer=3"], "more stages than layers"),
     (2, ["parallel.pp=2", "parallel.pp_schedule=zb1p", "trainer.activation_checkpointing=true"],
      "use one of them"),
     (4, ["parallel.pp=2", "parallel.allreduce=ring", "trainer.device=cuda"], "refused on CUDA"),
-])
-def test_bad_pipeline_layout_stops_every_rank_with_one_line(tmp_path, nproc, overrides, needle):
+]
+
+
+@pytest.mark.parametrize("nproc,overrides,needle", BAD_PP)
+def test_bad_pipeline_layout_is_one_clear_error(nproc, overrides, needle):
+    """Every rank runs these checks (config.validate) before any process group exists."""
+    from config import load_config
+    from errors import UserError
+    with pytest.raises(UserError, match=needle):
+        load_config(overrides, nproc)
+
+
+def test_bad_pipeline_layout_stops_every_rank_with_one_line(tmp_path):
+    """...and under torchrun that is one line on every rank and a non-zero exit (a
+    strategy's refusal: parallel/layout.py asks fsdp)."""
     from test_bad_input import assert_clean_failure
+    nproc, overrides, needle = BAD_PP[1]
     assert_clean_failure(run_job(tmp_path, nproc, overrides, timeout=120), needle)

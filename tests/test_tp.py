@@ -137,14 +137,27 @@ def test_torch_tp_reference_matches_single_and_resumes_into_ours(tmp_path):
     assert_parity(ref, read_metrics(workdir / "runs" / "default"))
 
 
-@pytest.mark.parametrize("nproc,overrides,needle", [
+BAD_TP = [
     (2, ["parallel.tp=2", "model.n_head=3", "model.n_embd=48"], "n_head=3 is not divisible"),
-    (2, ["parallel.tp=4", "model.n_head=4"], "not divisible by parallel.tp * parallel.cp * parallel.pp"),
+    (2, ["parallel.tp=4", "model.n_head=4"], "not divisible by parallel.tp \\* parallel.cp \\* parallel.pp"),
     (2, ["parallel.tp=2", "parallel.sequence_parallel=true", "data.block_size=15"],
      "block_size=15 is not divisible"),
-])
-def test_bad_tp_layout_stops_every_rank_with_one_line(tmp_path, nproc, overrides, needle):
+]
+
+
+@pytest.mark.parametrize("nproc,overrides,needle", BAD_TP)
+def test_bad_tp_layout_is_one_clear_error(nproc, overrides, needle):
+    """Every rank runs these checks (config.validate) before any process group exists."""
+    from config import load_config
+    from errors import UserError
+    with pytest.raises(UserError, match=needle):
+        load_config(overrides, nproc)
+
+
+def test_bad_tp_layout_stops_every_rank_with_one_line(tmp_path):
+    """...and under torchrun that is one line on every rank and a non-zero exit."""
     from test_bad_input import assert_clean_failure
+    nproc, overrides, needle = BAD_TP[0]
     assert_clean_failure(run_job(tmp_path, nproc, overrides, timeout=120), needle)
 
 
