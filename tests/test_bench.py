@@ -10,7 +10,7 @@ from statistics import median
 
 import pytest
 
-from bench import cp_balance, data, snapshot
+from bench import cp_balance, data, snapshot, snapshot_async
 from bench.run_engine import stats, tables
 from bench.run_engine.jobs import check
 from bench.run_engine.tables import fmt_ms
@@ -199,7 +199,7 @@ def table_rows(lines):
 
 # every committed results.json but the standalone commands' is bench.run's
 RUN_RESULTS = sorted({os.path.basename(os.path.dirname(p)) for p in glob.glob(
-    committed("*", "results.json"))} - {"data", "snapshot", "cp_balance"})
+    committed("*", "results.json"))} - {"data", "snapshot", "snapshot_async", "cp_balance"})
 
 
 @pytest.mark.parametrize("name", RUN_RESULTS)
@@ -233,3 +233,34 @@ def test_committed_snapshot_and_data_results_render_as_committed():
     want = open(committed("data", "results.md")).read().splitlines()
     assert data.prepare_table(doc["prepare"]) + data.train_table(
         data.train_medians(doc["train"], names)) == table_rows(want)
+
+
+def synthetic_job(mode, round_, intervals, saves):
+    """A bench.snapshot_async job as its results.json holds it (stamps made up)."""
+    return {"round": round_, "mode": mode, "window_s": sum(intervals.values()) + 1.0, "saves": saves,
+            "intervals_s": {str(s): v for s, v in intervals.items()}, "step_ms": 1000.0,
+            "rss_mb": [100.0, 90.0], "part_bytes": [2**20, 2**20],
+            "snapshot_ms": [500.0] * saves, "snapshot_wait_ms": [0.0] * saves}
+
+
+def test_snapshot_async_lost_per_save_is_the_extra_time_of_a_save_period():
+    """Steps 5-23 of 1 s; a save every 3 steps adds 0.5 s to the save step (sync) or 0.05 s
+    to the step after it (async): 500 and 50 ms lost per save, a ratio of 10%, by both the
+    window and the step medians; a load spike in one async step moves only the window."""
+    steps = range(5, 24)
+    saves = len([s for s in steps if s % 3 == 0])
+    none = {s: 1.0 for s in steps}
+    sync = {s: 1.5 if s % 3 == 0 else 1.0 for s in steps}
+    async_ = {s: 1.05 if s % 3 == 1 else 1.0 for s in steps}
+    jobs = [synthetic_job("none", 0, none, 0), synthetic_job("sync", 0, sync, saves),
+            synthetic_job("async", 0, async_, saves)]
+    s = snapshot_async.summarize(jobs, 3)
+    assert s["sync"]["lost_ms"]["median"] == pytest.approx(500)
+    assert s["async"]["period_lost_ms"]["median"] == pytest.approx(50)
+    assert s["async_vs_sync"]["median"] == pytest.approx(0.1)
+    jobs[2] = synthetic_job("async", 0, {**async_, 10: 3.0}, saves)  # one slow step (s % 3 == 1)
+    s = snapshot_async.summarize(jobs, 3)
+    assert s["async"]["lost_ms"]["median"] == pytest.approx(50 + 1950 / saves)
+    assert s["async"]["period_lost_ms"]["median"] == pytest.approx(50)
+    assert "**10% (10% to 10%)** from the step medians" in snapshot_async.tables(s)[2]
+
