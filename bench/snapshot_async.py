@@ -1,8 +1,8 @@
 """`python -m bench.snapshot_async`: training time lost per snapshot, synchronous against
 asynchronous (trainer.snapshot_async), and what the staging copy costs in host memory.
 
-    python -m bench.snapshot_async                 # mid-size model, 4 rounds: ~7-9 min on 2 cores
-    python -m bench.snapshot_async --model small --steps 10 --save-every 3 --warmup 2 --rounds 1 --out "$(mktemp -d)"   # smoke test, ~1 min
+    python -m bench.snapshot_async                 # mid-size model, 3 rounds: ~8 min on 2 cores
+    python -m bench.snapshot_async --model small --steps 12 --save-every 4 --warmup 2 --rounds 1 --out "$(mktemp -d)"   # smoke test, ~1 min
 
 Each round runs three 2-rank torchrun jobs of main.py's training (gloo, 1 thread per
 rank, `ddp_bucket`, the embedded corpus, a snapshot directory on local disk), in an
@@ -12,18 +12,27 @@ order that rotates between rounds so a noisy neighbour hits every mode alike:
 - `sync`: a save every --save-every steps, every rank waiting for its write;
 - `async`: the same saves with trainer.snapshot_async=true.
 
-Every rank stamps each step's metrics record (written after the step and its save).
-A job's window runs from the end of step --warmup to the end of the run (the last
-step's save included: synchronous in all three modes, after the async job drained its
-write in flight, so it cancels out). Lost per save = (window - the `none` window of the
-same round) / the periodic saves in the window. The same from the steps' own intervals,
-robust to a load spike (period_lost_ms): the median interval at each position of the
-save period, summed, minus that many median `none` intervals. The async/sync ratio is
-taken within a round, by both. Reported: medians and ranges over rounds, the save step's own cost
-(snapshot_ms: the whole save, or staging plus any wait; snapshot_wait_ms), the median
-step time (compute only), each rank's peak RSS (with the staging copy: async), and
-each rank's part file of the last snapshot (bytes written per rank and save). Results:
---out's results.json (every job) and results.md, written by bench/report.py.
+Every rank stamps each step's metrics record (written after the step and its save);
+an interval runs from one stamp to the next, so it holds everything between: the
+step, its save, the stop check, a commit. Training time lost per save, two ways:
+
+- within the job (the headline: other users' load drifts between jobs more than
+  within one): for each position of the save period (the save step, the step
+  after, ...) the median interval over the job's periods, minus the job's baseline,
+  the median interval of the period's second half (by then a background write is
+  done); lost per save = the sum over the first half. On `none` (no save) the same
+  sum is the noise floor;
+- against `none`: (the job's window - the `none` window of the same round) / the
+  periodic saves in it. A window runs from the end of step --warmup to the end of
+  the run, the last step's save included (synchronous in every mode, after the
+  async job drained its write in flight, so it cancels out).
+
+The async/sync ratio is taken within a round, both ways. Reported: medians and ranges
+over rounds, the time by period position, the save step's own cost (snapshot_ms: the
+whole save, or staging plus any wait; snapshot_wait_ms), the median step time
+(compute only), each rank's peak RSS (with the staging copy: async), and each rank's
+part file of the last snapshot (bytes written per rank and save). Results: --out's
+results.json (every job) and results.md, written by bench/report.py.
 """
 
 import argparse
@@ -124,22 +133,27 @@ def job(mode, args, tmp):
             "records": records}
 
 
-def period_lost_ms(job, none, save_every):
-    """Lost per save from the steps' own intervals (end of one step's record to the next),
-    robust to a load spike: for each position in the save period (0: the save step, 1: the
-    step after, ...) the median interval over the job's periods, summed over the period,
-    minus save_every times the median interval of the `none` job."""
-    intervals = {int(s): v for s, v in job["intervals_s"].items()}
-    period = sum(statistics.median(v for s, v in intervals.items() if s % save_every == o)
-                 for o in range(save_every))
-    return 1000 * (period - save_every * statistics.median(none["intervals_s"].values()))
+def offset_extra_ms(job, save_every):
+    """Where a save period's time goes, within one job (so load that drifts between jobs
+    cancels): for each position o of the period (0: the save step, 1: the step after, ...)
+    the median interval at o over the job's periods, minus the job's baseline, the median
+    interval over the period's second half (a background write is done by then)."""
+    k, iv = save_every, {int(s): v for s, v in job["intervals_s"].items()}
+    base = statistics.median(v for s, v in iv.items() if s % k >= k // 2)
+    return [1000 * (statistics.median(v for s, v in iv.items() if s % k == o) - base) for o in range(k)]
+
+
+def within_lost_ms(job, save_every):
+    """Lost per save within the job: the extra time of the period's first half. For the
+    `none` job (no save) the same sum is the noise floor."""
+    return sum(offset_extra_ms(job, save_every)[:save_every // 2])
 
 
 def summarize(jobs, save_every):
-    """Per mode: medians (and ranges) over rounds of what results.md shows; lost per save
-    and the async/sync ratio are taken within each round, against that round's `none`:
-    from the whole window (every second counts; a load spike too) and from the median
-    step intervals (period_lost_ms)."""
+    """Per mode: medians (and ranges) over rounds of what results.md shows. Lost per save
+    two ways: within each job (within_lost_ms), and against the same round's `none`
+    window (every second counts, load drifting between the jobs too). The async/sync
+    ratio is taken within each round, both ways."""
     rounds = sorted({j["round"] for j in jobs})
     by = {(j["round"], j["mode"]): j for j in jobs}
     rng = lambda xs: {"median": statistics.median(xs), "min": min(xs), "max": max(xs)}  # noqa: E731
@@ -148,19 +162,20 @@ def summarize(jobs, save_every):
         mine = [by[i, mode] for i in rounds]
         s = {"window_s": rng([j["window_s"] for j in mine]), "step_ms": rng([j["step_ms"] for j in mine]),
              "rss_mb": [statistics.median(j["rss_mb"][r] for j in mine) for r in range(NPROC)],
-             "part_bytes": mine[0]["part_bytes"], "saves": mine[0]["saves"]}
+             "part_bytes": mine[0]["part_bytes"], "saves": mine[0]["saves"],
+             "within_lost_ms": rng([within_lost_ms(j, save_every) for j in mine]),
+             "offset_extra_ms": [statistics.median(offset_extra_ms(j, save_every)[o] for j in mine)
+                                 for o in range(save_every)]}
         if mode != "none":
-            s["lost_ms"] = rng([1000 * (by[i, mode]["window_s"] - by[i, "none"]["window_s"])
-                                / by[i, mode]["saves"] for i in rounds])
-            s["period_lost_ms"] = rng([period_lost_ms(by[i, mode], by[i, "none"], save_every)
-                                       for i in rounds])
+            s["window_lost_ms"] = rng([1000 * (by[i, mode]["window_s"] - by[i, "none"]["window_s"])
+                                       / by[i, mode]["saves"] for i in rounds])
             s["snapshot_ms"] = statistics.median(x for j in mine for x in j["snapshot_ms"])
             s["snapshot_wait_ms"] = statistics.median(x for j in mine for x in j["snapshot_wait_ms"])
         out[mode] = s
-    out["async_vs_sync"] = rng([(by[i, "async"]["window_s"] - by[i, "none"]["window_s"])
-                                / (by[i, "sync"]["window_s"] - by[i, "none"]["window_s"]) for i in rounds])
-    out["async_vs_sync_period"] = rng([period_lost_ms(by[i, "async"], by[i, "none"], save_every)
-                                       / period_lost_ms(by[i, "sync"], by[i, "none"], save_every)
+    out["async_vs_sync"] = rng([within_lost_ms(by[i, "async"], save_every)
+                                / within_lost_ms(by[i, "sync"], save_every) for i in rounds])
+    out["async_vs_sync_window"] = rng([(by[i, "async"]["window_s"] - by[i, "none"]["window_s"])
+                                       / (by[i, "sync"]["window_s"] - by[i, "none"]["window_s"])
                                        for i in rounds])
     return out
 
@@ -172,28 +187,31 @@ def fmt_range(r, fmt="{:.0f}"):
 def tables(s):
     """results.md's tables and ratio line, from summarize()'s figures (results.json's "summary")."""
     step = s["none"]["step_ms"]["median"]
-    rows = []
+    rows, where = [], []
     for mode in MODES:
         m = s[mode]
-        lost = ["-"] * 5
-        if "lost_ms" in m:
-            lost = [fmt_range(m["lost_ms"]), fmt_range(m["period_lost_ms"]),
-                    f"{m['period_lost_ms']['median'] / step:.2f}", f"{m['snapshot_ms']:.0f}",
-                    f"{m['snapshot_wait_ms']:.0f}" if mode == "async" else "-"]
-        rows.append([mode, m["saves"], f"{m['window_s']['median']:.2f}", *lost, f"{m['step_ms']['median']:.0f}"])
+        saving = ["-"] * 3
+        if mode != "none":
+            saving = [fmt_range(m["window_lost_ms"]), f"{m['snapshot_ms']:.0f}",
+                      f"{m['snapshot_wait_ms']:.0f}" if mode == "async" else "-"]
+        rows.append([mode, m["saves"], fmt_range(m["within_lost_ms"]),
+                     f"{m['within_lost_ms']['median'] / step:.2f}", *saving, f"{m['step_ms']['median']:.0f}"])
+        where.append([mode, *(f"{x:+.0f}" for x in m["offset_extra_ms"])])
     time_table = report.table(
-        ["mode", "saves in window", "window s", "lost per save ms: window", "lost per save ms: step medians",
-         "step medians, in step times", "snapshot_ms at a save", "snapshot_wait_ms", "step_ms (compute)"],
-        rows, "lrrrrrrrr")
+        ["mode", "saves in window", "lost per save ms, within the job (range)", "in step times",
+         "lost per save ms, vs none's window (range)", "snapshot_ms at a save", "snapshot_wait_ms",
+         "step_ms (compute)"], rows, "lrrrrrrr")
+    k = len(s["none"]["offset_extra_ms"])
+    where_table = report.table(["mode", "save step", *(f"+{o}" for o in range(1, k))], where, "l" + "r" * k)
     mem_rows = [[mode, *(f"{x:.0f}" for x in s[mode]["rss_mb"]),
                  f"{max(s[mode]['rss_mb']) - max(s['none']['rss_mb']):+.0f}",
                  " / ".join(f"{b / 2**20:.1f}" for b in s[mode]["part_bytes"])] for mode in MODES]
     mem_table = report.table(["mode", *(f"peak RSS rank {r} MiB" for r in range(NPROC)),
                               "largest rank vs none MiB", "MiB written per rank and save"], mem_rows, "lrrrr")
     pct = "{:.0%}"
-    ratio = (f"async lost / sync lost, per round (target < 10%): **{fmt_range(s['async_vs_sync_period'], pct)}** "
-             f"from the step medians; {fmt_range(s['async_vs_sync'], pct)} from the windows")
-    return time_table, mem_table, ratio
+    ratio = (f"async lost / sync lost, per round (target < 10%): **{fmt_range(s['async_vs_sync'], pct)}** "
+             f"within the jobs; {fmt_range(s['async_vs_sync_window'], pct)} against `none`'s windows")
+    return time_table, where_table, mem_table, ratio
 
 
 def main(argv=None):
@@ -201,16 +219,16 @@ def main(argv=None):
     p = argparse.ArgumentParser(prog="python -m bench.snapshot_async", description=__doc__.split("\n")[0])
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--model", default="mid", choices=sorted(MODELS))
-    p.add_argument("--steps", type=int, default=24, help="steps per job")
-    p.add_argument("--save-every", type=int, default=3)
+    p.add_argument("--steps", type=int, default=36, help="steps per job")
+    p.add_argument("--save-every", type=int, default=6)
     p.add_argument("--warmup", type=int, default=4, help="steps before the window (not a save step)")
-    p.add_argument("--rounds", type=int, default=4)
+    p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--out", default="docs/bench/snapshot_async")
     args, overrides = p.parse_known_args(argv)
     if args.worker:
         return worker(overrides)
-    if args.warmup % args.save_every == 0 or not saves_in_window(args):
-        p.error("--warmup must not be a save step, and the window must hold a save")
+    if args.warmup % args.save_every == 0 or len(saves_in_window(args)) < 2 or args.save_every < 2:
+        p.error("--warmup must not be a save step, the window must hold 2 saves, --save-every >= 2")
 
     command, load_before, jobs = report.command_line("-m bench.snapshot_async", argv), os.getloadavg(), []
     with tempfile.TemporaryDirectory(prefix="bench-snapshot-async-") as tmp:
@@ -223,13 +241,17 @@ def main(argv=None):
                       f"{j['step_ms']:.0f} ms, RSS {[round(x) for x in j['rss_mb']]} MiB", flush=True)
     summary = summarize(jobs, args.save_every)
     env = report.environment(load_before)
-    time_table, mem_table, ratio = tables(summary)
+    time_table, where_table, mem_table, ratio = tables(summary)
     text = "\n".join(report.header("Asynchronous snapshots: training time lost per save", command, [
         f"{NPROC} ranks x 1 thread, gloo, `ddp_bucket`, model `{args.model}` "
         f"({' '.join(MODELS[args.model])}), {args.steps} steps, a save every {args.save_every} "
         f"(none: only the last step's), window after step {args.warmup}, {args.rounds} rounds; "
         "snapshots on local disk"], env)
-        + ["", *time_table, "", ratio, "", *mem_table, ""])
+        + ["", *time_table, "", ratio, "",
+           "Where a save period's time goes: median ms per step position against the job's own "
+           "baseline (the period's second half); the first half's sum is 'within the job' above "
+           "(for `none`, which saves nothing, it is the noise floor).", "", *where_table, "",
+           *mem_table, ""])
     report.write_results(args.out, {"command": command, "environment": env, "settings": vars(args),
                                     "summary": summary, "jobs": jobs}, text)
     print(text)

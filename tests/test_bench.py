@@ -244,23 +244,29 @@ def synthetic_job(mode, round_, intervals, saves):
 
 
 def test_snapshot_async_lost_per_save_is_the_extra_time_of_a_save_period():
-    """Steps 5-23 of 1 s; a save every 3 steps adds 0.5 s to the save step (sync) or 0.05 s
-    to the step after it (async): 500 and 50 ms lost per save, a ratio of 10%, by both the
-    window and the step medians; a load spike in one async step moves only the window."""
-    steps = range(5, 24)
-    saves = len([s for s in steps if s % 3 == 0])
+    """Steps 5-35 of 1 s; a save every 6 steps adds 0.5 s to the save step (sync) or 0.05 s
+    to the step after it (async): 500 and 50 ms lost per save, a ratio of 10%, both within
+    the jobs and against `none`'s window. A load spike in one async step moves only the
+    window's figure; load that doubles a whole job's steps moves neither within-job one."""
+    steps = range(5, 36)
+    saves = len([s for s in steps if s % 6 == 0])
     none = {s: 1.0 for s in steps}
-    sync = {s: 1.5 if s % 3 == 0 else 1.0 for s in steps}
-    async_ = {s: 1.05 if s % 3 == 1 else 1.0 for s in steps}
+    sync = {s: 1.5 if s % 6 == 0 else 1.0 for s in steps}
+    async_ = {s: 1.05 if s % 6 == 1 else 1.0 for s in steps}
     jobs = [synthetic_job("none", 0, none, 0), synthetic_job("sync", 0, sync, saves),
             synthetic_job("async", 0, async_, saves)]
-    s = snapshot_async.summarize(jobs, 3)
-    assert s["sync"]["lost_ms"]["median"] == pytest.approx(500)
-    assert s["async"]["period_lost_ms"]["median"] == pytest.approx(50)
+    s = snapshot_async.summarize(jobs, 6)
+    assert s["sync"]["within_lost_ms"]["median"] == pytest.approx(500)
+    assert s["sync"]["window_lost_ms"]["median"] == pytest.approx(500)
+    assert s["async"]["within_lost_ms"]["median"] == pytest.approx(50)
+    assert s["async"]["offset_extra_ms"] == pytest.approx([0, 50, 0, 0, 0, 0])
+    assert s["none"]["within_lost_ms"]["median"] == pytest.approx(0)
     assert s["async_vs_sync"]["median"] == pytest.approx(0.1)
-    jobs[2] = synthetic_job("async", 0, {**async_, 10: 3.0}, saves)  # one slow step (s % 3 == 1)
-    s = snapshot_async.summarize(jobs, 3)
-    assert s["async"]["lost_ms"]["median"] == pytest.approx(50 + 1950 / saves)
-    assert s["async"]["period_lost_ms"]["median"] == pytest.approx(50)
-    assert "**10% (10% to 10%)** from the step medians" in snapshot_async.tables(s)[2]
-
+    assert s["async_vs_sync_window"]["median"] == pytest.approx(0.1)
+    jobs[2] = synthetic_job("async", 0, {**async_, 10: 3.0}, saves)  # one slow step (position 4)
+    jobs[1] = synthetic_job("sync", 0, {s: 2 * v for s, v in sync.items()}, saves)  # a busy job
+    s = snapshot_async.summarize(jobs, 6)
+    assert s["async"]["window_lost_ms"]["median"] == pytest.approx(50 + 2000 / saves)
+    assert s["async"]["within_lost_ms"]["median"] == pytest.approx(50)
+    assert s["sync"]["within_lost_ms"]["median"] == pytest.approx(1000)  # its steps took 2 s
+    assert "**5% (5% to 5%)** within the jobs" in snapshot_async.tables(s)[3]
