@@ -2,7 +2,7 @@
 asynchronous (trainer.snapshot_async), and what the staging copy costs in host memory.
 
     python -m bench.snapshot_async                 # mid-size model, 3 rounds: ~8 min on 2 cores
-    python -m bench.snapshot_async --model small --steps 12 --save-every 4 --warmup 2 --rounds 1 --out "$(mktemp -d)"   # smoke test, ~1 min
+    python -m bench.snapshot_async --model small --steps 12 --save-every 4 --warmup 2 --rounds 1 --out "$(mktemp -d)"   # smoke test, ~30 s
 
 Each round runs three 2-rank torchrun jobs of main.py's training (gloo, 1 thread per
 rank, `ddp_bucket`, the embedded corpus, a snapshot directory on local disk), in an

@@ -270,3 +270,12 @@ def test_snapshot_async_lost_per_save_is_the_extra_time_of_a_save_period():
     assert s["async"]["within_lost_ms"]["median"] == pytest.approx(50)
     assert s["sync"]["within_lost_ms"]["median"] == pytest.approx(1000)  # its steps took 2 s
     assert "**5% (5% to 5%)** within the jobs" in snapshot_async.tables(s)[3]
+
+
+def test_committed_snapshot_async_results_render_as_committed():
+    """bench.snapshot_async's tables and ratio line, rendered from its committed results.json,
+    are those of its committed results.md."""
+    doc = json.loads(open(committed("snapshot_async", "results.json")).read())
+    want = open(committed("snapshot_async", "results.md")).read().splitlines()
+    time_table, where_table, mem_table, ratio = snapshot_async.tables(doc["summary"])
+    assert time_table + where_table + mem_table == table_rows(want) and ratio in want
