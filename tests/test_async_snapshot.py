@@ -6,7 +6,9 @@ the synchronous ones (checkpoint/async_snapshot.py).
 - SIGKILL while a part is being written (a slow filesystem holds the write open):
   latest.json still names the previous snapshot, which resumes exactly;
 - a failed background write: one clear error, the commit point untouched (in process);
-- the end of training waits for the write in flight, then saves the last step.
+- the end of training waits for the write in flight, then saves the last step;
+- the commit and retention run on the writer thread, and the next save waits for them
+  (in process). Stop signals and failed writes on real jobs: test_async_snapshot_faults.py.
 """
 
 import os
@@ -130,4 +132,36 @@ def test_a_failed_background_write_is_one_error_and_the_commit_point_stays(one_r
     with pytest.raises(UserError, match="could not write snapshot step 2 .*No space left on device"):
         saver.advance(saver.grid_all_reduce(saver.flags()))
     assert open_snapshot(path).meta["step"] == 1
+    saver.close()
+
+
+def test_retention_runs_in_the_background_and_the_next_save_waits_for_it(one_rank_grid, tmp_path,
+                                                                          monkeypatch):
+    """The commit and keep_snapshots' deletions run on the writer thread. Retention removes
+    unfinished step directories, so a save that starts while it runs must wait for it
+    (here it is slowed down), or it would delete the new save's directory."""
+    import torch
+    from checkpoint import async_snapshot
+    from checkpoint.snapshot_dirs import kept_steps, remove_stale
+    path = str(tmp_path / "snapshot")
+    pieces = [("model/w", (2, 3), ((0, 2), (0, 3)), torch.ones(2, 3))]
+    meta = {"config": {}, "gpt_config": {}, "tokenizer": {}}
+    save_sharded(path, one_rank_grid, 1, pieces, meta)
+
+    def slow_remove_stale(*args):
+        time.sleep(0.5)
+        remove_stale(*args)
+    monkeypatch.setattr(async_snapshot, "remove_stale", slow_remove_stale)
+    saver = async_snapshot.AsyncSnapshots(path, one_rank_grid, keep=1)
+    saver.begin(2, pieces, meta)
+    saver.advance(saver.grid_all_reduce(saver.flags()))  # staged -> writing
+    saver.write.result()
+    saver.advance(saver.grid_all_reduce(saver.flags()))  # written -> committing, in the background
+    assert saver.state == async_snapshot.COMMITTING and not saver.commit.done()
+    saver.begin(3, pieces, meta)  # waits for step 2's commit and retention, then prepares 3
+    saver.drain()  # writes and commits step 3
+    import fsspec
+    assert kept_steps(fsspec.filesystem("file"), path, lambda a, b: f"{a}/{b}") == [3]
+    assert open_snapshot(path).meta["step"] == 3
+    assert saver.last_wait_ms > 300  # what metrics report as snapshot_wait_ms
     saver.close()

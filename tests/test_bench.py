@@ -10,7 +10,7 @@ from statistics import median
 
 import pytest
 
-from bench import cp_balance, data, snapshot
+from bench import cp_balance, data, snapshot, snapshot_async
 from bench.run_engine import stats, tables
 from bench.run_engine.jobs import check
 from bench.run_engine.tables import fmt_ms
@@ -199,7 +199,7 @@ def table_rows(lines):
 
 # every committed results.json but the standalone commands' is bench.run's
 RUN_RESULTS = sorted({os.path.basename(os.path.dirname(p)) for p in glob.glob(
-    committed("*", "results.json"))} - {"data", "snapshot", "cp_balance"})
+    committed("*", "results.json"))} - {"data", "snapshot", "snapshot_async", "cp_balance"})
 
 
 @pytest.mark.parametrize("name", RUN_RESULTS)
@@ -233,3 +233,49 @@ def test_committed_snapshot_and_data_results_render_as_committed():
     want = open(committed("data", "results.md")).read().splitlines()
     assert data.prepare_table(doc["prepare"]) + data.train_table(
         data.train_medians(doc["train"], names)) == table_rows(want)
+
+
+def synthetic_job(mode, round_, intervals, saves):
+    """A bench.snapshot_async job as its results.json holds it (stamps made up)."""
+    return {"round": round_, "mode": mode, "window_s": sum(intervals.values()) + 1.0, "saves": saves,
+            "intervals_s": {str(s): v for s, v in intervals.items()}, "step_ms": 1000.0,
+            "rss_mb": [100.0, 90.0], "part_bytes": [2**20, 2**20],
+            "snapshot_ms": [500.0] * saves, "snapshot_wait_ms": [0.0] * saves}
+
+
+def test_snapshot_async_lost_per_save_is_the_extra_time_of_a_save_period():
+    """Steps 5-35 of 1 s; a save every 6 steps adds 0.5 s to the save step (sync) or 0.05 s
+    to the step after it (async): 500 and 50 ms lost per save, a ratio of 10%, both within
+    the jobs and against `none`'s window. A load spike in one async step moves only the
+    window's figure; load that doubles a whole job's steps moves neither within-job one."""
+    steps = range(5, 36)
+    saves = len([s for s in steps if s % 6 == 0])
+    none = {s: 1.0 for s in steps}
+    sync = {s: 1.5 if s % 6 == 0 else 1.0 for s in steps}
+    async_ = {s: 1.05 if s % 6 == 1 else 1.0 for s in steps}
+    jobs = [synthetic_job("none", 0, none, 0), synthetic_job("sync", 0, sync, saves),
+            synthetic_job("async", 0, async_, saves)]
+    s = snapshot_async.summarize(jobs, 6)
+    assert s["sync"]["within_lost_ms"]["median"] == pytest.approx(500)
+    assert s["sync"]["window_lost_ms"]["median"] == pytest.approx(500)
+    assert s["async"]["within_lost_ms"]["median"] == pytest.approx(50)
+    assert s["async"]["offset_extra_ms"] == pytest.approx([0, 50, 0, 0, 0, 0])
+    assert s["none"]["within_lost_ms"]["median"] == pytest.approx(0)
+    assert s["async_vs_sync"]["median"] == pytest.approx(0.1)
+    assert s["async_vs_sync_window"]["median"] == pytest.approx(0.1)
+    jobs[2] = synthetic_job("async", 0, {**async_, 10: 3.0}, saves)  # one slow step (position 4)
+    jobs[1] = synthetic_job("sync", 0, {s: 2 * v for s, v in sync.items()}, saves)  # a busy job
+    s = snapshot_async.summarize(jobs, 6)
+    assert s["async"]["window_lost_ms"]["median"] == pytest.approx(50 + 2000 / saves)
+    assert s["async"]["within_lost_ms"]["median"] == pytest.approx(50)
+    assert s["sync"]["within_lost_ms"]["median"] == pytest.approx(1000)  # its steps took 2 s
+    assert "**5% (5% to 5%)** within the jobs" in snapshot_async.tables(s)[3]
+
+
+def test_committed_snapshot_async_results_render_as_committed():
+    """bench.snapshot_async's tables and ratio line, rendered from its committed results.json,
+    are those of its committed results.md."""
+    doc = json.loads(open(committed("snapshot_async", "results.json")).read())
+    want = open(committed("snapshot_async", "results.md")).read().splitlines()
+    time_table, where_table, mem_table, ratio = snapshot_async.tables(doc["summary"])
+    assert time_table + where_table + mem_table == table_rows(want) and ratio in want
