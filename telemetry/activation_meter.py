@@ -55,8 +55,14 @@ class ActivationMeter:
             self.current += entry[0]
             self.peak_bytes = max(self.peak_bytes, self.current)
         entry[1] += 1
-        weakref.finalize(t, self._release, ptr)
-        return t
+        # hand autograd a detached alias, not `t`: a saved output returned as itself
+        # (its grad_fn included) makes a cycle through autograd's C++ graph (tensor ->
+        # node -> saved tensor) that only a backward through that node breaks; a graph
+        # dropped without one (the split backward's W skips the input-gradient nodes)
+        # would never be freed while measured
+        saved = t.detach()
+        weakref.finalize(saved, self._release, ptr)
+        return saved
 
     def _release(self, ptr):
         entry = self.live.get(ptr)
