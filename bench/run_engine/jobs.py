@@ -42,6 +42,10 @@ def run_job(ranks, threads, overrides, run_dir, timeout):
                WANDB_SILENT="true", PYTHONUNBUFFERED="1")
     for key in ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_RANK"):
         env.pop(key, None)  # an outer torchrun's variables would hijack the job's rendezvous
+    # trainer.compile: inductor's kernels cached per invocation (beside the run directories),
+    # so round 1 compiles from nothing and later rounds reuse them, whatever the machine's cache holds
+    env["TORCHINDUCTOR_CACHE_DIR"] = os.path.join(os.path.dirname(os.path.abspath(run_dir)),
+                                                  "inductor-cache")
     started = time.perf_counter()
     try:
         proc = subprocess.run(launcher + overrides + [f"trainer.run_dir={run_dir}"], cwd=run_dir,
