@@ -53,11 +53,12 @@ def test_bench_reports_the_jobs_numbers(tmp_path):
 
 
 def test_bench_reports_compilation_against_eager(tmp_path):
-    """--preset compile_scope's variants on the tiny model (aot_eager: no code generation):
+    """Per-block and whole-model compilation beside eager on the tiny model (aot_eager):
     the compilation table carries step 1's compile time as the job logged it, the loss
     against eager, and per-block against whole-model compilation."""
     out, runs = tmp_path / "out", tmp_path / "runs"
-    cmd = [sys.executable, "-m", "bench.run", "--model", "tiny", "--preset", "compile_scope",
+    cmd = [sys.executable, "-m", "bench.run", "--model", "tiny",
+           "--variants", "single,single_compiled,single_compiled_model",
            "--set", "trainer.compile_backend=aot_eager", "--rounds", "1", "--steps", str(STEPS),
            "--warmup", str(WARMUP), "--out", str(out), "--runs-dir", str(runs)]
     result = run_tree(cmd, 240, "bench.run", cwd=REPO, env=job_env())

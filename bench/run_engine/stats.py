@@ -276,8 +276,8 @@ def compile_figures(variant, mine, ok, by_round):
             "frames": last.get("compile_frames"), "recompiles": last.get("compile_recompiles"),
             "loss_rel_diff_vs_reference": loss_diff(ok, variant.name, variant.reference)
             if variant.reference else None,
-            "vs_whole_model": ratio(by_round, variant.name, "single_compiled_model")
-            if variant.name == "single_compiled" else None}
+            "vs_whole_model": ratio(by_round, variant.name, variant.name + "_model")
+            if variant.name.startswith("single") and not variant.name.endswith("_model") else None}
 
 
 def summarize(jobs, variants, params, warmup, cfg=None):

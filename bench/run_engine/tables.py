@@ -216,10 +216,11 @@ def compilation(summary):
              "`--warmup` ones never compile (compile_ms 0).",
              "- loss rel. diff vs eager: max relative per-step difference from the same layout "
              "eager over the whole job: inductor reorders floating-point sums."]
-    whole = (done.get("single_compiled") or {}).get("compile", {}).get("vs_whole_model")
-    if whole:
-        lines.append(f"- per block (`single_compiled`) against the whole model in one graph "
-                     f"(`single_compiled_model`, nanoGPT's way): {fmt_ratio(whole)} the step time.")
+    for name, v in done.items():
+        whole = v["compile"].get("vs_whole_model")
+        if whole:
+            lines.append(f"- per block (`{name}`) against the whole model in one graph "
+                         f"(`{name}_model`, nanoGPT's way): {fmt_ratio(whole)} the step time.")
     return lines
 
 

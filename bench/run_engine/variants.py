@@ -164,6 +164,14 @@ def compile_variants():
                                                  "trainer.compile_scope=model"),
                        ranks=1, threads=0, reference="single",
                        note="one process, the whole GPT compiled in one graph (nanoGPT's way)"))
+    # one thread: on a busy machine two OpenMP threads stall each other (bench/README.md),
+    # in eager kernels and inductor's alike; one thread keeps the comparison readable
+    for scope, what in (("block", "every block torch.compile'd"), ("model", "the whole GPT in one graph")):
+        out.append(Variant(f"single_1t_compiled{'_model' if scope == 'model' else ''}",
+                           ("parallel.dp=single", "trainer.compile=true",
+                            f"trainer.compile_scope={scope}"),
+                           ranks=1, threads=1, reference="single_1t",
+                           note=f"one process, one thread, {what}"))
     return out
 
 
@@ -189,7 +197,8 @@ PRESETS = {
     "compile": ["single", "single_compiled", "ddp_bucket", "ddp_bucket_compiled", "fsdp3",
                 "fsdp3_compiled", "tp", "tp_compiled", "pp_1f1b", "pp_1f1b_compiled"],
     # per-block against whole-model compilation (run with --model baby, nanoGPT's config)
-    "compile_scope": ["single", "single_compiled", "single_compiled_model"],
+    "compile_scope": ["single", "single_compiled", "single_compiled_model", "single_1t",
+                      "single_1t_compiled", "single_1t_compiled_model"],
     # (compiled variants only on request: each job pays inductor's start-up, tens of seconds)
     "all": [v.name for v in VARIANTS if v.name != "single_1t" and "compiled" not in v.name],
 }
