@@ -210,9 +210,9 @@ def compilation(summary):
                      "loss rel. diff vs eager"], rows, "lrrrrrr"),
              "", "- compiling: dynamo's capture, AOT autograd and inductor's code generation in "
              "step 1 (`compile_ms`, forward and the deferred backward), on rank 0; step 1: its "
-             "whole time. Round 1 starts with an empty inductor cache (each invocation gets its "
-             "own, `TORCHINDUCTOR_CACHE_DIR` in the runs directory); later rounds find round 1's "
-             "kernels there, as a second run on one machine would. Steps after the first "
+             "whole time. Each variant's round 1 starts with an empty inductor cache (one per variant "
+             "and invocation, `TORCHINDUCTOR_CACHE_DIR` in the runs directory); later rounds find "
+             "round 1's kernels there, as a second run on one machine would. Steps after the first "
              "`--warmup` ones never compile (compile_ms 0).",
              "- loss rel. diff vs eager: max relative per-step difference from the same layout "
              "eager over the whole job: inductor reorders floating-point sums."]

@@ -194,8 +194,9 @@ PRESETS = {
                   "ddp_bucket_reduce_bf16", "ddp_bucket_bf16_reduce_bf16", "ddp_bucket_fp16",
                   "fsdp3", "fsdp3_ckpt", "pp_1f1b", "pp_1f1b_ckpt"],
     # each compiled layout beside itself eager (run with the default model)
-    "compile": ["single", "single_compiled", "ddp_bucket", "ddp_bucket_compiled", "fsdp3",
-                "fsdp3_compiled", "tp", "tp_compiled", "pp_1f1b", "pp_1f1b_compiled"],
+    "compile": ["single", "single_compiled", "single_1t", "single_1t_compiled", "ddp_bucket",
+                "ddp_bucket_compiled", "fsdp3", "fsdp3_compiled", "tp", "tp_compiled", "pp_1f1b",
+                "pp_1f1b_compiled"],
     # per-block against whole-model compilation (run with --model baby, nanoGPT's config)
     "compile_scope": ["single", "single_compiled", "single_compiled_model", "single_1t",
                       "single_1t_compiled", "single_1t_compiled_model"],
