@@ -220,6 +220,10 @@ MODELS = {
     # 4 heads, 128 wide, 64 tokens, batch 12, no biases; nanoGPT compiles it by default
     "baby": ["model.n_layer=4", "model.n_head=4", "model.n_embd=128", "model.bias=false",
              "data.block_size=64", "trainer.batch_size=12"],
+    # wide blocks, where matmuls dominate: does inductor gain anything on this CPU? (2 layers x
+    # 512, 256 tokens, batch 8: ~6.3M parameters in the blocks)
+    "wide": ["model.n_layer=2", "model.n_head=8", "model.n_embd=512", "data.block_size=256",
+             "trainer.batch_size=8"],
     # for tests and smoke runs: seconds per job
     "tiny": ["model.n_layer=2", "model.n_head=2", "model.n_embd=32",
              "data.block_size=16", "trainer.batch_size=4"],
