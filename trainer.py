@@ -24,6 +24,7 @@ from checkpoint.resume import snapshot_location
 from checkpoint.snapshot import save_sharded
 from errors import UserError
 from launch import preemption
+from parallel.compile import compile_events
 from parallel.grid import together
 from telemetry import mfu
 from telemetry.activation_meter import ActivationMeter
@@ -61,6 +62,9 @@ class TrainerConfig:
     fp16_growth_interval: int = 2000  # fp16: steps without overflow before the scale doubles
     activation_checkpointing: bool = False  # recompute each block in backward: less memory, ~1/3 more compute
     snapshot_async: bool = False  # write snapshots in the background (checkpoint/async_snapshot.py)
+    compile: bool = False       # torch.compile each transformer block (parallel/compile.py)
+    compile_backend: str = "inductor"  # inductor | aot_eager (no code generation: tests) | eager
+    compile_scope: str = "block"  # block | model (the whole GPT in one graph: single only)
 
 
 def lr_at(step: int, t: TrainerConfig) -> float:
@@ -87,6 +91,10 @@ class Trainer:
         self.resumed_record = None  # the snapshot step's metrics record (restore())
         strategy.configure_compute(self.t)
         strategy.configure_optimizer(self.t)
+        # trainer.compile: time compiling and compilations per code object (parallel/compile.py)
+        self.compiles = compile_events() if self.t.compile else None
+        if self.compiles is not None:
+            self.compiles.pop_ms()  # this process's earlier compiles are not this run's
         # model FLOPs utilisation where the device's peak is known (never on CPU: telemetry/mfu.py)
         self.peak_flops = mfu.device_peak(grid.device, self.t.precision)
         self.flops_per_token = mfu.flops_per_token(snapshot_meta["gpt_config"])
@@ -151,12 +159,18 @@ class Trainer:
                                         self.peak_flops, g.world_size)
             if self.activations is not None:
                 record["activation_peak_mb"] = self.activations.peak_bytes / 2**20
+            if self.compiles is not None:  # compile_ms: the part of step_ms spent compiling
+                record.update(compile_ms=self.compiles.pop_ms(), **self.compiles.counts())
             self.metrics.write_files(files)
             if t.eval_every and (self.step % t.eval_every == 0 or last):
                 record["val_loss"] = self.evaluate()
+                if self.compiles is not None:  # evaluation compiles for its own mode and shape
+                    record.update(val_compile_ms=self.compiles.pop_ms(), **self.compiles.counts())
             saved = (t.save_every and self.step % t.save_every == 0) or last
             logged = t.log_every and (self.step % t.log_every == 0 or last)
-            written = logged or "val_loss" in record
+            # a step that compiled is always written: start-up cost shows in metrics.jsonl
+            written = logged or "val_loss" in record or bool(
+                record.get("compile_ms") or record.get("val_compile_ms"))
             if saved:
                 record.update(self.save(final=last, record=record if written else None))
             if written:

@@ -102,8 +102,11 @@ def main(argv=None):
         for rnd in range(1, args.rounds + 1):
             for v, ranks, threads, overrides in plan:
                 run_dir = os.path.join(runs_dir, f"r{rnd}-{v.name}")
+                # one inductor cache per variant: its round 1 compiles from nothing, later
+                # rounds reuse those kernels (as a second run on one machine would)
+                cache = os.path.join(runs_dir, f"inductor-cache-{v.name}")
                 job = {"variant": v.name, "round": rnd, "ranks": ranks, "threads": threads,
-                       **run_job(ranks, threads, overrides, run_dir, args.timeout)}
+                       **run_job(ranks, threads, overrides, run_dir, args.timeout, cache)}
                 job["ok"] = job["returncode"] == 0 and len(job["records"]) == args.steps
                 jobs.append(job)
                 ms = stats.job_median_ms(job, args.warmup) if job["ok"] else None

@@ -12,6 +12,7 @@ asks them, in the order parallelize() applies the dimensions.
 import math
 
 from errors import UserError
+from parallel.compile import refuse as refuse_compile
 from parallel.context_parallel.apply import IMPLEMENTATIONS as CP_IMPLEMENTATIONS
 from parallel.context_parallel.apply import refuse as refuse_context
 from parallel.grid import DIMS
@@ -69,7 +70,7 @@ def check_layout(cfg, world_size) -> dict:
     """Every rule for training on `world_size` ranks; returns the grid's sizes."""
     sizes = grid_sizes(cfg.parallel, world_size)
     for refuse in (refuse_tensor, refuse_context, refuse_pipeline,
-                   strategy_class(cfg.parallel).refuse):
+                   strategy_class(cfg.parallel).refuse, refuse_compile):
         message = refuse(cfg, sizes)
         if message:
             raise UserError(message)

@@ -7,7 +7,7 @@ The trainer never asks which strategy it runs. Per optimizer step it calls
     norm = strategy.clip_grad_norm_(max_norm)         # global norm, across shards
     strategy.optimizer_step(lr)                       # update, then zero grads
 
-once at start `configure_compute(tcfg)` (precision, activation checkpointing)
+once at start `configure_compute(tcfg)` (precision, compilation, activation checkpointing)
 and `configure_optimizer(tcfg)`, and for evaluation and snapshots `eval_loss`,
 `shard_pieces` / `load_shards`
 (each rank writes and reads only what it holds) and `state_dict`, all in
@@ -43,6 +43,7 @@ import torch.distributed as dist
 
 from parallel.checkpointing import checkpoint_blocks
 from parallel.comm import CommCounter
+from parallel.compile import compile_model
 from parallel.grid import derive_seed
 from parallel.placement import grad_norm_squared, load_regions, snapshot_pieces
 from parallel.precision import Precision
@@ -86,13 +87,17 @@ class Strategy:
         self.last_state_bytes = 0  # set by optimizer_step, see state_bytes()
 
     def configure_compute(self, tcfg):
-        """trainer.precision and trainer.activation_checkpointing, for every strategy:
-        autocast around each forward and the fp16 loss scaler (parallel/precision.py);
-        each transformer block recomputed in backward (parallel/checkpointing.py)."""
+        """trainer.precision, trainer.compile and trainer.activation_checkpointing, for every
+        strategy: autocast around each forward and the fp16 loss scaler
+        (parallel/precision.py); each transformer block compiled (parallel/compile.py),
+        then recomputed in backward (parallel/checkpointing.py), which wraps the compiled
+        forward, so the recompute runs compiled too."""
         self.precision = Precision(tcfg.precision, self.device, tcfg.fp16_init_scale,
                                    tcfg.fp16_growth_interval, self.grid.world_size)
         if self.pipeline is not None:
             self.pipeline.precision = self.precision
+        if tcfg.compile:
+            compile_model(self.gpt, tcfg.compile_backend, tcfg.compile_scope)
         if tcfg.activation_checkpointing:
             checkpoint_blocks(self.gpt, self.tp.random if self.tp is not None else None)
 

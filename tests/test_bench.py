@@ -52,6 +52,30 @@ def test_bench_reports_the_jobs_numbers(tmp_path):
     assert doc["variants"]["torch_ddp"]["loss_rel_diff_vs_single"] <= 1e-5
 
 
+def test_bench_reports_compilation_against_eager(tmp_path):
+    """Per-block and whole-model compilation beside eager on the tiny model (aot_eager):
+    the compilation table carries step 1's compile time as the job logged it, the loss
+    against eager, and per-block against whole-model compilation."""
+    out, runs = tmp_path / "out", tmp_path / "runs"
+    cmd = [sys.executable, "-m", "bench.run", "--model", "tiny",
+           "--variants", "single,single_compiled,single_compiled_model",
+           "--set", "trainer.compile_backend=aot_eager", "--rounds", "1", "--steps", str(STEPS),
+           "--warmup", str(WARMUP), "--out", str(out), "--runs-dir", str(runs)]
+    result = run_tree(cmd, 240, "bench.run", cwd=REPO, env=job_env())
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    doc = json.loads((out / "results.json").read_text())
+    md = (out / "results.md").read_text()
+    for name in ("single_compiled", "single_compiled_model"):
+        first = read_metrics(str(runs / f"r1-{name}"))[0]
+        got = doc["variants"][name]["compile"]
+        assert got["compile_s_per_round"] == [first["compile_ms"] / 1000] and first["compile_ms"] > 0
+        assert got["loss_rel_diff_vs_reference"] <= 1e-4, got
+        assert f"| {name} | " in md.split("## Compilation")[1]
+    assert "compile" not in doc["variants"]["single"]
+    assert doc["variants"]["single_compiled"]["compile"]["vs_whole_model"]["median"] > 0
+    assert "per block (`single_compiled`) against the whole model" in md
+
+
 def test_unknown_strategy_is_skipped_with_the_configs_reason():
     why, _ = check(["parallel.dp=no_such_strategy"], 2)
     assert "no_such_strategy" in why

@@ -76,14 +76,16 @@ def expected_schedule(n_blocks, prefetch):
     return events
 
 
+@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
 @pytest.mark.parametrize("prefetch", [True, False], ids=["prefetch", "noprefetch"])
 def test_stage3_prefetch_gathers_the_next_block_while_this_one_computes(
-        one_rank_grid, monkeypatch, prefetch):
+        one_rank_grid, monkeypatch, prefetch, compiled):
     """A spy on FlatUnit.start_gather records when each unit's all-gather really starts,
     against when each unit starts computing (forward pre-hooks and gradient hooks
     registered after fsdp's own, so they run once fsdp has waited for its gather).
     A prefetch of the wrong block, or of none, leaves the numbers unchanged and only
-    loses the overlap: this is what sees it."""
+    loses the overlap: this is what sees it. Compiled (trainer.compile, each block's
+    forward compiled), the gathers and frees around each block must not move."""
     from parallel import parallelize
     from parallel.config import ParallelConfig
     from parallel.data_parallel.fsdp_units import FREED
@@ -94,7 +96,9 @@ def test_stage3_prefetch_gathers_the_next_block_while_this_one_computes(
     model = GPT(GPTConfig(n_layer=n_blocks, n_head=2, n_embd=16, vocab_size=11, block_size=8))
     strategy = parallelize(model, one_rank_grid,
                               ParallelConfig(dp="fsdp", zero_stage=3, prefetch=prefetch))
-    strategy.configure_optimizer(TrainerConfig())
+    tcfg = TrainerConfig(compile=compiled, compile_backend="aot_eager")
+    strategy.configure_compute(tcfg)
+    strategy.configure_optimizer(tcfg)
     label = {id(u): k for k, u in enumerate(strategy.blocks)} | {id(strategy.root): "root"}
     events = []
 

@@ -33,8 +33,9 @@ def check(overrides, ranks):
         return str(e), None
 
 
-def run_job(ranks, threads, overrides, run_dir, timeout):
-    """One training job; returns its exit status, wall time, logged records and error tail."""
+def run_job(ranks, threads, overrides, run_dir, timeout, cache_dir=None):
+    """One training job; returns its exit status, wall time, logged records and error tail.
+    cache_dir: inductor's kernel cache for trainer.compile (None: beside run_dir)."""
     os.makedirs(run_dir, exist_ok=True)
     launcher = [sys.executable, MAIN] if ranks == 1 else [
         sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={ranks}", MAIN]
@@ -42,6 +43,9 @@ def run_job(ranks, threads, overrides, run_dir, timeout):
                WANDB_SILENT="true", PYTHONUNBUFFERED="1")
     for key in ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_RANK"):
         env.pop(key, None)  # an outer torchrun's variables would hijack the job's rendezvous
+    # trainer.compile: inductor's kernels in a cache of the caller's (bench.run: one per variant
+    # and invocation), so a first job compiles from nothing whatever the machine's cache holds
+    env["TORCHINDUCTOR_CACHE_DIR"] = cache_dir or os.path.join(os.path.abspath(run_dir), "inductor-cache")
     started = time.perf_counter()
     try:
         proc = subprocess.run(launcher + overrides + [f"trainer.run_dir={run_dir}"], cwd=run_dir,

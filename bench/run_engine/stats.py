@@ -274,6 +274,25 @@ def pipeline_figures(variant, ranks, recs, jobs):
             "timeline": next((j["timeline"] for j in jobs if j.get("timeline")), None)}
 
 
+def compile_figures(variant, mine, ok, by_round):
+    """trainer.compile jobs: per round, the time step 1 spent compiling and the whole
+    step 1; code objects compiled and recompiles (the last record's counts); the loss
+    against the same layout eager (its reference); per-block against whole-model
+    compilation when both ran. None for an eager variant."""
+    firsts = [j["records"][0] for j in mine if j["records"] and "compile_ms" in j["records"][0]]
+    if not firsts:
+        return None
+    last = mine[0]["records"][-1]
+    return {"compile_s_per_round": [r["compile_ms"] / 1000 for r in firsts],
+            "step1_s_per_round": [r["step_ms"] / 1000 for r in firsts],
+            "job_s_per_round": [j["seconds"] for j in mine],
+            "frames": last.get("compile_frames"), "recompiles": last.get("compile_recompiles"),
+            "loss_rel_diff_vs_reference": loss_diff(ok, variant.name, variant.reference)
+            if variant.reference else None,
+            "vs_whole_model": ratio(by_round, variant.name, variant.name + "_model")
+            if variant.name.startswith("single") and not variant.name.endswith("_model") else None}
+
+
 def summarize(jobs, variants, params, warmup, cfg=None):
     """variants: [(Variant, ranks, threads)]; failed jobs are left out of every figure.
     cfg: the jobs' config (model, data, batch), for the tensor-parallel figures."""
@@ -302,6 +321,9 @@ def summarize(jobs, variants, params, warmup, cfg=None):
             "textbook": textbook(params, ranks, v.zero_stage),
         }
         out[v.name]["pipeline"] = pipeline_figures(v, ranks, recs, mine)
+        compiled = compile_figures(v, mine, ok, by_round)
+        if compiled:
+            out[v.name]["compile"] = compiled
         # PyTorch's references communicate through torch, not our counted comm
         out[v.name]["traffic_counted"] = not any(
             o.startswith("parallel.dp=torch_") or o.endswith("_impl=torch") for o in v.overrides)

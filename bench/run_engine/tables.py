@@ -207,6 +207,38 @@ def context_parallel(summary):
             "its boolean causal mask."]
 
 
+def compilation(summary):
+    done = {n: v for n, v in summary.items() if v.get("compile")}
+    if not done:
+        return []
+    per_round = lambda xs: " / ".join(f"{x:.1f}" for x in xs)  # noqa: E731
+    rows = []
+    for name, v in done.items():
+        c, diff = v["compile"], v["compile"]["loss_rel_diff_vs_reference"]
+        rows.append([name, f"{fmt_ratio(v['vs_reference'])} vs {v['reference']}",
+                     per_round(c["compile_s_per_round"]), per_round(c["step1_s_per_round"]),
+                     per_round(c["job_s_per_round"]), f"{c['frames']} / {c['recompiles']}",
+                     "-" if diff is None else f"{diff:.1e}"])
+    lines = ["", "## Compilation (trainer.compile)", "",
+             *table(["variant", "step time vs eager", "compiling in step 1, s (by round)",
+                     "step 1, s", "whole job, s", "code objects / recompiles",
+                     "loss rel. diff vs eager"], rows, "lrrrrrr"),
+             "", "- compiling: dynamo's capture, AOT autograd and inductor's code generation in "
+             "step 1 (`compile_ms`, forward and the deferred backward), on rank 0; step 1: its "
+             "whole time. Each variant's round 1 starts with an empty inductor cache (one per variant "
+             "and invocation, `TORCHINDUCTOR_CACHE_DIR` in the runs directory); later rounds find "
+             "round 1's kernels there, as a second run on one machine would. Steps after the first "
+             "`--warmup` ones never compile (compile_ms 0).",
+             "- loss rel. diff vs eager: max relative per-step difference from the same layout "
+             "eager over the whole job: inductor reorders floating-point sums."]
+    for name, v in done.items():
+        whole = v["compile"].get("vs_whole_model")
+        if whole:
+            lines.append(f"- per block (`{name}`) against the whole model in one graph "
+                         f"(`{name}_model`, nanoGPT's way): {fmt_ratio(whole)} the step time.")
+    return lines
+
+
 def left_out(skipped, jobs):
     lines = ["", "## Skipped", "", *(f"- {n}: {why}" for n, why in skipped.items())] if skipped else []
     failed = [j for j in jobs if not j["ok"]]
@@ -230,6 +262,7 @@ def markdown(cmd, settings, summary, skipped, jobs, chart):
     lines = [*header(f"Benchmark: {s['model']} model, {s['nproc']} ranks", cmd, details, s),
              *step_time(summary), *communication(summary), *activations(summary),
              *pipelines(summary), *tensor_parallel(summary), *context_parallel(summary),
+             *compilation(summary),
              *left_out(skipped, jobs),
              "", f"![step time and traffic]({chart})" if chart else
              "(no chart: matplotlib is not installed)", ""]

@@ -147,6 +147,37 @@ def context_variants():
 
 VARIANTS += context_variants()
 
+
+
+def compile_variants():
+    """trainer.compile=true (inductor, per block) against the same layout eager, its
+    `reference`; and for single the whole GPT in one graph (nanoGPT's torch.compile(model)),
+    the bound per-block compilation is measured against (`--preset compile_scope`)."""
+    by_name = {v.name: v for v in VARIANTS}
+    out = []
+    for base in ("single", "ddp_bucket", "fsdp3", "tp", "pp_1f1b"):
+        v = by_name[base]
+        out.append(Variant(f"{base}_compiled", v.overrides + ("trainer.compile=true",), v.ranks,
+                           v.threads, reference=base, zero_stage=v.zero_stage,
+                           tensor_parallel=v.tensor_parallel,
+                           note=f"{base}, every block torch.compile'd (inductor)"))
+    out.append(Variant("single_compiled_model", ("parallel.dp=single", "trainer.compile=true",
+                                                 "trainer.compile_scope=model"),
+                       ranks=1, threads=0, reference="single",
+                       note="one process, the whole GPT compiled in one graph (nanoGPT's way)"))
+    # one thread: on a busy machine two OpenMP threads stall each other (bench/README.md),
+    # in eager kernels and inductor's alike; one thread keeps the comparison readable
+    for scope, what in (("block", "every block torch.compile'd"), ("model", "the whole GPT in one graph")):
+        out.append(Variant(f"single_1t_compiled{'_model' if scope == 'model' else ''}",
+                           ("parallel.dp=single", "trainer.compile=true",
+                            f"trainer.compile_scope={scope}"),
+                           ranks=1, threads=1, reference="single_1t",
+                           note=f"one process, one thread, {what}"))
+    return out
+
+
+VARIANTS += compile_variants()
+
 BY_NAME = {v.name: v for v in VARIANTS}
 
 # each preset starts with `single`: every ratio "vs single" needs it in the same round
@@ -169,7 +200,15 @@ PRESETS = {
     "precision": ["single", "single_bf16", "single_ckpt", "ddp_bucket", "ddp_bucket_bf16",
                   "ddp_bucket_reduce_bf16", "ddp_bucket_bf16_reduce_bf16", "ddp_bucket_fp16",
                   "fsdp3", "fsdp3_ckpt", "pp_1f1b", "pp_1f1b_ckpt"],
-    "all": [v.name for v in VARIANTS if v.name != "single_1t"],
+    # each compiled layout beside itself eager (run with the default model)
+    "compile": ["single", "single_compiled", "single_1t", "single_1t_compiled", "ddp_bucket",
+                "ddp_bucket_compiled", "fsdp3", "fsdp3_compiled", "tp", "tp_compiled", "pp_1f1b",
+                "pp_1f1b_compiled"],
+    # per-block against whole-model compilation (run with --model baby, nanoGPT's config)
+    "compile_scope": ["single", "single_compiled", "single_compiled_model", "single_1t",
+                      "single_1t_compiled", "single_1t_compiled_model"],
+    # (compiled variants only on request: each job pays inductor's start-up, tens of seconds)
+    "all": [v.name for v in VARIANTS if v.name != "single_1t" and "compiled" not in v.name],
 }
 
 # the same model, data and GLOBAL batch for every variant
@@ -184,6 +223,14 @@ MODELS = {
     # (2 layers x 128 wide, 2048 tokens, global batch 2); about half a second a step here
     "long": ["model.n_layer=2", "model.n_head=4", "model.n_embd=128",
              "data.block_size=2048", "trainer.batch_size=2"],
+    # nanoGPT's "baby GPT" (config/train_shakespeare_char.py with its CPU settings): 4 layers,
+    # 4 heads, 128 wide, 64 tokens, batch 12, no biases; nanoGPT compiles it by default
+    "baby": ["model.n_layer=4", "model.n_head=4", "model.n_embd=128", "model.bias=false",
+             "data.block_size=64", "trainer.batch_size=12"],
+    # wide blocks, where matmuls dominate: does inductor gain anything on this CPU? (2 layers x
+    # 512, 256 tokens, batch 8: ~6.3M parameters in the blocks)
+    "wide": ["model.n_layer=2", "model.n_head=8", "model.n_embd=512", "data.block_size=256",
+             "trainer.batch_size=8"],
     # for tests and smoke runs: seconds per job
     "tiny": ["model.n_layer=2", "model.n_head=2", "model.n_embd=32",
              "data.block_size=16", "trainer.batch_size=4"],

@@ -35,10 +35,15 @@ class _GatherKV(Function):
         return mine, None
 
 
+@torch.compiler.disable  # a collective: eager under trainer.compile (parallel/compile.py)
+def gather_kv(kv, cp):
+    return _GatherKV.apply(kv, cp)
+
+
 def allgather_attention(q, k, v, dropout_p, cp):
     """Causal attention of this rank's zigzag chunks against the gathered sequence."""
     length = q.size(2)
-    everyone = _GatherKV.apply(torch.stack([k, v]), cp)  # (N, 2, B, H, T/N, d)
+    everyone = gather_kv(torch.stack([k, v]), cp)  # (N, 2, B, H, T/N, d)
     positions = torch.cat([cp.positions_of(r, length) for r in range(cp.size)]).to(q.device)
     order = torch.argsort(positions)  # gathered tokens in their true order
     kv = everyone.permute(1, 2, 3, 0, 4, 5).reshape(2, q.size(0), q.size(1), -1, q.size(3))

@@ -145,6 +145,7 @@ class _RingAttention(Function):
         return (torch.cat(dq, dim=2).to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None)
 
 
+@torch.compiler.disable  # exchanges between ranks: eager under trainer.compile (parallel/compile.py)
 def ring_attention(q, k, v, dropout_p, cp):
     """Causal attention of this rank's zigzag chunks; q, k, v: (B, heads, 2c, d)."""
     return _RingAttention.apply(q, k, v, cp, dropout_p)

@@ -12,7 +12,12 @@ base they wrap); nothing of ours imports them except parallel/parallelize.py.
 
 
 def refuse_own_options(cfg, what):
-    """What every reference refuses: our gradient collectives' dtype option."""
+    """What every reference refuses: our gradient collectives' dtype option, and
+    compilation (issue 23 compiles our own strategies; the references stay the eager
+    PyTorch baseline they are measured as, and were not verified compiled)."""
+    if cfg.trainer.compile:
+        return (f"trainer.compile=true is for our own strategies: {what} is PyTorch's reference "
+                "and runs eager here (compiling it was not verified); use trainer.compile=false")
     if cfg.parallel.reduce_dtype != "fp32":
         return (f"parallel.reduce_dtype={cfg.parallel.reduce_dtype} applies to our strategies "
                 f"(ddp_naive, ddp_bucket, fsdp); {what} is PyTorch's reference and reduces in fp32")

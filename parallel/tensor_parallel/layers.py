@@ -48,11 +48,15 @@ class TPRandom:
         self.own_state = self.gen.get_state()
         self.gen.set_state(shared)
 
+    # generator states cannot be traced: under trainer.compile these run eagerly
+    # between compiled pieces (parallel/compile.py)
+    @torch.compiler.disable
     def enter_own(self):
         if self.own_state is not None and self.saved is None:
             self.saved, state = self.gen.get_state(), self.own_state
             self.gen.set_state(state)
 
+    @torch.compiler.disable
     def leave_own(self):
         if self.saved is not None:
             self.own_state = self.gen.get_state()

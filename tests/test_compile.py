@@ -1,0 +1,134 @@
+"""trainer.compile (issue 23): each transformer block compiled, under every own strategy.
+
+- tests/compile_worker.py on 2 ranks (one torchrun job for all layouts): compiled
+  against eager under the same layout, 20 steps and two evaluations: losses and
+  pre-clip gradient norms within rtol 1e-4, the same collectives every step,
+  compilations per code object bounded by the signatures it sees, and only the
+  graph breaks the collectives are marked for (backend aot_eager: dynamo's capture
+  and AOT autograd without inductor's slow code generation on this CPU);
+- through main.py: compile time and counts in metrics.jsonl (a pipeline, whose
+  evaluation batch has another shape than its micro-batches); a compiled run
+  resumed eager under another layout and the reverse, against an uninterrupted run;
+- refusals, in process: one line each, before anything runs.
+(fsdp stage 3's gather order compiled: tests/test_fsdp_units.py, `compiled` cases.)
+"""
+
+import json
+import os
+import re
+import sys
+
+import pytest
+
+from harness import REPO, assert_parity, job_env, run_metrics, run_tree, save_then_resume
+
+RTOL = 1e-4  # compilation may reorder floating-point sums (inductor does; aot_eager rarely)
+COMPILED = ["trainer.compile=true", "trainer.compile_backend=aot_eager"]
+_result = {}
+
+
+def worker():
+    if not _result:
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+               os.path.join(REPO, "tests", "compile_worker.py")]
+        out = run_tree(cmd, 400, "compile_worker", env=job_env())
+        found = re.search(r"^RESULT (.*)$", out.stdout, re.M)
+        assert out.returncode == 0 and found, \
+            f"compile_worker failed\n{out.stdout[-3000:]}\n{out.stderr[-5000:]}"
+        _result.update(json.loads(found.group(1)))
+    return _result
+
+
+# distinct (shapes, grad mode) a compiled code object meets: training and evaluation
+# (no grad); under TP the column / row layer's code runs for attention and for the MLP,
+# whose weights differ in shape, so each of those twice
+SIGNATURES = {"tp2": 4, "tp2-sp": 4, "tp2-sp-recompute-dropout": 4, "tp2-bf16": 4}
+LAYOUTS = ["single", "single-whole-model", "ddp_naive", "ddp_bucket-tinycap", "fsdp1", "fsdp2",
+           "fsdp3", "tp2", "tp2-sp", "pp2-gpipe-m4", "pp2-1f1b-m2", "pp2-interleaved-v2-m2", "cp2",
+           "fsdp3-recompute", "tp2-sp-recompute-dropout", "pp2-1f1b-m2-recompute",
+           "ddp_bucket-bf16", "tp2-bf16"]
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_compiled_matches_eager_under_the_same_layout(layout):
+    r = worker()[layout]
+    print(f"{layout}: loss {r['loss_rel_diff']:.3g}, grad norm {r['norm_rel_diff']:.3g}, eval "
+          f"{r['eval_rel_diff']:.3g}; {r['compile_frames']} code objects compiled, "
+          f"{r['compile_recompiles']} recompiles, at most {r['compile_max_per_frame']} each; "
+          f"{r['disabled_breaks']} breaks at collectives")
+    assert r["loss_rel_diff"] <= RTOL and r["norm_rel_diff"] <= RTOL, r
+    assert r["eval_rel_diff"] <= RTOL, r
+    assert r["comm_equal"], f"compilation changed the collectives of a step: {r}"
+    assert r["compile_frames"] >= 1, f"nothing was compiled: {r}"
+    assert r["frames_failed"] == 0 and not r["unexpected_breaks"], \
+        f"part of a block fell back to eager: {r}"
+    assert r["compile_max_per_frame"] <= SIGNATURES.get(layout, 2), f"recompiles: {r}"
+    if layout.startswith(("tp2", "cp2")):  # their collectives sit inside the blocks
+        assert r["disabled_breaks"] > 0, r
+
+
+def test_ddp_bucket_hooks_fire_per_bucket_while_compiled_backward_runs():
+    """A compiled block's backward is one autograd node, but its parameters' gradient
+    hooks still fire one by one: with a tiny cap every bucket but the last must start
+    its all-reduce before backward ends, and every gradient land in its bucket."""
+    r = worker()["ddp_bucket-tinycap"]
+    assert r["early_launches"] > 0 and r["grads_copied"] == 0, r
+
+
+def test_compile_time_and_recompiles_are_in_metrics(tmp_path):
+    """A 1F1B pipeline, 24 steps, evaluated every 10: its micro-batches (6 sequences)
+    and its evaluation batch (12, no grad) are two signatures, so no code object may
+    compile more than twice, and the compilation shows on step 1 (inside step_ms) and
+    on the first evaluation."""
+    records = run_metrics(tmp_path, 2, COMPILED + [
+        "parallel.dp=single", "parallel.pp=2", "parallel.microbatches=2", "trainer.max_steps=24",
+        "trainer.eval_every=10", "trainer.log_every=5"])
+    by_step = {r["step"]: r for r in records}
+    assert sorted(by_step) == [1, 5, 10, 15, 20, 24]  # step 1 written: it compiled
+    first, last = by_step[1], records[-1]
+    print(f"step 1: {first['step_ms']:.0f} ms, of which compiling {first['compile_ms']:.0f} ms; "
+          f"first evaluation compiling {by_step[10]['val_compile_ms']:.0f} ms; "
+          f"{last['compile_frames']} code objects, {last['compile_recompiles']} recompiles")
+    assert 0 < first["compile_ms"] <= first["step_ms"]
+    assert by_step[10]["val_compile_ms"] > 0 and by_step[20]["val_compile_ms"] == 0
+    assert all(r["compile_ms"] == 0 for r in records[1:])
+    assert last["compile_frames"] >= 1 and last["compile_max_per_frame"] <= 2, last
+    assert last["compile_recompiles"] <= last["compile_frames"], last
+
+
+def test_resume_between_compiled_and_eager_matches_uninterrupted_run(tmp_path):
+    """fsdp ZeRO-3 compiled on 2 ranks, resumed eager by one process; one process eager,
+    resumed compiled under tp=2: both against one uninterrupted eager run."""
+    whole = run_metrics(tmp_path, 1, ["parallel.dp=single"])
+    to_eager = save_then_resume(tmp_path, (2, ["parallel.dp=fsdp", "parallel.zero_stage=3", *COMPILED]),
+                                (1, ["parallel.dp=single"]))
+    to_compiled = save_then_resume(tmp_path, (1, ["parallel.dp=single"]),
+                                   (2, ["parallel.dp=single", "parallel.tp=2", *COMPILED]))
+    assert_parity(whole[3:], to_eager, rtol=RTOL)
+    assert_parity(whole[3:], to_compiled, rtol=RTOL)
+    assert to_compiled[0]["compile_ms"] > 0 and "compile_ms" not in to_eager[0]
+
+
+@pytest.mark.parametrize("world,overrides,says", [
+    (2, ["parallel.dp=ddp_bucket", "trainer.compile_scope=model"], "compile_scope=model"),
+    (1, ["parallel.dp=single", "trainer.compile_scope=model", "trainer.activation_checkpointing=true"],
+     "compile_scope=model"),
+    (2, ["parallel.dp=torch_ddp"], "PyTorch's reference"),
+    (2, ["parallel.dp=torch_fsdp"], "PyTorch's reference"),
+    (2, ["parallel.dp=single", "parallel.tp=2", "parallel.tp_impl=torch"], "PyTorch's reference"),
+    (1, ["parallel.dp=single", "trainer.compile_backend=cudagraphs"], "compile_backend"),
+    (2, ["parallel.dp=single", "parallel.pp=2", "parallel.pp_schedule=zb1p"], "zero-bubble split"),
+])
+def test_what_cannot_run_compiled_is_refused_with_one_line(world, overrides, says):
+    from config import load_config
+    from errors import UserError
+    with pytest.raises(UserError) as e:
+        load_config(["trainer.compile=true"] + overrides, world)
+    print(e.value)
+    assert says in str(e.value) and "\n" not in str(e.value)
+
+
+def test_compile_is_off_by_default():
+    from config import load_config
+    cfg = load_config(["parallel.dp=single"], 1)
+    assert cfg.trainer.compile is False and cfg.trainer.compile_backend == "inductor"
