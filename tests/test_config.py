@@ -77,6 +77,12 @@ def test_defaults_and_overrides():
      "parallel.allreduce=ring and parallel.tp=2 is refused on CUDA"),
     (["parallel.allreduce=ring", "parallel.pp=2", "trainer.device=cuda"], 4,
      "parallel.allreduce=ring and parallel.pp=2 is refused on CUDA"),
+    # cp's ring attention sends from autograd too; the gradient group spans dp x cp, so the
+    # ring runs (and is refused) even with parallel.dp degree 1
+    (["parallel.allreduce=ring", "parallel.cp=2", "trainer.device=cuda"], 4,
+     "parallel.allreduce=ring and parallel.cp=2 is refused on CUDA"),
+    (["parallel.allreduce=ring", "parallel.cp=2", "trainer.device=cuda"], 2,
+     "parallel.allreduce=ring and parallel.cp=2 is refused on CUDA"),
     (["parallel.reduce_dtype=fp16"], 2, "parallel.reduce_dtype must be fp32 or bf16"),
     (["parallel.dp=torch_ddp", "parallel.reduce_dtype=bf16"], 2, "PyTorch's reference and reduces in fp32"),
     (["parallel.tp_impl=torch", "parallel.tp=2", "trainer.precision=bf16"], 2, "runs in fp32"),

@@ -78,12 +78,14 @@ class DDPBucket(DDPNaive):
 
     @classmethod
     def refuse(cls, cfg, sizes):
-        """The ring's worker thread drives the dp communicator while autograd drives tp's
-        (or the pipeline's) from the training thread: on NCCL, two host threads may order
-        two communicators differently on different ranks, a documented deadlock. gloo
-        has no such rule, so CPU runs keep it (and ddp_naive's ring, in one thread)."""
-        others = [f"parallel.{d}={sizes[d]}" for d in ("tp", "pp") if sizes[d] > 1]
-        if (cfg.parallel.allreduce == "ring" and sizes["dp"] > 1 and others
+        """The ring's worker thread drives the gradient group's communicator (dp x cp)
+        while autograd drives tp's, the pipeline's or cp's ring attention from the training
+        thread: on NCCL, two host threads may order two communicators differently on
+        different ranks, a documented deadlock. gloo has no such rule, so CPU runs keep it
+        (and ddp_naive's ring, in one thread). The ring runs whenever the gradient group
+        has two ranks or more, so dp=1 with cp=2 is refused too."""
+        others = [f"parallel.{d}={sizes[d]}" for d in ("tp", "pp", "cp") if sizes[d] > 1]
+        if (cfg.parallel.allreduce == "ring" and sizes["dp"] * sizes["cp"] > 1 and others
                 and uses_cuda(cfg.trainer.device)):
             return (f"parallel.dp=ddp_bucket with parallel.allreduce=ring and {' and '.join(others)} "
                     "is refused on CUDA: the ring's thread and the training thread would drive two "
