@@ -42,6 +42,7 @@ from checkpoint.snapshot import _fs, _join, commit, prepare_step_dir, write_part
 from checkpoint.snapshot_dirs import remove_stale, step_dir_name
 from data.fs_json import read_json, write_json
 from errors import UserError
+from parallel.comm import checked_all_reduce
 
 IDLE, STAGED, WRITING, COMMITTING = "idle", "staged", "writing", "committing"
 # positions in the flag vector each rank adds to the step's all-reduce (MAX)
@@ -173,7 +174,7 @@ class AsyncSnapshots:
     def grid_all_reduce(self, values):
         flag = torch.tensor(values, dtype=torch.int64, device=self.grid.device)
         if self.grid.world_size > 1:
-            dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+            checked_all_reduce(flag, self.grid.device, op=dist.ReduceOp.MAX)
         return flag.tolist()
 
     def close(self):

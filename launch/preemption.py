@@ -31,6 +31,8 @@ import signal
 import torch
 import torch.distributed as dist
 
+from parallel.comm import checked_all_reduce
+
 EXIT_STATUS = 75
 MARKER = "preempted"  # in trainer.run_dir: this run stopped on a signal, with a snapshot
 SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
@@ -66,7 +68,7 @@ def agreed_signal(device, failed=False, extra=()):
     progress of an asynchronous snapshot (ints), in this same all-reduce."""
     flag = torch.tensor([_received, int(failed), *extra], dtype=torch.int64, device=device)
     if dist.is_initialized() and dist.get_world_size() > 1:
-        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+        checked_all_reduce(flag, device, op=dist.ReduceOp.MAX)
     values = flag.tolist()
     return int(values[0]), bool(values[1]), values[2:]
 

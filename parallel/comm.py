@@ -2,7 +2,8 @@
 how many collective calls each rank made per step and how many bytes it handed
 to them, by kind (`comm_calls`, `comm_bytes`, and `comm_<kind>_calls/bytes`).
 
-Every tensor handed to them must be on the grid's device: a CPU tensor headed for
+Every tensor handed to them must be on the grid's device (so must the tensor of
+`checked_all_reduce`, the uncounted all-reduce of the ranks' agreements): a CPU tensor headed for
 an NCCL group fails here with one clear message, on the first step, instead of
 deep inside the backend ("No backend type associated with device type cpu").
 
@@ -23,6 +24,24 @@ class WrongDevice(RuntimeError):
     """A collective was handed a tensor on another device than its process group's."""
 
 
+def check_device(kind, device, *tensors):
+    """Raise WrongDevice if any of `tensors` is not on `device` (None: unchecked)."""
+    for t in tensors:
+        if device is not None and t.device != device:
+            raise WrongDevice(f"{kind}: tensor of shape {tuple(t.shape)} is on {t.device}, but "
+                              f"the process groups work on {device}: create it with "
+                              f"device=grid.device (an NCCL group cannot send CPU tensors)")
+
+
+def checked_all_reduce(tensor, device, op=dist.ReduceOp.SUM, group=None):
+    """An all-reduce that is no training traffic and has no strategy's counter at hand
+    (the ranks' agreements: grid.all_ok, the fp16 overflow vote, the preemption and
+    asynchronous snapshot flags): device-checked like the counted ones, never counted,
+    so metrics.jsonl's comm_* figures stay the strategies' traffic."""
+    check_device("all_reduce", torch.device(device), tensor)
+    return dist.all_reduce(tensor, op=op, group=group)
+
+
 class CommCounter:
     def __init__(self, device=None):
         """device: the grid's device, which every tensor handed over must be on (None:
@@ -32,11 +51,7 @@ class CommCounter:
         self.device = None if device is None else torch.device(device)
 
     def check(self, kind, *tensors):
-        for t in tensors:
-            if self.device is not None and t.device != self.device:
-                raise WrongDevice(f"{kind}: tensor of shape {tuple(t.shape)} is on {t.device}, but "
-                                  f"the process groups work on {self.device}: create it with "
-                                  f"device=grid.device (an NCCL group cannot send CPU tensors)")
+        check_device(kind, self.device, *tensors)
 
     def record(self, kind, tensor):
         self.check(kind, tensor)

@@ -21,6 +21,7 @@ import torch
 import torch.distributed as dist
 
 from errors import UserError
+from parallel.comm import checked_all_reduce
 
 DIMS = ("dp", "pp", "cp", "tp")  # the grid's axes, slowest- to fastest-varying
 GRAD_DIMS = ("dp", "cp")         # the axes gradients are averaged over (cp ranks see other tokens)
@@ -90,7 +91,7 @@ class ProcessGrid:
     def all_ok(self, ok: bool) -> bool:
         """True on every rank iff `ok` was true on every rank (so all stop together)."""
         flag = torch.tensor([1 if ok else 0], device=self.device)
-        dist.all_reduce(flag, op=dist.ReduceOp.MIN)
+        checked_all_reduce(flag, self.device, op=dist.ReduceOp.MIN)
         return bool(flag.item())
 
     def __repr__(self):

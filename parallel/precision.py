@@ -30,6 +30,8 @@ from contextlib import nullcontext
 import torch
 import torch.distributed as dist
 
+from parallel.comm import checked_all_reduce
+
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 
 
@@ -98,7 +100,7 @@ class Precision:
         if self.world_size > 1:
             # every gradient element lives on some rank: one MAX over all of them (not
             # training traffic: uncounted, like the preemption flag)
-            dist.all_reduce(found, op=dist.ReduceOp.MAX)
+            checked_all_reduce(found, self.device, op=dist.ReduceOp.MAX)
         self.skip_step = bool(found.item())
         self.scaler.update(self.skip_step)
 

@@ -7,6 +7,9 @@
   it silently runs a computation on the host.
 - Object collectives run on the grid's gloo group (host memory), never staged
   on the GPU.
+- Every collective goes through parallel/comm.py (the strategies' counted comm, or
+  checked_all_reduce for the ranks' uncounted agreements) outside a named
+  allow-list, each entry with its reason.
 - The counted comm (parallel/comm.py) refuses a tensor on another device than
   the grid's with one clear message: handed a `meta` tensor where the grid
   works on the CPU, and a CPU tensor where it works on `meta` (a CUDA tensor
@@ -129,6 +132,97 @@ def test_object_collectives_run_on_the_host_group():
                 if not (isinstance(group, ast.Attribute) and group.attr == "host_group"):
                     offending.append(f"{path}:{node.lineno} {node.func.attr}")
     assert not offending, "object collectives off grid.host_group:\n  " + "\n  ".join(offending)
+
+
+# every torch.distributed function that communicates (tensor, object and point-to-point)
+COLLECTIVES = OBJECT_COLLECTIVES | {
+    "all_reduce", "all_reduce_coalesced", "all_gather", "all_gather_into_tensor",
+    "all_gather_single", "all_gather_coalesced", "_all_gather_base", "reduce_scatter",
+    "reduce_scatter_tensor", "reduce_scatter_single", "_reduce_scatter_base", "broadcast",
+    "_broadcast_coalesced", "reduce", "gather", "scatter", "all_to_all", "all_to_all_single",
+    "send", "recv", "isend", "irecv", "batch_isend_irecv", "barrier", "monitored_barrier"}
+
+RAW_COLLECTIVES = {  # "file:function:collective" -> why it may bypass parallel/comm.py
+    "main.py:main:barrier": "the last collective, after training: no tensor of ours (the "
+                            "group is bound to the rank's GPU by device_id)",
+    "parallel/reference/torch_tp.py:TorchTP.clip_grad_norm_:all_reduce":
+        "PyTorch's TP reference, kept as PyTorch users write it; its norm is built on "
+        "self.device",
+    "parallel/strategy.py:Strategy.state_dict:gather_object":
+        "an object collective on grid.host_group (gloo, host memory; "
+        "test_object_collectives_run_on_the_host_group)",
+    "checkpoint/snapshot.py:save_sharded:broadcast_object_list":
+        "an object collective on grid.host_group (the snapshot's id)",
+    "checkpoint/snapshot.py:save_sharded:all_gather_object":
+        "an object collective on grid.host_group (the parts' indexes for the manifest)",
+}
+
+
+def raw_collectives(path, root=REPO):
+    """[(line, collective, enclosing "Class.function")]: every `dist.<collective>` or
+    `torch.distributed.<collective>` named (called or passed), and every collective
+    imported by name from torch.distributed, in one file."""
+    with open(os.path.join(root, path)) as f:
+        tree = ast.parse(f.read(), path)
+    found = []
+
+    def is_dist(node):
+        return (isinstance(node, ast.Name) and node.id == "dist") or (
+            isinstance(node, ast.Attribute) and node.attr == "distributed"
+            and isinstance(node.value, ast.Name) and node.value.id == "torch")
+
+    def visit(node, scope):
+        for child in ast.iter_child_nodes(node):
+            if isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+                visit(child, scope + [child.name])
+                continue
+            if isinstance(child, ast.Attribute) and child.attr in COLLECTIVES and is_dist(child.value):
+                found.append((child.lineno, child.attr, ".".join(scope)))
+            if isinstance(child, ast.ImportFrom) and child.module == "torch.distributed":
+                found.extend((child.lineno, a.name, ".".join(scope)) for a in child.names
+                             if a.name in COLLECTIVES)
+            visit(child, scope)
+
+    visit(tree, [])
+    return found
+
+
+def test_every_collective_goes_through_parallel_comm_or_is_a_listed_exception():
+    """parallel/comm.py checks each tensor's device (CommCounter; checked_all_reduce for
+    the ranks' uncounted agreements): a raw dist.all_reduce of a CPU flag would reach
+    NCCL unchecked."""
+    unlisted, used = [], set()
+    for path in product_files():
+        if path == "parallel/comm.py":
+            continue
+        for line, name, scope in raw_collectives(path):
+            entry = f"{path}:{scope}:{name}"
+            if entry in RAW_COLLECTIVES:
+                used.add(entry)
+            else:
+                unlisted.append(f"{path}:{line} dist.{name} in {scope or 'module'}")
+    assert not unlisted, ("collectives outside parallel/comm.py (use the strategy's comm, or "
+                          "comm.checked_all_reduce for an uncounted agreement, or add a "
+                          "RAW_COLLECTIVES entry saying why):\n  " + "\n  ".join(unlisted))
+    stale = set(RAW_COLLECTIVES) - used
+    assert not stale, f"RAW_COLLECTIVES entries that no longer cover anything: {sorted(stale)}"
+
+
+def test_the_scan_sees_a_raw_collective(tmp_path):
+    (tmp_path / "m.py").write_text(
+        "import torch\nimport torch.distributed as dist\nfrom torch.distributed import barrier\n"
+        "def f(t, ok):\n    dist.all_reduce(t, op=dist.ReduceOp.MAX)\n"
+        "    torch.distributed.broadcast(t, 0)\n    dist.P2POp(dist.isend, t, 1)\n"
+        "    ok(t)\n    return dist.get_rank(), dist.new_group([0])\n")
+    assert raw_collectives("m.py", str(tmp_path)) == [
+        (3, "barrier", ""), (5, "all_reduce", "f"), (6, "broadcast", "f"), (7, "isend", "f")]
+
+
+def test_uncounted_agreement_refuses_a_tensor_on_another_device_and_counts_nothing():
+    from parallel.comm import WrongDevice, checked_all_reduce
+    with pytest.raises(WrongDevice, match="all_reduce: tensor of shape \\(1,\\) is on meta, but "
+                                          "the process groups work on cpu"):
+        checked_all_reduce(torch.zeros(1, device="meta"), torch.device("cpu"))
 
 
 @pytest.mark.parametrize("grid_device,tensor_device", [("cpu", "meta"), ("meta", "cpu")])
