@@ -26,13 +26,19 @@ from harness import REPO
 
 # torch functions that create a tensor and take device=; *_like copy their argument's
 # device, and from_numpy / frombuffer wrap host memory (they take no device at all)
-CONSTRUCTORS = {"tensor", "as_tensor", "zeros", "ones", "empty", "full", "arange", "linspace",
-                "logspace", "eye", "rand", "randn", "randint", "randperm", "empty_strided"}
+CONSTRUCTORS = {"tensor", "as_tensor", "asarray", "scalar_tensor", "zeros", "ones", "empty",
+                "full", "arange", "linspace", "logspace", "eye", "rand", "randn", "randint",
+                "randperm", "normal", "empty_strided", "tril_indices", "triu_indices"}
 
 HOST_ONLY = {  # a directory, a file, or "file:function" -> why its tensors stay on the host
     "data/": "the data pipeline reads and orders windows on the host; the strategy moves "
              "each micro-batch to the device",
-    "checkpoint/": "snapshots and exports are read and written through host memory",
+    "checkpoint/hf_gpt2.py:to_hf": "the export's zero biases, written to a safetensors file "
+                                   "beside the CPU tensors of the canonical state",
+    "checkpoint/snapshot.py:SnapshotReader.read_box": "the box is filled from bytes read off "
+                                                      "storage; the loader copies it to the device",
+    "checkpoint/snapshot.py:SnapshotReader.read": "an empty range, beside read_box's host "
+                                                  "tensors",
     "char_dataset.py": "the tokens and the windows cut from them live on the host",
     "main.py:generate_text": "the final sample runs on a fresh CPU model after the process "
                              "group is gone",
@@ -218,7 +224,7 @@ def test_the_scan_sees_a_raw_collective(tmp_path):
         (3, "barrier", ""), (5, "all_reduce", "f"), (6, "broadcast", "f"), (7, "isend", "f")]
 
 
-def test_uncounted_agreement_refuses_a_tensor_on_another_device_and_counts_nothing():
+def test_uncounted_agreement_refuses_a_tensor_on_another_device():
     from parallel.comm import WrongDevice, checked_all_reduce
     with pytest.raises(WrongDevice, match="all_reduce: tensor of shape \\(1,\\) is on meta, but "
                                           "the process groups work on cpu"):
