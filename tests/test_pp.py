@@ -70,6 +70,38 @@ def test_executor_batching_never_hangs_under_nccl_rules(schedule, V):
             assert sent == received, f"{schedule} P={P} M={M} V={V}: a pair's order differs"
 
 
+def old_plan(schedule, P, M, V=1):
+    """The executor's batching before the rounds (commit 94ecfab's p2p_plan.plan): each
+    action's output sent in one batch with the receive of the rank's next action's input
+    (and a first batch receiving the first action's input)."""
+    from parallel.pipeline_parallel.p2p_plan import Step
+    ranks = pp_schedules.chunk_ranks(schedule, P, V)
+    steps = []
+    for r in range(P):
+        actions = pp_schedules.build(schedule, P, M, V, r)
+        first = pp_schedules.messages(actions[0], ranks)[0] if actions else []
+        mine = [Step(None, [], first)] if first else []
+        for k, action in enumerate(actions):
+            following = pp_schedules.messages(actions[k + 1], ranks)[0] if k + 1 < len(actions) else []
+            mine.append(Step(action, pp_schedules.messages(action, ranks)[1], following))
+        steps.append(mine)
+    return steps
+
+
+def test_nccl_mode_sees_the_old_batchings_hang_that_gloo_hides():
+    """Negative control: the batching the executor had before the rounds hangs under
+    NCCL's rules for interleaved P=2, M=4, V=2 (rank 0 waits on its gradient send, rank 1
+    on a batch whose receive is in rank 0's next batch), finishes buffered (gloo), and
+    today's plan finishes under both."""
+    steps = old_plan("interleaved", 2, 4, 2)
+    sent, received = pp_simulator.simulate("interleaved", 2, 4, 2, mode="buffered", steps=steps)
+    assert sent == received
+    with pytest.raises(RuntimeError, match=r"interleaved P=2 M=4 V=2 \(nccl\) hangs"):
+        pp_simulator.simulate("interleaved", 2, 4, 2, mode="nccl", steps=steps)
+    for mode in pp_simulator.MODES:
+        pp_simulator.simulate("interleaved", 2, 4, 2, mode=mode)
+
+
 def refused(schedule, P, M, V):
     """What config.py refuses (pipeline_parallel/schedules.refuse), for P*V layers."""
     cfg = SimpleNamespace(model=SimpleNamespace(n_layer=P * V), parallel=SimpleNamespace(
