@@ -4,6 +4,8 @@ the same matrix of layouts through main.py on gloo at tiny sizes, each against
 exits 1 on any difference, crash or hang: seen by breaking a strategy on purpose,
 tests/README.md)."""
 
+import importlib.util
+import json
 import os
 import re
 
@@ -34,3 +36,46 @@ def test_gpu_smoke_passes_on_cpu(tmp_path):
             if line.split() and line.split()[0] in LAYOUTS}
     assert rows == {name: "pass" for name in LAYOUTS}, out
     assert f"{len(LAYOUTS)} of {len(LAYOUTS)} layouts pass" in out, out
+
+
+def smoke_table():
+    spec = importlib.util.spec_from_file_location(
+        "smoke_table", os.path.join(REPO, "scripts", "smoke_table.py"))
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def fake_job(out, name, status, losses=()):
+    """What gpu_smoke.sh leaves for one layout: status, log, run/metrics.jsonl."""
+    os.makedirs(os.path.join(out, name, "run"))
+    with open(os.path.join(out, name, "status"), "w") as f:
+        f.write(f"{status}\n")
+    with open(os.path.join(out, name, "log"), "w") as f:
+        f.write(f"{name} started\nlast words of {name}\n")
+    if losses:
+        with open(os.path.join(out, name, "run", "metrics.jsonl"), "w") as f:
+            for step, loss in enumerate(losses):
+                f.write(json.dumps({"step": step, "loss": loss, "grad_norm": 1.5,
+                                    "step_ms": 10.0 + step, "peak_mem_mb": 64.0}) + "\n")
+
+
+def test_the_table_fails_a_loss_difference_and_a_hang(tmp_path, capsys):
+    """The failure path of gpu_smoke.sh, in process: a loss beyond tolerance and a job
+    killed by its timeout (exit 124) are FAIL rows, their logs' last lines are printed,
+    and the exit status is 1; a layout within tolerance still passes."""
+    out = str(tmp_path)
+    fake_job(out, "single", 0, [4.0, 3.5, 3.0])
+    fake_job(out, "tp2-sp", 0, [4.0, 3.5, 3.0 * (1 + 1e-6)])
+    fake_job(out, "ddp_bucket", 0, [4.0, 3.5, 3.0 * (1 + 1e-3)])
+    fake_job(out, "pp2-gpipe", 124)
+    status = smoke_table().main(out, ["single:0", "tp2-sp:1e-5", "ddp_bucket:1e-5", "pp2-gpipe:1e-5"])
+    printed = capsys.readouterr().out
+    table = printed.split("\n----")[0]  # the table, above the failed jobs' log tails
+    rows = {line.split()[0]: line for line in table.splitlines() if line.split()}
+    assert status == 1, printed
+    assert rows["single"].endswith("pass") and rows["tp2-sp"].endswith("pass"), printed
+    assert rows["ddp_bucket"].endswith("FAIL: > 1e-05") and " 0.001 " in rows["ddp_bucket"], printed
+    assert rows["pp2-gpipe"].endswith("FAIL: hung (timeout)"), printed
+    assert "last words of ddp_bucket" in printed and "last words of pp2-gpipe" in printed, printed
+    assert "last words of tp2-sp" not in printed and "2 of 4 layouts pass" in printed, printed
