@@ -45,16 +45,25 @@ def pick_device(choice, local_rank):
     if uses_cuda(choice):
         if not torch.cuda.is_available():
             raise UserError("trainer.device=cuda but no CUDA device is available")
-        index = cuda_index(local_rank, torch.cuda.device_count())
+        index = cuda_index(local_rank, torch.cuda.device_count(),
+                           int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
         torch.cuda.set_device(index)
         return torch.device("cuda", index)
     return torch.device("cpu")
 
 
-def cuda_index(local_rank, visible):
+def cuda_index(local_rank, visible, local_world=1):
     """This rank's GPU: LOCAL_RANK when the node's ranks share its GPUs (torchrun), 0 when
     the launcher shows each task just one (srun --gpus-per-task=1: every task sees its
-    own GPU as device 0). Two ranks on one GPU would fail inside NCCL: refused here."""
+    own GPU as device 0). Two ranks on one GPU would fail inside NCCL: refused here.
+    local_world: the ranks this task's launcher started on the node (torchrun's
+    LOCAL_WORLD_SIZE), which all see the same devices: more of them than GPUs is
+    refused on every one of them (torchrun --nproc_per_node=2 on a 1-GPU box)."""
+    if local_world > visible:
+        raise UserError(f"LOCAL_WORLD_SIZE={local_world} ranks on this node but each sees "
+                        f"{visible} CUDA device{'s' if visible != 1 else ''}: two ranks would "
+                        f"share a GPU; start at most {visible} ranks per node "
+                        "(--nproc_per_node), or give each task its own GPU")
     if visible == 1:
         return 0
     if local_rank >= visible:

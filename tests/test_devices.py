@@ -265,3 +265,29 @@ def test_each_rank_picks_its_gpu_or_says_why_it_cannot():
     assert [cuda_index(r, 1) for r in range(4)] == [0, 0, 0, 0]
     with pytest.raises(UserError, match="LOCAL_RANK=5 but this task sees 4 CUDA devices"):
         cuda_index(5, 4)
+    with pytest.raises(UserError, match="LOCAL_WORLD_SIZE=4 ranks on this node but each "
+                                        "sees 1 CUDA device: two ranks would share a GPU"):
+        cuda_index(0, 1, local_world=4)
+    with pytest.raises(UserError, match="LOCAL_WORLD_SIZE=8 ranks on this node but each sees 4"):
+        cuda_index(0, 4, local_world=8)  # every rank refuses, not only those past the GPUs
+    assert cuda_index(3, 8, local_world=4) == 3
+
+
+def test_torchrun_with_more_ranks_than_the_nodes_one_gpu_is_one_line(monkeypatch):
+    """pick_device reads LOCAL_WORLD_SIZE: torchrun --nproc_per_node=2 on a one-GPU box
+    put every rank on GPU 0 and NCCL failed with its own error. CUDA faked in process."""
+    import main
+    from errors import UserError
+    current = []
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    monkeypatch.setattr(torch.cuda, "set_device", current.append)
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
+    for local_rank in (0, 1):
+        with pytest.raises(UserError, match="LOCAL_WORLD_SIZE=2 ranks on this node"):
+            main.pick_device("cuda", local_rank)
+    assert current == []  # refused before any device is touched
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "1")  # one rank per GPU: fine
+    assert main.pick_device("cuda", 0) == torch.device("cuda", 0) and current == [0]
+    monkeypatch.delenv("LOCAL_WORLD_SIZE")  # no torchrun (srun --gpus-per-task=1)
+    assert main.pick_device("auto", 0) == torch.device("cuda", 0)
