@@ -181,7 +181,7 @@ class Trainer:
                 # stop signal and the progress of a background snapshot, in one all-reduce
                 micro, data_ms, error = self._read_step(self.step)
                 signum, failed, progress = preemption.agreed_signal(
-                    g.device, failed=error is not None,
+                    g, failed=error is not None,
                     extra=self.async_snapshots.flags() if self.async_snapshots else ())
                 if self.async_snapshots:
                     self.async_snapshots.advance(progress)  # raises on a failed write

@@ -36,13 +36,11 @@ import uuid
 from concurrent.futures import ThreadPoolExecutor
 
 import torch
-import torch.distributed as dist
 
 from checkpoint.snapshot import _fs, _join, commit, prepare_step_dir, write_part
 from checkpoint.snapshot_dirs import remove_stale, step_dir_name
 from data.fs_json import read_json, write_json
 from errors import UserError
-from parallel.comm import checked_all_reduce
 
 IDLE, STAGED, WRITING, COMMITTING = "idle", "staged", "writing", "committing"
 # positions in the flag vector each rank adds to the step's all-reduce (MAX)
@@ -172,10 +170,7 @@ class AsyncSnapshots:
             self.advance(self.grid_all_reduce(self.flags()))
 
     def grid_all_reduce(self, values):
-        flag = torch.tensor(values, dtype=torch.int64, device=self.grid.device)
-        if self.grid.world_size > 1:
-            checked_all_reduce(flag, self.grid.device, op=dist.ReduceOp.MAX)
-        return flag.tolist()
+        return self.grid.max_over_ranks(values)
 
     def close(self):
         self.pool.shutdown(wait=True)

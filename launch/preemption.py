@@ -28,11 +28,6 @@ around it is in the README ("Preemption").
 
 import signal
 
-import torch
-import torch.distributed as dist
-
-from parallel.comm import checked_all_reduce
-
 EXIT_STATUS = 75
 MARKER = "preempted"  # in trainer.run_dir: this run stopped on a signal, with a snapshot
 SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
@@ -61,15 +56,13 @@ def received() -> int:
     return _received
 
 
-def agreed_signal(device, failed=False, extra=()):
-    """Collective over every rank: (the largest signal number any rank got, 0 if none;
-    whether any rank passed failed=True; the MAX over ranks of each of `extra`). The
+def agreed_signal(grid, failed=False, extra=()):
+    """Collective over every rank of `grid`: (the largest signal number any rank got, 0 if
+    none; whether any rank passed failed=True; the MAX over ranks of each of `extra`). The
     trainer has the ranks agree on a damaged read of the next step's data, and the
-    progress of an asynchronous snapshot (ints), in this same all-reduce."""
-    flag = torch.tensor([_received, int(failed), *extra], dtype=torch.int64, device=device)
-    if dist.is_initialized() and dist.get_world_size() > 1:
-        checked_all_reduce(flag, device, op=dist.ReduceOp.MAX)
-    values = flag.tolist()
+    progress of an asynchronous snapshot (ints), in this same all-reduce
+    (`grid.max_over_ranks`: device-checked, uncounted)."""
+    values = grid.max_over_ranks([_received, int(failed), *extra])
     return int(values[0]), bool(values[1]), values[2:]
 
 

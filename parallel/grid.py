@@ -88,6 +88,16 @@ class ProcessGrid:
         """The one rank that writes snapshots, metrics and logs for the whole job."""
         return self.rank == 0
 
+    def max_over_ranks(self, values):
+        """[the MAX over every rank of each of `values`] (ints): the ranks' agreements (a
+        stop signal, a damaged read, a background write's progress), made here so that
+        `launch/` and `checkpoint/` need no collective of their own. Not training traffic:
+        device-checked, never counted."""
+        flag = torch.tensor(list(values), dtype=torch.int64, device=self.device)
+        if self.world_size > 1:
+            checked_all_reduce(flag, self.device, op=dist.ReduceOp.MAX)
+        return flag.tolist()
+
     def all_ok(self, ok: bool) -> bool:
         """True on every rank iff `ok` was true on every rank (so all stop together)."""
         flag = torch.tensor([1 if ok else 0], device=self.device)

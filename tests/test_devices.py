@@ -208,7 +208,7 @@ def test_every_collective_goes_through_parallel_comm_or_is_a_listed_exception():
             else:
                 unlisted.append(f"{path}:{line} dist.{name} in {scope or 'module'}")
     assert not unlisted, ("collectives outside parallel/comm.py (use the strategy's comm, or "
-                          "comm.checked_all_reduce for an uncounted agreement, or add a "
+                          "grid.max_over_ranks or comm.checked_all_reduce for an uncounted agreement, or add a "
                           "RAW_COLLECTIVES entry saying why):\n  " + "\n  ".join(unlisted))
     stale = set(RAW_COLLECTIVES) - used
     assert not stale, f"RAW_COLLECTIVES entries that no longer cover anything: {sorted(stale)}"
