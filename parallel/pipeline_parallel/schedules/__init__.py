@@ -108,6 +108,12 @@ def refuse(cfg, sizes):
          f"parallel.pp_schedule={p.pp_schedule} splits each backward in two (B, then W), which "
          "needs the graph between them; trainer.activation_checkpointing recomputes it: use "
          "one of them"),
+        (P == 1 or not (p.pp_schedule in SCHEDULES and SCHEDULES[p.pp_schedule].split_backward
+                        and t.compile),
+         f"trainer.compile with parallel.pp_schedule={p.pp_schedule} is refused: a "
+         "compiled block's backward is one autograd node, which the zero-bubble split "
+         "(B, then W: pipeline_parallel/split_backward.py) cannot cut in two; use "
+         "pp_schedule 1f1b or interleaved with compilation"),
     ]
     return next((message for ok, message in checks if not ok), "")
 
