@@ -21,6 +21,10 @@ the same rank is handed over in memory); p2p_plan.py batches those sends and
 receives, and simulator.py runs every rank's plan against the others under gloo's
 and NCCL's rules, so tests can show a schedule never hangs and that each pair of
 ranks sends and receives messages in the same order.
+
+May import: the standard library and its own files only (pure functions of P, M, V and
+the rank: no torch, no process group). pipeline.py, p2p_plan.py, simulator.py,
+parallel/layout.py and bench import it.
 """
 
 from dataclasses import dataclass
