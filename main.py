@@ -35,7 +35,7 @@ from errors import UserError
 from launch import preemption
 from launch.exit import flush_and_exit
 from model import GPT, GPTConfig
-from parallel import parallelize
+from parallel.parallelize import parallelize
 from parallel.grid import ProcessGrid, together, uses_cuda
 from parallel.layout import grid_sizes
 from trainer import Trainer

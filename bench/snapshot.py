@@ -42,7 +42,7 @@ def worker(overrides, directory, repeats):
     from checkpoint.snapshot import open_snapshot, save_sharded
     from main import init_process_group
     from model import GPT, GPTConfig
-    from parallel import parallelize
+    from parallel.parallelize import parallelize
     from parallel.grid import ProcessGrid
     from parallel.layout import grid_sizes
 

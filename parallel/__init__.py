@@ -19,6 +19,7 @@ its subfolders, except parallelize.py and layout.py, which wire them; a
 dimension's folder imports the root's shared files and no other dimension
 (reference/ wraps data_parallel/replicated.py). Nothing here imports the
 trainer, main or config. parallel/README.md lists what a new dimension touches.
-"""
 
-from parallel.parallelize import parallelize  # noqa: F401
+This file imports nothing, so importing one shared file (parallel.grid, ...) does
+not load every dimension: callers write `from parallel.parallelize import parallelize`.
+"""

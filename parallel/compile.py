@@ -44,8 +44,10 @@ BACKENDS = ("inductor", "aot_eager", "eager")  # inductor: generated kernels; ao
 SCOPES = ("block", "model")
 
 
-def refuse(cfg, sizes):
-    """Why trainer.compile cannot run this layout, or "" (parallel/layout.py)."""
+def refuse(cfg, sizes, strategy):
+    """Why trainer.compile cannot run this layout, or "" (parallel/layout.py). strategy: the
+    data-parallel Strategy class that will run it (asked, never named). What the pipeline's
+    schedules refuse with compilation is theirs (pipeline_parallel/schedules/)."""
     t = cfg.trainer
     if not t.compile:
         return ""
@@ -53,19 +55,12 @@ def refuse(cfg, sizes):
         return f"trainer.compile_backend must be one of {', '.join(BACKENDS)}, got {t.compile_backend!r}"
     if t.compile_scope not in SCOPES:
         return f"trainer.compile_scope must be block or model, got {t.compile_scope!r}"
-    if t.compile_scope == "model" and (cfg.parallel.dp != "single" or max(sizes.values()) > 1
+    if t.compile_scope == "model" and (not strategy.compiles_whole_model or max(sizes.values()) > 1
                                        or t.activation_checkpointing):
         return ("trainer.compile_scope=model (the whole GPT in one graph, nanoGPT's way) runs with "
                 "parallel.dp=single on one process without activation checkpointing only: our "
                 "strategies hook into each block (fsdp's gathers, gradient hooks, pipeline stages, "
                 "recompute), which must stay outside the compiled code; use trainer.compile_scope=block")
-    from parallel.pipeline_parallel.schedules import SCHEDULES
-    schedule = SCHEDULES.get(cfg.parallel.pp_schedule)
-    if sizes.get("pp", 1) > 1 and schedule is not None and schedule.split_backward:
-        return (f"trainer.compile with parallel.pp_schedule={cfg.parallel.pp_schedule} is refused: a "
-                "compiled block's backward is one autograd node, which the zero-bubble split "
-                "(B, then W: pipeline_parallel/split_backward.py) cannot cut in two; use "
-                "pp_schedule 1f1b or interleaved with compilation")
     return ""
 
 

@@ -69,8 +69,9 @@ def check_keys(p):
 def check_layout(cfg, world_size) -> dict:
     """Every rule for training on `world_size` ranks; returns the grid's sizes."""
     sizes = grid_sizes(cfg.parallel, world_size)
-    for refuse in (refuse_tensor, refuse_context, refuse_pipeline,
-                   strategy_class(cfg.parallel).refuse, refuse_compile):
+    strategy = strategy_class(cfg.parallel)
+    for refuse in (refuse_tensor, refuse_context, refuse_pipeline, strategy.refuse,
+                   lambda cfg, sizes: refuse_compile(cfg, sizes, strategy)):
         message = refuse(cfg, sizes)
         if message:
             raise UserError(message)

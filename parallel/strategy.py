@@ -66,6 +66,8 @@ class Strategy:
 
     name = None                 # the registry key that picks it (parallel/parallelize.py)
     own_tensor_parallel = True  # False: a reference that parallelizes the model itself
+    compiles_whole_model = False  # True: it adds no hooks inside the model, so
+                                  # trainer.compile_scope=model may compile its whole forward
 
     @classmethod
     def refuse(cls, cfg, sizes) -> str:

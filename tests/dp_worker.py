@@ -32,7 +32,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from errors import UserError  # noqa: E402
 from launch.exit import flush_and_exit  # noqa: E402
 from model import GPT, GPTConfig  # noqa: E402
-from parallel import parallelize  # noqa: E402
+from parallel.parallelize import parallelize  # noqa: E402
 from parallel.comm import CommCounter  # noqa: E402
 from parallel.config import ParallelConfig  # noqa: E402
 from parallel.grid import ProcessGrid  # noqa: E402

@@ -39,7 +39,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from dp_worker import OneRank, report_and_exit  # noqa: E402
 from layout_worker import global_batch, gpt_config  # noqa: E402
 from model import GPT  # noqa: E402
-from parallel import parallelize  # noqa: E402
+from parallel.parallelize import parallelize  # noqa: E402
 from parallel.config import ParallelConfig  # noqa: E402
 from parallel.grid import ProcessGrid  # noqa: E402
 from trainer import TrainerConfig  # noqa: E402

@@ -55,7 +55,7 @@ def assert_same_logits(snapshot_dir, folder):
 def write_snapshot(grid, path, gpt, tokenizer, seed=0):
     """A snapshot of a freshly initialised (or given) GPT, written in this process."""
     from parallel.config import ParallelConfig
-    from parallel import parallelize
+    from parallel.parallelize import parallelize
     from trainer import TrainerConfig
     torch.manual_seed(seed)
     model = gpt if isinstance(gpt, GPT) else GPT(GPTConfig(**gpt))

@@ -86,7 +86,7 @@ def test_stage3_prefetch_gathers_the_next_block_while_this_one_computes(
     A prefetch of the wrong block, or of none, leaves the numbers unchanged and only
     loses the overlap: this is what sees it. Compiled (trainer.compile, each block's
     forward compiled), the gathers and frees around each block must not move."""
-    from parallel import parallelize
+    from parallel.parallelize import parallelize
     from parallel.config import ParallelConfig
     from parallel.data_parallel.fsdp_units import FREED
     from trainer import TrainerConfig

@@ -11,10 +11,12 @@
 - through main.py: tp=2 against `single` with the collectives in
   metrics.jsonl; resume across layouts (tp=2 -> single, single -> tp=2,
   dp=2 x tp=2 fsdp -> tp=4, and tp=2 with dropout -> tp=2); a snapshot of the
-  previous format (tests/data/snapshot-v2) resumed under tp=2; sampling from
-  a TP-trained snapshot.
+  previous format (tests/data/snapshot-v2) resumed under tp=2; one written before
+  the issue 17 redesign (tests/data/snapshot-v3) resumed with the old run's own
+  losses, bitwise; sampling from a TP-trained snapshot.
 """
 
+import json
 import os
 import shutil
 
@@ -229,3 +231,23 @@ def test_previous_snapshot_format_resumes_under_tp(tmp_path):
     resumed = read_metrics(tmp_path / "resume" / "runs" / "default")
     assert [r["step"] for r in resumed] == [4, 5, 6]
     assert_parity(reference[3:], resumed)
+
+
+def test_snapshot_written_before_the_redesign_resumes_with_its_own_losses(tmp_path):
+    """tests/data/snapshot-v3: step 3 of a 6-step tp=2 run written by the code before the
+    issue 17 redesign (commit a706b9e, tests/data/README.md), with the losses that run
+    logged for every step (snapshot-v3-metrics.jsonl). Resumed by today's code on the same
+    layout, steps 4-6 (loss, grad_norm, and step 6's val_loss) are the old run's, bitwise."""
+    data = os.path.join(REPO, "tests", "data")
+    snapshot = tmp_path / "snapshot"
+    shutil.copytree(os.path.join(data, "snapshot-v3"), snapshot)
+    assert open_snapshot(str(snapshot)).meta["format_version"] == 3
+    result = run_job(tmp_path / "resume", 2, LAYOUTS["tp2"][1] + [
+        "model.n_embd=16", "trainer.eval_every=3", f"trainer.snapshot_path={snapshot}"])
+    assert result.returncode == 0, result.stderr[-3000:]
+    resumed = read_metrics(tmp_path / "resume" / "runs" / "default")
+    with open(os.path.join(data, "snapshot-v3-metrics.jsonl")) as f:
+        old = [json.loads(line) for line in f]
+    fields = ("step", "loss", "grad_norm", "lr", "val_loss")
+    assert [{k: r.get(k) for k in fields} for r in resumed] == \
+        [{k: r.get(k) for k in fields} for r in old[3:]]

@@ -149,8 +149,11 @@ def cp_allgather_textbook(cfg, params, cp, n):
 
 def cp_kv_bytes(cfg, cp, n):
     """One rank's keys and values of one micro-batch in one layer: 2 x rows x T/cp x
-    width x 4 bytes, rows = batch / (dp x grad_accum), dp = n / cp."""
-    rows = cfg.trainer.batch_size // (n // cp * cfg.trainer.grad_accum)
+    width x 4 bytes, rows = batch / (dp x grad_accum), dp: the grid's for cp on n ranks."""
+    from parallel.config import ParallelConfig
+    from parallel.layout import grid_sizes
+    dp = grid_sizes(ParallelConfig(cp=cp), n)["dp"]
+    rows = cfg.trainer.batch_size // (dp * cfg.trainer.grad_accum)
     return 2 * rows * (cfg.data.block_size // cp) * cfg.model.n_embd * 4
 
 
@@ -236,6 +239,16 @@ def pipeline_shape(variant, ranks):
     return {"P": ranks, "M": int(keys.get("parallel.microbatches", 1)),
             "V": int(keys.get("parallel.pp_virtual_stages", 1)),
             "schedule": keys.get("parallel.pp_schedule", "1f1b")}
+
+
+def variant_sizes(variant, ranks):
+    """The grid's {dimension: degree} of a variant on `ranks` ranks: its parallel.<dim>
+    overrides, the data-parallel degree as parallel/layout.grid_sizes computes it."""
+    from parallel.config import ParallelConfig
+    from parallel.layout import MODEL_DIMS, grid_sizes
+    keys = dict(o.split("=", 1) for o in variant.overrides)
+    return grid_sizes(ParallelConfig(**{d: int(keys.get(f"parallel.{d}", 1)) for d in MODEL_DIMS}),
+                      ranks)
 
 
 def context_degree(variant):
@@ -334,7 +347,7 @@ def summarize(jobs, variants, params, warmup, cfg=None):
             impl = context_impl(v)
             out[v.name]["textbook"] = CP_TEXTBOOKS[impl](cfg, params, cp, ranks)
             # the same ranks splitting the batch instead: beside the reference, when it ran
-            out[v.name]["context_parallel"] = {"cp": cp, "dp": ranks // cp, "impl": impl,
+            out[v.name]["context_parallel"] = {"cp": cp, "dp": variant_sizes(v, ranks)["dp"], "impl": impl,
                                                "vs_ddp_bucket": ratio(by_round, v.name, "ddp_bucket")}
         if v.tensor_parallel and cfg is not None and params:
             layout = tp_parameters(cfg, ranks)

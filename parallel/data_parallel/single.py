@@ -8,6 +8,7 @@ class Single(ReplicatedStrategy):
     """The whole global batch on one data-parallel rank (split into grad_accum micro-batches)."""
 
     name = "single"
+    compiles_whole_model = True  # no communication, no hooks: the GPT's forward is all it runs
 
     @classmethod
     def refuse(cls, cfg, sizes):

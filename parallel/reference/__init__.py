@@ -6,8 +6,10 @@ against one of them (parity and speed) in the same run, on the same model and da
     torch_tp.py    DTensor parallelize_module       parallel.tp_impl=torch
     torch_pp.py    torch.distributed.pipelining     parallel.pp_impl=torch
 
-They may import parallel/'s shared files and data_parallel/replicated.py (the
-base they wrap); nothing of ours imports them except parallel/parallelize.py.
+May import: parallel/'s root files (model_plan), data_parallel/replicated.py (the
+base they wrap) and data_parallel/single.py (its one-rank message), each other (this
+file's shared refusals, torch_ddp's), checkpoint/canonical.py, and torch. Nothing of
+ours imports them except parallel/parallelize.py.
 """
 
 

@@ -21,6 +21,10 @@ the same rank is handed over in memory); p2p_plan.py batches those sends and
 receives, and simulator.py runs every rank's plan against the others under gloo's
 and NCCL's rules, so tests can show a schedule never hangs and that each pair of
 ranks sends and receives messages in the same order.
+
+May import: the standard library and its own files only (pure functions of P, M, V and
+the rank: no torch, no process group). pipeline.py, p2p_plan.py, simulator.py,
+parallel/layout.py and bench import it.
 """
 
 from dataclasses import dataclass
@@ -108,6 +112,12 @@ def refuse(cfg, sizes):
          f"parallel.pp_schedule={p.pp_schedule} splits each backward in two (B, then W), which "
          "needs the graph between them; trainer.activation_checkpointing recomputes it: use "
          "one of them"),
+        (P == 1 or not (p.pp_schedule in SCHEDULES and SCHEDULES[p.pp_schedule].split_backward
+                        and t.compile),
+         f"trainer.compile with parallel.pp_schedule={p.pp_schedule} is refused: a "
+         "compiled block's backward is one autograd node, which the zero-bubble split "
+         "(B, then W: pipeline_parallel/split_backward.py) cannot cut in two; use "
+         "pp_schedule 1f1b or interleaved with compilation"),
     ]
     return next((message for ok, message in checks if not ok), "")
 
