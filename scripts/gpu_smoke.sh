@@ -9,14 +9,19 @@
 #   bash scripts/gpu_smoke.sh          # 2 GPUs, nccl; activations above NCCL's buffering
 #   bash scripts/gpu_smoke.sh --cpu    # 2 CPU processes, gloo, tiny sizes (tests/test_gpu_smoke.py)
 #   SMOKE_LAYOUTS="single pp2-zbv" bash scripts/gpu_smoke.sh --cpu   # only those layouts
+#   bash scripts/gpu_smoke.sh [--cpu] --list   # print each row's processes and main.py
+#                                                # arguments, run nothing (tests check them)
 #
 # Every job writes under a fresh temporary directory (printed), never into the checkout.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 
 MODE=gpu
-[[ "${1:-}" == "--cpu" ]] && MODE=cpu
-OUT=$(mktemp -d "${TMPDIR:-/tmp}/gpu_smoke.XXXXXX")
+LIST=0
+for arg in "$@"; do
+  [[ $arg == "--cpu" ]] && MODE=cpu
+  [[ $arg == "--list" ]] && LIST=1
+done
 export OMP_NUM_THREADS=1
 if [[ $MODE == cpu ]]; then
   SIZE=(trainer.device=cpu model.n_layer=4 model.n_head=2 model.n_embd=32 data.block_size=16
@@ -53,6 +58,15 @@ MATRIX=(
   "cp2|2|$RTOL|parallel.dp=ddp_bucket parallel.cp=2"
 )
 
+if [[ $LIST == 1 ]]; then  # name|processes|main.py arguments, one row a line
+  for row in "${MATRIX[@]}"; do
+    IFS='|' read -r name nproc rtol overrides <<<"$row"
+    echo "$name|$nproc|${COMMON[*]} $overrides"
+  done
+  exit 0
+fi
+
+OUT=$(mktemp -d "${TMPDIR:-/tmp}/gpu_smoke.XXXXXX")
 echo "gpu_smoke ($MODE): jobs under $OUT"
 ROWS=()
 for row in "${MATRIX[@]}"; do
