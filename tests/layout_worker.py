@@ -159,6 +159,9 @@ CASES = {
              clip=0.0),
         Case("cp2pp2-fsdp2-interleaved-v2-m2", "fsdp", cp=2, pp=2,
              parallel=pp("interleaved", 2, 2, zero_stage=2), n_layer=4),
+        Case("cp2pp2-ddp_bucket-zb1p-m2", "ddp_bucket", cp=2, pp=2, parallel=pp("zb1p", 2)),
+        Case("cp2pp2-fsdp1-zbv-m2", "fsdp", cp=2, pp=2, parallel=pp("zbv", 2, zero_stage=1),
+             n_layer=4),
     ],
     8: [
         Case("dp2pp2tp2-ddp_bucket-1f1b-m2-accum2", "ddp_bucket", dp=2, pp=2, tp=2,
