@@ -94,6 +94,9 @@ CASES = {
         Case("cp2-fsdp3", "fsdp", cp=2, parallel={"zero_stage": 3}),
         Case("cp2-allgather-ddp_bucket-accum2", "ddp_bucket", cp=2, parallel={"cp_impl": "allgather"},
              accum=2),
+        # PyTorch's data-parallel references average over dp x cp too (grid.grad_group)
+        Case("cp2-torch_ddp", "torch_ddp", cp=2),
+        Case("cp2-torch_fsdp-vocab65", "torch_fsdp", cp=2, vocab=65),
     ],
     4: [
         Case("tp4-vocab50", tp=4, vocab=50),

@@ -1,10 +1,10 @@
 """Context parallelism (parallel.cp): every sequence split over ranks, attention as a ring.
 
 - tests/layout_worker.py: every cp layout (cp 2 and 4, with ddp_naive, ddp_bucket native
-  and ring, fsdp 1-3, tp with and without sequence parallelism, every pipeline schedule:
-  gpipe, 1f1b, interleaved, zb1p, zbv; the 4-D dp2 x cp2 x tp2 on 8 ranks) against a
-  single-process replica: per-step losses and pre-clip gradient norms within rtol 1e-5,
-  and under a pipeline the tied embedding's two copies bitwise equal;
+  and ring, fsdp 1-3, torch_ddp, torch_fsdp, tp with and without sequence parallelism,
+  every pipeline schedule: gpipe, 1f1b, interleaved, zb1p, zbv; the 4-D dp2 x cp2 x tp2
+  on 8 ranks) against a single-process replica: per-step losses and pre-clip gradient
+  norms within rtol 1e-5, and under a pipeline the tied embedding's two copies bitwise equal;
 - through main.py: cp2 against `single` including the final validation loss; a
   dropout run that resumes exactly; resume across layouts, optimizer state included;
   mode=sample from a cp snapshot; a block size the zigzag cannot cut refused;
