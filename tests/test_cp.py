@@ -5,6 +5,7 @@
   every pipeline schedule: gpipe, 1f1b, interleaved, zb1p, zbv; the 4-D dp2 x cp2 x tp2
   on 8 ranks) against a single-process replica: per-step losses and pre-clip gradient
   norms within rtol 1e-5, and under a pipeline the tied embedding's two copies bitwise equal;
+  with dropout, cp ranks drawing their own masks (no generator state on two ranks);
 - through main.py: cp2 against `single` including the final validation loss; a
   dropout run that resumes exactly; resume across layouts, optimizer state included;
   mode=sample from a cp snapshot; a block size the zigzag cannot cut refused;
@@ -32,6 +33,19 @@ def test_cp_layout_matches_single_process(world, name):
     if r["pp"] > 1 and r["parallel"]["pp_schedule"] != "zbv":  # zbv: both ends on rank 0, one copy
         assert r["tied_equal"] and all(r["tied_equal"]), \
             f"the first and last stage's copies of the tied embedding differ: {r['tied_equal']}"
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_cp_ranks_draw_their_own_dropout_masks(world):
+    """cp ranks hold other tokens of the same sequences: seeded alike, rank 1 would draw
+    rank 0's masks (embedding, residual, MLP, and the ring's attention blocks) at every
+    call site. No generator state may be met on two ranks or at two call sites."""
+    r = layout_worker_result(world)["random"]["cp"]
+    assert len(set(r["calls_per_rank"])) == 1 and r["calls_per_rank"][0] > 0, r
+    print(f"cp{world}: {r['calls_per_rank'][0]} calls a rank, "
+          f"{sum(r['same_across_cp'])} shared across ranks, {r['states_met_twice']} met twice")
+    assert not any(r["same_across_cp"]), r
+    assert r["states_met_twice"] == 0, r
 
 
 @pytest.mark.parametrize("N", [1, 2, 3, 4, 8])
