@@ -6,9 +6,9 @@
   on 8 ranks) against a single-process replica: per-step losses and pre-clip gradient
   norms within rtol 1e-5, and under a pipeline the tied embedding's two copies bitwise equal;
   with dropout, cp ranks drawing their own masks (no generator state on two ranks);
-- through main.py: cp2 against `single` including the final validation loss; a
-  dropout run that resumes exactly; resume across layouts, optimizer state included;
-  mode=sample from a cp snapshot; a block size the zigzag cannot cut refused;
+- through main.py: cp2 x pp2 with accumulation against `single` including the final
+  validation loss; a dropout run that resumes exactly; resume across layouts, optimizer
+  state included; mode=sample from a cp snapshot; a block size the zigzag cannot cut refused;
 - the balanced split, in process: each rank computes exactly the unmasked blocks of
   its chunks, and all ranks the same amount of work.
 """
@@ -77,13 +77,18 @@ LAYOUTS = {
     "cp2": (2, ["parallel.dp=ddp_bucket", "parallel.cp=2"]),
     "dp2tp2": (4, ["parallel.dp=ddp_bucket", "parallel.tp=2"]),
     "cp2tp2": (4, ["parallel.dp=fsdp", "parallel.zero_stage=2", "parallel.cp=2", "parallel.tp=2"]),
+    "cp2pp2": (4, ["parallel.dp=ddp_bucket", "parallel.cp=2", "parallel.pp=2",
+                   "parallel.microbatches=2"]),
 }
 
 
-def test_cp2_through_main_matches_single_with_validation(tmp_path):
+def test_cp2_pp2_through_main_matches_single_with_validation(tmp_path):
+    """A composition through main.py, with accumulation: training losses, grad norms and
+    the final validation loss (evaluated through the pipeline on each rank's zigzag
+    chunks, averaged over dp x cp) against single's."""
     evaluate = ["trainer.eval_every=6"]
     ref = run_metrics(tmp_path, 1, LAYOUTS["single"][1] + evaluate)
-    got = run_metrics(tmp_path, 2, LAYOUTS["cp2"][1] + ["trainer.grad_accum=2"] + evaluate)
+    got = run_metrics(tmp_path, 4, LAYOUTS["cp2pp2"][1] + ["trainer.grad_accum=2"] + evaluate)
     assert_parity(ref, got)
     diff = abs(ref[-1]["val_loss"] - got[-1]["val_loss"]) / ref[-1]["val_loss"]
     print(f"val_loss {ref[-1]['val_loss']:.7f} vs {got[-1]['val_loss']:.7f}: rel diff {diff:.2g}")
