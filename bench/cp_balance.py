@@ -218,7 +218,7 @@ def main(argv=None):
     env = report.environment(load_before)
     details = [f"q, k, v of ({args.batch} sequences, {args.heads} heads, {args.seq} // cp tokens, "
                f"{args.head_dim} per head) per rank, views of one qkv projection as in the model, "
-               "fp32, one thread; median of {args.repeats} "
+               f"fp32, one thread; median of {args.repeats} "
                "repeats; c = seq / (2 cp) tokens per chunk",
                "measured: forward and backward of our ring attention (ring_attention.py's autograd "
                "Function) for each rank's blocks, communication replaced by a stand-in that returns "

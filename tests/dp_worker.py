@@ -35,7 +35,7 @@ from model import GPT, GPTConfig  # noqa: E402
 from parallel.parallelize import parallelize  # noqa: E402
 from parallel.comm import CommCounter  # noqa: E402
 from parallel.config import ParallelConfig  # noqa: E402
-from parallel.grid import ProcessGrid  # noqa: E402
+from parallel.grid import DIMS, ProcessGrid  # noqa: E402
 from parallel.data_parallel.ring import RingRunner, ring_all_reduce  # noqa: E402
 from trainer import TrainerConfig  # noqa: E402
 
@@ -97,12 +97,19 @@ def global_batch(step):
 
 
 class OneRank:
-    """Just enough of a ProcessGrid for a single-process reference replica."""
-    dp_size = pp_size = cp_size = tp_size = grad_size = world_size = 1
-    dp_rank = pp_rank = cp_rank = tp_rank = grad_rank = rank = 0
-    sizes = {"dp": 1, "pp": 1, "cp": 1, "tp": 1}
+    """Just enough of a ProcessGrid for a single-process reference replica: every
+    dimension of grid.DIMS of size 1 (`<dim>_size`, `<dim>_rank`), so a new dimension
+    needs no line here."""
+    grad_size = world_size = 1
+    grad_rank = rank = 0
+    sizes = {d: 1 for d in DIMS}
     is_main = True
     device = torch.device("cpu")
+
+
+for _dim in DIMS:
+    setattr(OneRank, f"{_dim}_size", 1)
+    setattr(OneRank, f"{_dim}_rank", 0)
 
 
 def check_train(grid, dp, allreduce, cap, accum):

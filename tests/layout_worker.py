@@ -1,4 +1,4 @@
-"""Test-only worker for tensor and pipeline parallelism, under torchrun (gloo), 2/4/8 ranks.
+"""Test-only worker for tensor, context and pipeline parallelism, under torchrun (gloo), 2/4/8 ranks.
 
     python -m torch.distributed.run --standalone --nproc_per_node=W tests/layout_worker.py
 
@@ -15,8 +15,8 @@ global batch) that it trains itself:
   layouts with the textbook counts);
 - the final canonical parameters (state_dict(), gathered) against the replica's.
 Then the random streams under dropout (RNG): a digest of the generator state
-at every Dropout module and at every attention call, per TP rank, and at
-every Dropout of every stage of a pipeline.
+at every Dropout module and at every attention call, per TP rank and per CP
+rank, and at every Dropout of every stage of a pipeline.
 
 The worker only measures and reports (rank 0 prints `RESULT <json>`), so all
 ranks always reach the same collectives and a wrong result cannot hang.
@@ -94,6 +94,9 @@ CASES = {
         Case("cp2-fsdp3", "fsdp", cp=2, parallel={"zero_stage": 3}),
         Case("cp2-allgather-ddp_bucket-accum2", "ddp_bucket", cp=2, parallel={"cp_impl": "allgather"},
              accum=2),
+        # PyTorch's data-parallel references average over dp x cp too (grid.grad_group)
+        Case("cp2-torch_ddp", "torch_ddp", cp=2),
+        Case("cp2-torch_fsdp-vocab65", "torch_fsdp", cp=2, vocab=65),
     ],
     4: [
         Case("tp4-vocab50", tp=4, vocab=50),
@@ -159,6 +162,9 @@ CASES = {
              clip=0.0),
         Case("cp2pp2-fsdp2-interleaved-v2-m2", "fsdp", cp=2, pp=2,
              parallel=pp("interleaved", 2, 2, zero_stage=2), n_layer=4),
+        Case("cp2pp2-ddp_bucket-zb1p-m2", "ddp_bucket", cp=2, pp=2, parallel=pp("zb1p", 2)),
+        Case("cp2pp2-fsdp1-zbv-m2", "fsdp", cp=2, pp=2, parallel=pp("zbv", 2, zero_stage=1),
+             n_layer=4),
     ],
     8: [
         Case("dp2pp2tp2-ddp_bucket-1f1b-m2-accum2", "ddp_bucket", dp=2, pp=2, tp=2,
@@ -344,19 +350,54 @@ def check_pipeline_streams():
             "states_on_two_stages": sum(len(v) > 1 for v in stages_of.values())}
 
 
+def check_cp_streams():
+    """Generator state at every Dropout and every attention call (the ring draws its
+    masks' seed from the default generator) of a cp group of all ranks, with dropout
+    on: cp ranks hold other tokens, so a state met on two ranks, or at two call sites,
+    is one mask drawn for other tokens."""
+    world = dist.get_world_size()
+    grid = ProcessGrid({"cp": world}, torch.device("cpu"))
+    torch.manual_seed(7)
+    model = GPT(gpt_config(64, dropout=0.1))
+    strategy = parallelize(model, grid, ParallelConfig(dp="ddp_naive", cp=world))
+    strategy.configure_optimizer(TrainerConfig())
+    seen = []
+    for m in model.modules():
+        if isinstance(m, torch.nn.Dropout):
+            m.register_forward_pre_hook(lambda mod, args: seen.append(digest()))
+        if hasattr(m, "attend"):
+            m.attend = (lambda attend: lambda *a: (seen.append(digest()), attend(*a))[1])(m.attend)
+    for step in range(2):
+        x, y = global_batch(step, 64)
+        strategy.reseed(step * 1009)
+        strategy.forward_backward([(x, y)])
+        strategy.optimizer_step(1e-3)
+    everyone = [None] * world
+    dist.all_gather_object(everyone, seen)
+    sites = {}
+    for rank, states in enumerate(everyone):
+        for i, d in enumerate(states):
+            sites.setdefault(d, set()).add((rank, i))
+    return {"calls_per_rank": [len(s) for s in everyone],
+            "same_across_cp": [len({s[i] for s in everyone}) < world for i in range(len(seen))],
+            "states_met_twice": sum(len(v) > 1 for v in sites.values())}
+
+
 def main():
     torch.set_num_threads(1)
     dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=60))
     world = dist.get_world_size()
     result = {"cases": {}, "random": {}}
-    only = os.environ.get("LAYOUT_ONLY")  # debugging aid: cases whose name contains it
+    # debugging aid: cases whose name contains it; LAYOUT_ONLY=random: the random streams only
+    only = os.environ.get("LAYOUT_ONLY")
     for case in CASES[world]:
         if not only or only in case.name:
             result["cases"][case.name] = check_case(case)
-    if world in (2, 4) and not only:  # the random streams of a TP group of all ranks
+    if world in (2, 4) and only in (None, "", "random"):  # streams of a TP / PP / CP group of all ranks
         for sp in (False, True):
             result["random"][f"sp={sp}"] = check_random_streams(sp)
         result["random"]["pp"] = check_pipeline_streams()
+        result["random"]["cp"] = check_cp_streams()
     dist.barrier()
     if dist.get_rank() == 0:
         print("RESULT " + json.dumps(result), flush=True)

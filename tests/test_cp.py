@@ -1,12 +1,14 @@
 """Context parallelism (parallel.cp): every sequence split over ranks, attention as a ring.
 
 - tests/layout_worker.py: every cp layout (cp 2 and 4, with ddp_naive, ddp_bucket native
-  and ring, fsdp 1-3, tp with and without sequence parallelism, every pipeline schedule,
-  the 4-D dp2 x cp2 x tp2 on 8 ranks) against a single-process
-  replica: per-step losses and pre-clip gradient norms within rtol 1e-5;
-- through main.py: cp2 against `single` including the final validation loss; a
-  dropout run that resumes exactly; resume across layouts, optimizer state included;
-  mode=sample from a cp snapshot; a block size the zigzag cannot cut refused;
+  and ring, fsdp 1-3, torch_ddp, torch_fsdp, tp with and without sequence parallelism,
+  every pipeline schedule: gpipe, 1f1b, interleaved, zb1p, zbv; the 4-D dp2 x cp2 x tp2
+  on 8 ranks) against a single-process replica: per-step losses and pre-clip gradient
+  norms within rtol 1e-5, and under a pipeline the tied embedding's two copies bitwise equal;
+  with dropout, cp ranks drawing their own masks (no generator state on two ranks);
+- through main.py: cp2 x pp2 with accumulation against `single` including the final
+  validation loss; a dropout run that resumes exactly; resume across layouts, optimizer
+  state included; mode=sample from a cp snapshot; a block size the zigzag cannot cut refused;
 - the balanced split, in process: each rank computes exactly the unmasked blocks of
   its chunks, and all ranks the same amount of work.
 """
@@ -28,6 +30,22 @@ def test_cp_layout_matches_single_process(world, name):
     print(f"{name}: loss {r['loss_rel_diff']:.2g}, grad norm {r['norm_rel_diff']:.2g}, "
           f"params {r['param_max_abs_diff']:.2g}")
     assert_layout_matches(r)
+    if r["pp"] > 1 and r["parallel"]["pp_schedule"] != "zbv":  # zbv: both ends on rank 0, one copy
+        assert r["tied_equal"] and all(r["tied_equal"]), \
+            f"the first and last stage's copies of the tied embedding differ: {r['tied_equal']}"
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_cp_ranks_draw_their_own_dropout_masks(world):
+    """cp ranks hold other tokens of the same sequences: seeded alike, rank 1 would draw
+    rank 0's masks (embedding, residual, MLP, and the ring's attention blocks) at every
+    call site. No generator state may be met on two ranks or at two call sites."""
+    r = layout_worker_result(world)["random"]["cp"]
+    assert len(set(r["calls_per_rank"])) == 1 and r["calls_per_rank"][0] > 0, r
+    print(f"cp{world}: {r['calls_per_rank'][0]} calls a rank, "
+          f"{sum(r['same_across_cp'])} shared across ranks, {r['states_met_twice']} met twice")
+    assert not any(r["same_across_cp"]), r
+    assert r["states_met_twice"] == 0, r
 
 
 @pytest.mark.parametrize("N", [1, 2, 3, 4, 8])
@@ -59,13 +77,18 @@ LAYOUTS = {
     "cp2": (2, ["parallel.dp=ddp_bucket", "parallel.cp=2"]),
     "dp2tp2": (4, ["parallel.dp=ddp_bucket", "parallel.tp=2"]),
     "cp2tp2": (4, ["parallel.dp=fsdp", "parallel.zero_stage=2", "parallel.cp=2", "parallel.tp=2"]),
+    "cp2pp2": (4, ["parallel.dp=ddp_bucket", "parallel.cp=2", "parallel.pp=2",
+                   "parallel.microbatches=2"]),
 }
 
 
-def test_cp2_through_main_matches_single_with_validation(tmp_path):
+def test_cp2_pp2_through_main_matches_single_with_validation(tmp_path):
+    """A composition through main.py, with accumulation: training losses, grad norms and
+    the final validation loss (evaluated through the pipeline on each rank's zigzag
+    chunks, averaged over dp x cp) against single's."""
     evaluate = ["trainer.eval_every=6"]
     ref = run_metrics(tmp_path, 1, LAYOUTS["single"][1] + evaluate)
-    got = run_metrics(tmp_path, 2, LAYOUTS["cp2"][1] + ["trainer.grad_accum=2"] + evaluate)
+    got = run_metrics(tmp_path, 4, LAYOUTS["cp2pp2"][1] + ["trainer.grad_accum=2"] + evaluate)
     assert_parity(ref, got)
     diff = abs(ref[-1]["val_loss"] - got[-1]["val_loss"]) / ref[-1]["val_loss"]
     print(f"val_loss {ref[-1]['val_loss']:.7f} vs {got[-1]['val_loss']:.7f}: rel diff {diff:.2g}")
