@@ -1,11 +1,15 @@
 """Bad input in a real 2-rank torchrun job: one clear error naming the file on every
-rank, a non-zero exit, no hang (run_job's timeout), and no snapshot touched."""
+rank, a non-zero exit, no hang (run_job's timeout), and no snapshot touched. Damaged
+snapshots whose damage the reader's opening finds (as every rank's does) are checked
+in process after three of them have gone through the whole job."""
 
 import json
 import shutil
 
 import pytest
 
+from checkpoint.snapshot import check_model_shape, open_snapshot
+from errors import UserError
 from harness import our_frames, run_job
 
 
@@ -101,15 +105,11 @@ def damage(snap, how):
     return snap
 
 
+# through a real 2-rank job (every rank says it, exit status, snapshot untouched): a part
+# found damaged on opening, a manifest the model check refuses, a config that differs
 @pytest.mark.parametrize("how,overrides,needle", [
     ("truncated part", [], "truncated"),
-    ("missing part", [], "missing"),
-    ("part from another version", [], "another version"),
-    ("garbage manifest", [], "corrupt or truncated"),
     ("manifest of another shape", [], "another shape"),
-    ("latest.json leads outside", [], "must not lead outside"),
-    ("manifest names a part outside", [], "must not lead outside"),
-    (None, ["model.n_embd=48"], "another shape"),
     (None, ["trainer.batch_size=24"], "batch_size"),
 ])
 def test_bad_snapshot(tmp_path, good_snapshot, how, overrides, needle):
@@ -120,6 +120,37 @@ def test_bad_snapshot(tmp_path, good_snapshot, how, overrides, needle):
     result = run_job(tmp_path / "job", 2, [f"trainer.snapshot_path={snap}", *overrides], timeout=120)
     assert_clean_failure(result, needle, str(broken))
     assert tree_bytes(snap) == before  # nothing overwritten, nothing lost
+
+
+# the other damages are found by the same opening every rank does (SnapshotReader checks
+# versions, names, parts and sizes before any tensor is read), so in process: the one
+# message, naming the damaged file, and nothing written
+@pytest.mark.parametrize("how,needle", [
+    ("missing part", "missing"),
+    ("part from another version", "another version"),
+    ("garbage manifest", "corrupt or truncated"),
+    ("latest.json leads outside", "must not lead outside"),
+    ("manifest names a part outside", "must not lead outside"),
+])
+def test_bad_snapshot_is_refused_on_opening(tmp_path, good_snapshot, how, needle):
+    snap = tmp_path / "snap"
+    shutil.copytree(good_snapshot, snap)
+    broken = damage(snap, how)
+    before = tree_bytes(snap)
+    with pytest.raises(UserError) as refused:
+        open_snapshot(str(snap))
+    assert needle in str(refused.value) and str(broken) in str(refused.value), refused.value
+    assert "\n" not in str(refused.value)
+    assert tree_bytes(snap) == before
+
+
+def test_snapshot_of_another_model_shape_is_refused(good_snapshot):
+    """trainer.snapshot_path of a model with another n_embd than the config's (the same
+    check as the damaged manifest of another shape, run above on 2 ranks)."""
+    snap = open_snapshot(str(good_snapshot))
+    config = dict(snap.meta["gpt_config"], n_embd=48)
+    with pytest.raises(UserError, match="another shape.*n_embd: snapshot 32 vs config 48"):
+        check_model_shape(str(good_snapshot), snap.meta["gpt_config"], config)
 
 
 def test_bad_config_under_torchrun(tmp_path):
