@@ -105,6 +105,8 @@ class Stage:
     tied_across: bool    # the tied embedding's gradient is summed with another rank
     params: tuple        # census Params this rank holds, in named_parameters() order
     blocks_params: tuple  # per held block: its Params (fsdp units)
+    n_chunks: int        # chunks of the whole pipeline (P x V)
+    chunk_blocks: dict   # chunk -> its block indices
 
 
 def stage(w: Workload, L: Layout, p: int) -> Stage:
@@ -126,16 +128,19 @@ def _stage(w, tp, pp, schedule, V, p):
     per_block = tuple(tuple(q for q in held if q.name.startswith(plan.block_prefix(b))) for b in blocks)
     first, has_last = 0 in mine, last in mine
     return Stage(mine, {c: len(layout[c]) for c in mine}, first, has_last,
-                 pp > 1 and ranks[0] != ranks[-1] and (first or has_last), held, per_block)
+                 pp > 1 and ranks[0] != ranks[-1] and (first or has_last), held, per_block,
+                 len(ranks), {c: layout[c] for c in mine})
 
 
 # ------------------------------------------------------------------ fsdp's flat units
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=False)  # cached by identity with its stage
 class Unit:
     params: tuple  # Params laid end to end, decayed first (FlatUnit's order)
     numel: int
     shard: int     # S: ceil(numel / N)
+    touching: int  # this rank's pipeline chunks whose backward reaches it (1 without a pipeline)
+    block: bool    # a transformer block's unit (not the root or the tied embedding's)
 
 
 def units(st: Stage, L: Layout, N: int):
@@ -150,12 +155,16 @@ def _units(st, pipeline, N):
     root = [q for q in st.params if q.name not in in_blocks]
     own = [[q] for q in root if q.name == plan.TIED] if pipeline else []
     root = [q for q in root if not (own and q.name == plan.TIED)]
+    chunk_prefixes = [tuple(plan.chunk_prefixes(range(0), c == 0, c == st.n_chunks - 1))
+                      + tuple(plan.block_prefix(b) for b in st.chunk_blocks[c]) for c in st.chunks]
     out = []
-    for names in [list(b) for b in st.blocks_params] + own + [root]:
+    blocks = [list(b) for b in st.blocks_params]
+    for i, names in enumerate(blocks + own + [root]):
         if names:
             ordered = tuple(sorted(names, key=lambda q: q.group))
             n = sum(q.numel for q in ordered)
-            out.append(Unit(ordered, n, -(-n // N)))
+            touching = sum(any(q.name.startswith(pre) for q in ordered) for pre in chunk_prefixes)
+            out.append(Unit(ordered, n, -(-n // N), touching if pipeline else 1, i < len(blocks)))
     return tuple(out)
 
 
@@ -281,15 +290,10 @@ def comm_by_dim(w: Workload, L: Layout, p: int, r: int) -> dict:
                 add("dp", "reduce_scatter", full)
                 add("dp", "all_gather", full)
             elif L.zero_stage == 2:  # every backward through the unit, per chunk touching it
-                touching = sum(any(q.name.startswith(tuple(plan.chunk_prefixes(
-                    chunk_blocks(w.n_layer, L.pp * L.V)[c], c == 0, c == L.pp * L.V - 1)))
-                    for q in u.params) for c in st.chunks) if L.pp > 1 else 1
-                add("dp", "reduce_scatter", full * passes * touching)
+                add("dp", "reduce_scatter", full * passes * u.touching)
                 add("dp", "all_gather", full)
             else:  # forward gathers every unit, backward the blocks again (resharded)
-                is_block = any(u.params == tuple(sorted(b, key=lambda q: q.group))
-                               for b in st.blocks_params)
-                add("dp", "all_gather", L.grad_accum * full * (2 if is_block else 1))
+                add("dp", "all_gather", L.grad_accum * full * (2 if u.block else 1))
                 add("dp", "reduce_scatter", L.grad_accum * full)
     elif N > 1:
         add("dp", "all_reduce", sum(q.numel for q in st.params) * F32)
@@ -326,7 +330,9 @@ def block_activations(w: Workload, L: Layout, rows: int):
     residual = 2 * n * C * F32 // s + 4 * n * F32 // s   # both LayerNorms' inputs and statistics
     lin_in = 2 * n * C * (e if w.precision != "fp32" else F32)  # c_attn's, c_fc's inputs (gathered)
     split = n * C * e * (3 + 1 + 4 + 4) // t              # q|k|v, attention out, c_fc out, GELU out
-    weights = lin_in + n * C * e * (1 + 4) // t           # what W needs: the linears' inputs
+    # what a split backward's W keeps until it runs: the linears' inputs, and a LayerNorm's
+    # input with both LayerNorms' statistics (measured: tests/test_planner.py)
+    weights = lin_in + n * C * e * (1 + 4) // t + n * C * F32 // s + 4 * n * F32 // s
     return residual + lin_in + split + heads_t * F32, weights
 
 
@@ -352,18 +358,25 @@ def activation_bytes(w: Workload, L: Layout, p: int) -> int:
             for c in st.chunks}
     if L.pp == 1:
         return size[0]
-    keep = {c: st.layers[c] * w_part + (rows * (w.block // L.cp) * w.n_embd * F32
-                                        if c == last_chunk else 0) for c in st.chunks}
+    n = rows * (w.block // L.cp)
+    keep = {c: st.layers[c] * w_part + (n * w.n_embd * F32 if c == last_chunk else 0)
+            + (8 * n + 8 * (w.block // L.cp) if c == 0 else 0) for c in st.chunks}
     split = SCHEDULES[L.schedule].split_backward
     live = peak = 0
-    for kind, c, _ in build(L.schedule, L.pp, L.M, L.V, p):
+    last_b, pending = None, 0  # split backward: the rank's latest B; what it still holds
+    for kind, c, m in build(L.schedule, L.pp, L.M, L.V, p):
         if kind == "F":
             live += size[c]
             peak = max(peak, live)
-        elif kind == "B":
-            live -= size[c] - (keep[c] if split else 0)
-        else:
-            live -= keep[c]
+        elif kind == "B" and not split:
+            live -= size[c]
+        elif kind == "B":  # retains the graph for W; releases the previous B's hold
+            live -= pending
+            last_b, pending = (c, m), 0
+        else:  # W frees the graph; what it needed stays while its B is the rank's latest
+            held = keep[c] if last_b == (c, m) else 0  # (measured: tests/test_planner.py)
+            live -= size[c] - held
+            pending += held
     return peak
 
 
@@ -372,19 +385,15 @@ def activation_bytes(w: Workload, L: Layout, p: int) -> int:
 def rank_figures(w: Workload, L: Layout) -> dict:
     """The fullest rank's figures (most state + activation bytes), named as metrics.jsonl
     names them, plus per-stage detail for the time model."""
-    best, stages = None, []
+    best = None
     for p in range(L.pp):
         acts = activation_bytes(w, L, p)
         for r in fsdp_candidate_ranks(w, L, p):
             state = state_bytes(w, L, p, r)
-            comm = comm_bytes(w, L, p, r)
-            fig = {"pp_rank": p, "dp_rank": r, "state_bytes": state, "activation_bytes": acts,
-                   "comm": comm}
             if best is None or state + acts > best["state_bytes"] + best["activation_bytes"]:
-                best = fig
-            if r == 0:
-                stages.append(fig)
-    return {"fullest": best, "stages": stages}
+                best = {"pp_rank": p, "dp_rank": r, "state_bytes": state, "activation_bytes": acts}
+    best["comm"] = comm_bytes(w, L, best["pp_rank"], best["dp_rank"])
+    return {"fullest": best}
 
 
 def metrics_names(fig) -> dict:
