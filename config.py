@@ -20,6 +20,7 @@ from model import ModelConfig
 from parallel.config import ParallelConfig
 from parallel.layout import check_keys, check_layout
 from data.prepare import PrepareConfig
+from planner.config import PlanConfig
 from trainer import TrainerConfig
 
 DEFAULT_YAML = os.path.join(os.path.dirname(os.path.abspath(__file__)), "gpt2_train_cfg.yaml")
@@ -48,7 +49,7 @@ class ExportConfig:
 
 @dataclass
 class Config:
-    mode: str = "train"     # train | sample | export | prepare
+    mode: str = "train"     # train | sample | export | prepare | plan
     model: ModelConfig = field(default_factory=ModelConfig)
     data: DataConfig = field(default_factory=DataConfig)
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
@@ -57,6 +58,7 @@ class Config:
     sample: SampleConfig = field(default_factory=SampleConfig)
     export: ExportConfig = field(default_factory=ExportConfig)
     prepare: PrepareConfig = field(default_factory=PrepareConfig)
+    plan: PlanConfig = field(default_factory=PlanConfig)
 
 
 def load_config(overrides, world_size: int, yaml_path: str = DEFAULT_YAML) -> Config:
@@ -107,8 +109,8 @@ def _first_line(e):
 def validate(cfg: Config, world_size: int):
     m, d, t, p = cfg.model, cfg.data, cfg.trainer, cfg.parallel
     checks = [
-        (cfg.mode in ("train", "sample", "export", "prepare"),
-         f"mode must be train, sample, export or prepare, got {cfg.mode!r}"),
+        (cfg.mode in ("train", "sample", "export", "prepare", "plan"),
+         f"mode must be train, sample, export, prepare or plan, got {cfg.mode!r}"),
         (cfg.mode != "export" or bool(cfg.export.path),
          "mode=export needs export.path=DIR: the Hugging Face GPT-2 folder to write"),
         (t.precision in ("fp32", "bf16", "fp16"),
@@ -157,7 +159,7 @@ def validate(cfg: Config, world_size: int):
         if not ok:
             raise UserError(message)
     check_keys(p)
-    if cfg.mode in ("sample", "export", "prepare"):  # one process: the layout does not matter
+    if cfg.mode in ("sample", "export", "prepare", "plan"):  # the layout of this job does not matter
         return
     check_layout(cfg, world_size)  # parallel/layout.py: the grid, and each dimension's rules
 

@@ -5,6 +5,7 @@
     python main.py mode=sample sample.prompt="KING:"
     python main.py mode=export export.path=DIR     # a Hugging Face GPT-2 folder (checkpoint/export.py)
     python main.py mode=prepare data.path=SRC data.tokens_path=DST   # token shards
+    python main.py mode=plan plan.nodes=8 plan.gpus_per_node=8 plan.gpu=H100-80GB  # layouts
 
 Every failure a user can fix is a UserError: printed as one line on every
 rank, exit status 2. SIGTERM or SIGUSR1 (a cluster preempting the job) stops
@@ -38,6 +39,7 @@ from model import GPT, GPTConfig
 from parallel.parallelize import parallelize
 from parallel.grid import ProcessGrid, together, uses_cuda
 from parallel.layout import grid_sizes
+from planner.report import plan
 from trainer import Trainer
 
 
@@ -195,6 +197,10 @@ def main(argv, rank, world_size, local_rank):
     if cfg.mode in ("sample", "prepare"):  # one process (prepare runs its own pool)
         if rank == 0:
             (sample if cfg.mode == "sample" else prepare)(cfg)
+        return
+    if cfg.mode == "plan":  # no process group, no device: predictions only (planner/)
+        if rank == 0:
+            plan(cfg)
         return
     if cfg.mode == "export":
         if rank == 0:

@@ -1,0 +1,67 @@
+"""GPU presets for mode=plan: memory, peak FLOP/s and the two links a group can cross.
+
+Peak FLOP/s are telemetry/mfu.py's table (dense tensor-core figures from the vendors'
+data sheets), so the planner assumes the peaks the runs report MFU against. Memory
+and links, per GPU:
+
+- A100 SXM 40/80 GB: NVIDIA A100 Tensor Core GPU data sheet (2021): NVLink 3 at
+  600 GB/s per GPU, both directions together, so 300 GB/s each way; DGX A100 user
+  guide: 8 x 200 Gb/s HDR InfiniBand for 8 GPUs = 25 GB/s per GPU to other nodes.
+- H100 SXM 80 GB: NVIDIA H100 Tensor Core GPU data sheet (2023): NVLink 4 at 900 GB/s
+  both ways (450 each way); DGX H100 user guide: 8 x 400 Gb/s NDR ConnectX-7 for 8
+  GPUs = 50 GB/s per GPU to other nodes.
+- L4 24 GB: NVIDIA L4 data sheet (2023): no NVLink, PCIe Gen4 x16 at 64 GB/s both
+  ways (32 each way); Google Cloud g2-standard-96 (8 L4): 100 Gb/s of network per
+  machine = 1.56 GB/s per GPU.
+- V100 SXM2 32 GB: NVIDIA V100 data sheet (2020): NVLink 2 at 300 GB/s both ways
+  (150 each way); DGX-1 user guide: 4 x 100 Gb/s EDR InfiniBand for 8 GPUs =
+  6.25 GB/s per GPU. No bf16 units (fp16 only).
+
+Every figure can be overridden by its own key (`plan.gpu_memory_gb`, ...): a cluster
+with another network is one override away.
+"""
+
+from dataclasses import dataclass
+
+from errors import UserError
+from telemetry.mfu import peak_flops
+
+
+@dataclass(frozen=True)
+class Machine:
+    name: str
+    memory_gb: float            # per GPU, GB (1e9 bytes)
+    peak: dict                  # precision -> FLOP/s (a precision missing: no units for it)
+    intra_node_gbps: float      # GB/s each way, GPU to GPU in one node
+    inter_node_gbps: float      # GB/s each way, GPU to another node
+
+
+def _peaks(model_name):
+    return {p: peak_flops(model_name, p) for p in ("bf16", "fp16", "fp32")
+            if peak_flops(model_name, p)}
+
+
+PRESETS = {m.name: m for m in [
+    Machine("A100-40GB", 40, _peaks("A100"), 300, 25),
+    Machine("A100-80GB", 80, _peaks("A100"), 300, 25),
+    Machine("H100-80GB", 80, _peaks("H100"), 450, 50),
+    Machine("L4", 24, _peaks("L4"), 32, 1.5625),
+    Machine("V100-32GB", 32, _peaks("V100"), 150, 6.25),
+]}
+
+
+def machine(pcfg) -> Machine:
+    """The preset `plan.gpu` names, with each `plan.*` override that is set (non-zero)."""
+    if pcfg.gpu not in PRESETS:
+        raise UserError(f"plan.gpu={pcfg.gpu!r} is not a preset: one of {', '.join(PRESETS)} "
+                        "(or the nearest one with plan.gpu_memory_gb, plan.peak_bf16_tflops, "
+                        "plan.peak_fp32_tflops, plan.intra_node_gbps, plan.inter_node_gbps)")
+    m = PRESETS[pcfg.gpu]
+    peak = dict(m.peak)
+    if pcfg.peak_bf16_tflops:
+        peak["bf16"] = pcfg.peak_bf16_tflops * 1e12
+    if pcfg.peak_fp32_tflops:
+        peak["fp32"] = pcfg.peak_fp32_tflops * 1e12
+    return Machine(m.name, pcfg.gpu_memory_gb or m.memory_gb, peak,
+                   pcfg.intra_node_gbps or m.intra_node_gbps,
+                   pcfg.inter_node_gbps or m.inter_node_gbps)

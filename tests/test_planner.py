@@ -1,0 +1,160 @@
+"""The planner (mode=plan, planner/) against real runs, and the command itself.
+
+- tests/planner_worker.py trains a matrix of real layouts under torchrun on 2 and 4
+  ranks (ddp_bucket, fsdp stages 1-3, tp with and without sequence parallelism, every
+  pipeline schedule, cp, checkpointing, and compositions of dp, tp, pp and cp): for
+  every rank, the planner's state bytes and bytes per collective kind equal what the
+  run counts (exactly), and its activation bytes are within 10% of the meter's.
+- `python main.py mode=plan` on a laptop-sized job: no process group, seconds, the
+  table and `plan.out` JSON; bad input is one line and exit status 2.
+"""
+
+import json
+import os
+import re
+import subprocess
+import sys
+
+import pytest
+
+from harness import REPO, job_env, run_tree
+from planner_worker import BATCH, BLOCK, CASES, N_EMBD, N_HEAD
+from planner.predict import Layout, Workload, activation_bytes, comm_bytes, state_bytes
+
+_results = {}
+
+
+def worker_result(world):
+    """tests/planner_worker.py's RESULT on `world` ranks, once per session."""
+    if world not in _results:
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
+               f"--nproc_per_node={world}", os.path.join(REPO, "tests", "planner_worker.py")]
+        out = run_tree(cmd, 300, f"planner_worker on {world} ranks", env=job_env())
+        found = re.search(r"^RESULT (.*)$", out.stdout, re.M)
+        assert out.returncode == 0 and found, \
+            f"planner_worker failed\n{out.stdout[-3000:]}\n{out.stderr[-5000:]}"
+        _results[world] = json.loads(found.group(1))
+    return _results[world]
+
+
+def planned(world, name):
+    fields, n_layer, vocab = CASES[world][name]
+    w = Workload(n_layer=n_layer, n_head=N_HEAD, n_embd=N_EMBD, vocab=vocab, block=BLOCK,
+                 batch=BATCH)
+    return w, Layout(**fields)
+
+
+ALL = [(world, name) for world in CASES for name in CASES[world]]
+
+
+@pytest.mark.parametrize("world,name", ALL, ids=[n for _, n in ALL])
+def test_planner_equals_what_the_run_counts(world, name):
+    """Per rank: state bytes and each collective kind's bytes exactly; activations
+    within 10% of the meter's peak."""
+    w, L = planned(world, name)
+    ranks = worker_result(world)[name]
+    for got in ranks:
+        p, r = got["coords"]["pp"], got["grad_rank"]
+        comm = {k[len("comm_"):-len("_bytes")]: v for k, v in got["comm"].items()
+                if k.endswith("_bytes") and k != "comm_bytes" and v}
+        assert comm_bytes(w, L, p, r) == comm, f"rank {got['rank']}: planned vs counted"
+        act = activation_bytes(w, L, p)
+        measured = got["activation_peak_bytes"]
+        print(f"{name} rank {got['rank']}: activations planned {act} measured {measured} "
+              f"({act / measured:.3f}x)")
+        assert abs(act / measured - 1) <= 0.10, (act, measured)
+    # state_bytes in metrics.jsonl is the max over ranks (Strategy.state_bytes)
+    planned_max = max(state_bytes(w, L, got["coords"]["pp"], got["grad_rank"]) for got in ranks)
+    assert {got["state_bytes"] for got in ranks} == {planned_max}
+
+
+@pytest.mark.parametrize("ckpt", [False, True], ids=["plain", "checkpointed"])
+def test_planner_equals_one_process_counts(ckpt):
+    """In this process (no group): `single`'s state bytes exactly, its activations within
+    10%, with and without activation checkpointing."""
+    import torch
+    from dp_worker import OneRank
+    from model import GPT, GPTConfig
+    from parallel import parallelize
+    from parallel.config import ParallelConfig
+    from telemetry.activation_meter import ActivationMeter
+    from trainer import TrainerConfig
+    torch.manual_seed(0)
+    gpt = GPT(GPTConfig(n_layer=2, n_head=N_HEAD, n_embd=N_EMBD, vocab_size=65, block_size=BLOCK))
+    strategy = parallelize(gpt, OneRank(), ParallelConfig(dp="single"))
+    tcfg = TrainerConfig(activation_checkpointing=ckpt)
+    strategy.configure_compute(tcfg)
+    strategy.configure_optimizer(tcfg)
+    data = torch.randint(0, 65, (BATCH, BLOCK + 1))
+    meter = ActivationMeter()
+    with meter:
+        strategy.forward_backward([(data[:, :-1], data[:, 1:])])
+    strategy.optimizer_step(1e-3)
+    w = Workload(n_layer=2, n_head=N_HEAD, n_embd=N_EMBD, vocab=65, block=BLOCK, batch=BATCH)
+    L = Layout(ckpt=ckpt)
+    assert state_bytes(w, L, 0, 0) == strategy.last_state_bytes
+    assert abs(activation_bytes(w, L, 0) / meter.peak_bytes - 1) <= 0.10
+
+
+def test_census_is_the_models_parameters_under_tp():
+    """planner/census.py's per-rank parameters are the benchmark's TP split (stats.tp_parameters,
+    the placements TP gives rank 0) and the model's own count without TP."""
+    from types import SimpleNamespace
+    from bench.run_engine import stats
+    from model import ModelConfig
+    from planner.census import census
+    cfg = SimpleNamespace(model=ModelConfig(n_layer=2, n_head=4, n_embd=32),
+                          data=SimpleNamespace(tokenizer="char", path="", block_size=16))
+    vocab = stats.meta_gpt(cfg).config.vocab_size
+    shape = (2, 4, 32, vocab, 16, True)
+    assert sum(q.numel for q in census(shape, 1)) == stats.count_params(cfg)
+    split = stats.tp_parameters(cfg, 2)
+    got = census(shape, 2)
+    assert sum(q.numel for q in got if q.replicated) == split["replicated"]
+    assert sum(q.numel for q in got if not q.replicated) == split["split"]
+
+
+def plan_command(tmp_path, *overrides, timeout=120):
+    cmd = [sys.executable, os.path.join(REPO, "main.py"), "mode=plan", *overrides]
+    return run_tree(cmd, timeout, f"mode=plan {overrides}", cwd=str(tmp_path), env=job_env())
+
+
+def test_plan_command_ranks_layouts_and_writes_every_one(tmp_path):
+    """GPT-2 small's shape on 2 nodes of 8 A100s: no torchrun, no process group, seconds;
+    the table, and plan.out's objects carry a run's config keys and metrics.jsonl's names,
+    and the first one passes the rules a training run checks."""
+    out = tmp_path / "plan.json"
+    result = plan_command(tmp_path, "config=" + os.path.join(REPO, "configs", "gpt2-124m.yaml"),
+                          "plan.nodes=2", "plan.gpus_per_node=8", "plan.gpu=A100-40GB",
+                          "trainer.precision=bf16", f"plan.out={out}", "plan.top=5")
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    lines = result.stdout.splitlines()
+    assert any(ln.split()[:2] == ["rank", "layout"] for ln in lines), result.stdout
+    assert "fastest" in result.stdout and "run the first: parallel.dp=" in result.stdout
+    seconds = float(re.search(r"planned in ([\d.]+) s", result.stdout).group(1))
+    assert seconds < 60, seconds
+    items = json.loads(out.read_text())
+    assert items[0]["rank"] == 1 and items[0]["fits"]
+    for key in ("parallel.dp", "parallel.tp", "parallel.pp", "parallel.cp", "trainer.grad_accum",
+                "trainer.activation_checkpointing", "state_bytes", "comm_bytes",
+                "activation_peak_mb", "step_ms"):
+        assert key in items[0], key
+    assert all(o["comm_bytes"] == sum(v for k, v in o.items() if re.fullmatch(r"comm_\w+_bytes", k)
+                                      and k != "comm_bytes") for o in items)
+    from config import load_config
+    overrides = [f"{k}={str(v).lower() if isinstance(v, bool) else v}" for k, v in items[0].items()
+                 if k.startswith(("parallel.", "trainer."))]
+    load_config(["config=" + os.path.join(REPO, "configs", "gpt2-124m.yaml")] + overrides, 16)
+
+
+@pytest.mark.parametrize("overrides,message", [
+    (["plan.gpu=B200"], "plan.gpu='B200' is not a preset"),
+    (["model.n_layer=48", "model.n_head=25", "model.n_embd=1600", "plan.gpus_per_node=1",
+      "plan.gpu=L4", "plan.gpu_memory_gb=16"], "no layout fits in 16 GB per GPU on 1 GPUs"),
+    (["plan.nodes=0"], "plan.nodes=0 and plan.gpus_per_node=8 must be >= 1"),
+], ids=["unknown-gpu", "does-not-fit", "no-nodes"])
+def test_plan_bad_input_is_one_line_and_status_2(tmp_path, overrides, message):
+    result = plan_command(tmp_path, *overrides)
+    assert result.returncode == 2, result.stdout[-2000:] + result.stderr[-2000:]
+    assert result.stderr.strip().splitlines() == [result.stderr.strip()]
+    assert message in result.stderr and result.stderr.startswith("error: "), result.stderr
