@@ -24,7 +24,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from dp_worker import report_and_exit  # noqa: E402
 from model import GPT, GPTConfig  # noqa: E402
-from parallel import parallelize  # noqa: E402
+from parallel.parallelize import parallelize  # noqa: E402
 from parallel.config import ParallelConfig  # noqa: E402
 from parallel.grid import ProcessGrid  # noqa: E402
 from telemetry.activation_meter import ActivationMeter  # noqa: E402

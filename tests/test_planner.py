@@ -75,7 +75,7 @@ def test_planner_equals_one_process_counts(ckpt):
     import torch
     from dp_worker import OneRank
     from model import GPT, GPTConfig
-    from parallel import parallelize
+    from parallel.parallelize import parallelize
     from parallel.config import ParallelConfig
     from telemetry.activation_meter import ActivationMeter
     from trainer import TrainerConfig
