@@ -246,6 +246,7 @@ def assert_layout_matches(r):
     """A layout_worker case: the single-process run, step by step, to fp32 tolerance."""
     assert r["loss_rel_diff"] <= 1e-5, r
     assert r["norm_rel_diff"] <= 1e-5, r
+    assert r["eval_rel_diff"] <= 1e-5, r  # validation loss of the trained model
     assert all(r["replicated_equal"]), f"replicated tensors differ across TP ranks: {r}"
     assert r["shapes_canonical"], "state_dict() must hold single-device names and shapes only"
     # AdamW's first steps move every element by about lr (3e-3) whatever its gradient's size,

@@ -179,6 +179,8 @@ CASES = {
              parallel=pp("zbv", 4, zero_stage=2, sequence_parallel=True), n_layer=4, clip=0.0),
         Case("dp2cp2tp2-ddp_bucket-sp-accum2", "ddp_bucket", dp=2, cp=2, tp=2,
              parallel={"sequence_parallel": True}, vocab=65, accum=2),
+        Case("cp2pp2tp2-fsdp1-1f1b-m2", "fsdp", cp=2, pp=2, tp=2,
+             parallel=pp("1f1b", 2, zero_stage=1)),
     ],
 }
 
@@ -262,6 +264,12 @@ def check_case(case):
         out["tied_equal"].append(tied_equal(strategy))
     out["replicated_equal"] = on_every_rank(out["replicated_equal"])
     out["tied_equal"] = on_every_rank(out["tied_equal"])
+    # the validation loss of the trained model on a batch it never saw (as the trainer
+    # asks it: this rank's data-parallel share in, the global batch's mean out)
+    x, y = global_batch(STEPS, case.vocab)
+    mine = slice(grid.dp_rank * per_rank, (grid.dp_rank + 1) * per_rank)
+    val, ref_val = strategy.eval_loss(x[mine], y[mine]), ref.eval_loss(x, y)
+    out["eval_rel_diff"] = abs(val - ref_val) / abs(ref_val)
     state = strategy.state_dict()
     if grid.is_main:
         ref_state = dict(ref.module.named_parameters())

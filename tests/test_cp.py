@@ -27,7 +27,7 @@ CP_CASES = [(world, case.name) for world in CASES for case in CASES[world] if ca
 @pytest.mark.parametrize("world,name", CP_CASES, ids=[n for _, n in CP_CASES])
 def test_cp_layout_matches_single_process(world, name):
     r = layout_worker_result(world)["cases"][name]
-    print(f"{name}: loss {r['loss_rel_diff']:.2g}, grad norm {r['norm_rel_diff']:.2g}, "
+    print(f"{name}: loss {r['loss_rel_diff']:.2g}, grad norm {r['norm_rel_diff']:.2g}, val loss {r['eval_rel_diff']:.2g}, "
           f"params {r['param_max_abs_diff']:.2g}")
     assert_layout_matches(r)
     if r["pp"] > 1 and r["parallel"]["pp_schedule"] != "zbv":  # zbv: both ends on rank 0, one copy

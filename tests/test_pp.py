@@ -208,7 +208,7 @@ PP_CASES = [(world, case.name) for world in CASES for case in CASES[world]
 @pytest.mark.parametrize("world,name", PP_CASES, ids=[n for _, n in PP_CASES])
 def test_pp_layout_matches_single_process(world, name):
     r = layout_worker_result(world)["cases"][name]
-    print(f"{name}: loss {r['loss_rel_diff']:.3g}, grad norm {r['norm_rel_diff']:.3g}, "
+    print(f"{name}: loss {r['loss_rel_diff']:.3g}, grad norm {r['norm_rel_diff']:.3g}, val loss {r['eval_rel_diff']:.3g}, "
           f"final parameters {r['param_max_abs_diff']:.3g}")
     assert_layout_matches(r)
     if r["parallel"]["pp_schedule"] == "zbv":  # both ends on rank 0: one parameter, no copy

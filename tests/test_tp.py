@@ -37,7 +37,7 @@ TP_CASES = [(world, case.name) for world in CASES for case in CASES[world]
 @pytest.mark.parametrize("world,name", TP_CASES, ids=[n for _, n in TP_CASES])
 def test_tp_layout_matches_single_process(world, name):
     r = layout_worker_result(world)["cases"][name]
-    print(f"{name}: loss {r['loss_rel_diff']:.3g}, grad norm {r['norm_rel_diff']:.3g}, "
+    print(f"{name}: loss {r['loss_rel_diff']:.3g}, grad norm {r['norm_rel_diff']:.3g}, val loss {r['eval_rel_diff']:.3g}, "
           f"final parameters {r['param_max_abs_diff']:.3g}")
     assert_layout_matches(r)
 
