@@ -12,8 +12,13 @@ accounting the runs report in metrics.jsonl:
                  the meta device
     layouts.py   every layout the product runs on a world size (parallel/layout.py's
                  rules decide which are valid)
-    predict.py   per rank: state bytes, activation bytes, collective bytes by kind;
-                 per step: a stated time model
+    shapes.py    Layout (the config keys a run takes), Workload (model, batch,
+                 precision), the micro-batch and element sizes every count uses
+    stages.py    what a rank holds: its pipeline stage's parameters, fsdp's flat units
+    memory.py    per rank: state bytes, activation bytes (per schedule), the peak need
+    traffic.py   per rank: bytes each dimension's collectives move, by kind
+    step_time.py per step: the stated time model (compute, bubble, links)
+    figures.py   the fullest rank's figures, under metrics.jsonl's names
     report.py    ranking, the table, `plan.out` JSON; `plan(cfg)` is the mode's entry
 
 May import: model, errors, char_dataset (the vocabulary), telemetry.mfu (peaks),

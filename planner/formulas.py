@@ -1,5 +1,5 @@
 """The textbook byte formulas, in one place: the benchmark's "vs textbook" columns
-(bench/run_engine/stats.py) and the planner (predict.py) both use them, and
+(bench/run_engine/stats.py) and the planner (step_time.py) both use them, and
 tests/test_bench.py and tests/test_planner.py check them against hand counts and
 against what real runs count (parallel/comm.py's convention: an all-reduce counts its
 tensor, an all-gather its output, a reduce-scatter its input, a send what it sends).

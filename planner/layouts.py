@@ -14,7 +14,7 @@ import dataclasses
 
 from errors import UserError
 from parallel.layout import check_layout
-from planner.predict import Layout
+from planner.shapes import Layout
 
 SCHEDULE_CHOICES = (("gpipe", 1), ("1f1b", 1), ("interleaved", 2), ("zb1p", 1), ("zbv", 2))
 

@@ -7,9 +7,12 @@ import json
 import time
 
 from errors import UserError
+from planner.figures import metrics_names, rank_figures
 from planner.layouts import valid_layouts, with_grad_accum, refusal
 from planner.machines import machine
-from planner.predict import Workload, memory_need, metrics_names, rank_figures, step_time
+from planner.memory import memory_need
+from planner.shapes import Workload
+from planner.step_time import step_time
 
 GPT2_VOCAB = 50257  # tiktoken's "gpt2" encoding (data/tokenizer.py): no files needed to plan
 PARTS = {"compute": "compute", "bubble": "pipeline bubble", "tp": "TP collectives",

@@ -19,7 +19,9 @@ import pytest
 
 from harness import REPO, job_env, run_tree
 from planner_worker import BATCH, BLOCK, CASES, N_EMBD, N_HEAD
-from planner.predict import Layout, Workload, activation_bytes, comm_bytes, state_bytes
+from planner.memory import activation_bytes, state_bytes
+from planner.shapes import Layout, Workload
+from planner.traffic import comm_bytes
 
 _results = {}
 

@@ -1,0 +1,146 @@
+"""What one rank keeps in memory under a layout: model state, the activations saved for
+backward, and the peak the planner holds against the GPU's memory.
+
+Every count follows the code that a run measures, so that tests/test_planner.py can
+hold them equal to metrics.jsonl on real runs:
+
+- `state_bytes`: parameters + gradients + AdamW state resident at the end of a step
+  (Strategy.state_bytes): 4 bytes each for parameter, gradient, exp_avg, exp_avg_sq and
+  AdamW's 4-byte `step` per optimizer tensor; `fsdp` on flat units padded to a multiple
+  of the group (data_parallel/fsdp_units.py): stage 1 keeps the whole unit and its
+  gradient, stage 2 the unit and its gradient shard, stage 3 shards of both.
+- `activation_bytes`: what autograd saves for backward (telemetry/activation_meter.py),
+  per block 16 x tokens x width floats (LayerNorm inputs, the linears' inputs, q|k|v,
+  attention's output, the MLP's 4x wide pair) plus LayerNorm statistics and
+  attention's log-sum-exp, split as tensor and sequence parallelism split them, held
+  for as many micro-batches as the schedule keeps in flight (its own action list).
+- `memory_need`: the two, plus what the activation meter does not see.
+
+All figures are for one TP rank and one cp rank (they hold the same sizes) at a given
+pipeline stage and data-parallel rank.
+
+May import: planner.shapes, planner.stages, parallel's pipeline schedules.
+"""
+
+from dataclasses import replace
+
+from parallel.pipeline_parallel.schedules import SCHEDULES, build
+from planner.shapes import F32, Layout, Workload, act_bytes, micro_rows
+from planner.stages import shard_pieces, stage, units
+
+
+# ------------------------------------------------------------------ state bytes
+
+def state_bytes(w: Workload, L: Layout, p: int, r: int) -> int:
+    """Parameters + gradients + AdamW state on pipeline rank p, data-parallel rank r
+    (within the gradient group dp x cp)."""
+    st = stage(w, L, p)
+    if L.dp_kind != "fsdp":
+        # parameter, gradient, exp_avg, exp_avg_sq, and AdamW's `step` (a 4-byte tensor)
+        return sum(4 * F32 * q.numel + F32 for q in st.params)
+    N = L.dp * L.cp
+    total = 0
+    for u in units(st, L, N):
+        pieces = shard_pieces(u, r)
+        total += sum(2 * F32 * n + F32 for n in pieces.values())  # AdamW moments + step
+        full = N * u.shard * F32
+        total += {1: 2 * full, 2: full + u.shard * F32, 3: 2 * u.shard * F32}[L.zero_stage]
+    return total
+
+
+def fsdp_candidate_ranks(w, L, p):
+    """The dp ranks that can hold the most (rank 0, the last, and each one whose shard
+    meets an optimizer-group boundary of a unit): enough to take the max over all."""
+    N = L.dp * L.cp
+    if L.dp_kind != "fsdp" or N == 1:
+        return [0]
+    found = {0, N - 1}
+    for u in units(stage(w, L, p), L, N):
+        at = 0
+        for q in u.params:
+            at += q.numel
+            found.add(min(N - 1, at // u.shard))
+    return sorted(found)
+
+
+# ------------------------------------------------------------------ activations
+
+def block_activations(w: Workload, L: Layout, rows: int):
+    """(saved bytes of one block for one micro-batch, the part the weight gradients keep
+    until W under a split backward)."""
+    n, C, e = rows * (w.block // L.cp), w.n_embd, act_bytes(w)
+    t, s = L.tp, (L.tp if L.sp else 1)
+    if L.ckpt:  # a checkpointed block keeps its input only
+        return n * C * F32 // s, 0
+    heads_t = w.n_head // t * rows * (w.block // L.cp)   # attention's log-sum-exp, per head row
+    residual = 2 * n * C * F32 // s + 4 * n * F32 // s   # both LayerNorms' inputs and statistics
+    lin_in = 2 * n * C * (e if w.precision != "fp32" else F32)  # c_attn's, c_fc's inputs (gathered)
+    split = n * C * e * (3 + 1 + 4 + 4) // t              # q|k|v, attention out, c_fc out, GELU out
+    # what a split backward's W keeps until it runs: the linears' inputs, and a LayerNorm's
+    # input with both LayerNorms' statistics (measured: tests/test_planner.py)
+    weights = lin_in + n * C * e * (1 + 4) // t + n * C * F32 // s + 4 * n * F32 // s
+    return residual + lin_in + split + heads_t * F32, weights
+
+
+def end_activations(w: Workload, L: Layout, rows: int, first: bool, last: bool):
+    n, C, s = rows * (w.block // L.cp), w.n_embd, (L.tp if L.sp else 1)
+    total = 0
+    if first:  # token ids (int64) the embedding keeps, positions; TP: its mask (bool)
+        total += 8 * n + 8 * (w.block // L.cp) + (n if L.tp > 1 else 0)
+    if last:  # final LayerNorm, LM head input, the loss's softmax and targets
+        vocab = -(-w.vocab // L.tp)
+        total += n * C * F32 // s + 2 * n * F32 // s + n * C * F32
+        total += n * vocab * F32 + 8 * n + (n if L.tp > 1 else 0)
+    return total
+
+
+def activation_bytes(w: Workload, L: Layout, p: int) -> int:
+    """Peak bytes saved for backward on pipeline rank p (tp and cp rank 0)."""
+    st = stage(w, L, p)
+    rows = micro_rows(w, L)
+    per_block, w_part = block_activations(w, L, rows)
+    last_chunk = L.pp * L.V - 1 if L.pp > 1 else 0
+    size = {c: st.layers[c] * per_block + end_activations(w, L, rows, c == 0, c == last_chunk)
+            for c in st.chunks}
+    if L.pp == 1:
+        return size[0]
+    n = rows * (w.block // L.cp)
+    keep = {c: st.layers[c] * w_part + (n * w.n_embd * F32 if c == last_chunk else 0)
+            + (8 * n + 8 * (w.block // L.cp) if c == 0 else 0) for c in st.chunks}
+    split = SCHEDULES[L.schedule].split_backward
+    live = peak = 0
+    last_b, pending = None, 0  # split backward: the rank's latest B; what it still holds
+    for kind, c, m in build(L.schedule, L.pp, L.M, L.V, p):
+        if kind == "F":
+            live += size[c]
+            peak = max(peak, live)
+        elif kind == "B" and not split:
+            live -= size[c]
+        elif kind == "B":  # retains the graph for W; releases the previous B's hold
+            live -= pending
+            last_b, pending = (c, m), 0
+        else:  # W frees the graph; what it needed stays while its B is the rank's latest
+            held = keep[c] if last_b == (c, m) else 0  # (measured: tests/test_planner.py)
+            live -= size[c] - held
+            pending += held
+    return peak
+
+
+# ------------------------------------------------------------------ the peak
+
+def memory_need(w: Workload, L: Layout, fig: dict) -> int:
+    """Bytes the rank needs at its peak: state, saved activations, and what the meter
+    does not see: one block recomputed at a time under checkpointing, the logits'
+    gradient on the last stage, fsdp stage 3's gathered units (this one and the
+    prefetched next)."""
+    need = fig["state_bytes"] + fig["activation_bytes"]
+    rows = micro_rows(w, L)
+    if L.ckpt:
+        need += block_activations(w, replace(L, ckpt=False), rows)[0]
+    st = stage(w, L, fig["pp_rank"])
+    if st.last:
+        need += rows * (w.block // L.cp) * -(-w.vocab // L.tp) * F32
+    if L.dp_kind == "fsdp" and L.zero_stage == 3:
+        full = sorted((L.dp * L.cp * u.shard * F32 for u in units(st, L, L.dp * L.cp)), reverse=True)
+        need += sum(full[:2])
+    return need

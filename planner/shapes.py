@@ -1,0 +1,85 @@
+"""The layout and the workload every prediction is about, and the sizes all counts use.
+
+A `Layout` is one way to run, as the config keys a run takes; a `Workload` is what the
+layout does not change (the model, the global batch, precision). `micro_rows` (the
+sequences of one micro-batch) and `act_bytes` (one element of an activation) are the
+units in which memory.py, traffic.py and step_time.py count, with `F32` for everything
+kept in fp32 (master weights, gradients, AdamW state, the residual stream).
+
+May import: nothing of the project; every other planner module imports this one.
+"""
+
+from dataclasses import dataclass
+
+F32 = 4
+
+
+@dataclass(frozen=True)
+class Layout:
+    """One way to run: the config keys a run takes (`keys()`)."""
+    dp_kind: str = "single"   # parallel.dp: single | ddp_bucket | fsdp
+    zero_stage: int = 0       # 1-3 for fsdp
+    dp: int = 1
+    pp: int = 1
+    cp: int = 1
+    tp: int = 1
+    sp: bool = False          # parallel.sequence_parallel
+    schedule: str = "1f1b"    # parallel.pp_schedule (pp > 1)
+    V: int = 1                # parallel.pp_virtual_stages (interleaved), zbv: 2
+    M: int = 1                # parallel.microbatches
+    grad_accum: int = 1       # trainer.grad_accum
+    ckpt: bool = False        # trainer.activation_checkpointing
+
+    def keys(self) -> dict:
+        out = {"parallel.dp": self.dp_kind, "parallel.tp": self.tp, "parallel.pp": self.pp,
+               "parallel.cp": self.cp, "parallel.sequence_parallel": self.sp}
+        if self.dp_kind == "fsdp":
+            out["parallel.zero_stage"] = self.zero_stage
+        if self.pp > 1:
+            out.update({"parallel.pp_schedule": self.schedule, "parallel.microbatches": self.M})
+            if self.schedule == "interleaved":
+                out["parallel.pp_virtual_stages"] = self.V
+        out.update({"trainer.grad_accum": self.grad_accum,
+                    "trainer.activation_checkpointing": self.ckpt})
+        return out
+
+    def name(self) -> str:
+        dp = self.dp_kind + (str(self.zero_stage) if self.dp_kind == "fsdp" else "")
+        parts = [f"dp{self.dp}", f"tp{self.tp}" + ("sp" if self.sp else ""), f"pp{self.pp}",
+                 f"cp{self.cp}"]
+        text = " ".join(p for p in parts if not p.endswith("1") or p.startswith("dp")) + " " + dp
+        if self.pp > 1:
+            text += f" {self.schedule}" + (f" V{self.V}" if self.schedule == "interleaved" else "") \
+                + f" M{self.M}"
+        if self.grad_accum > 1:
+            text += f" ga{self.grad_accum}"
+        return text + (" ckpt" if self.ckpt else "")
+
+
+@dataclass(frozen=True)
+class Workload:
+    """What the layout does not change: the model, the global batch, precision."""
+    n_layer: int
+    n_head: int
+    n_embd: int
+    vocab: int
+    block: int            # tokens per sequence
+    batch: int            # global batch, sequences per optimizer step
+    precision: str = "fp32"
+    bias: bool = True
+
+    @property
+    def shape(self):
+        return (self.n_layer, self.n_head, self.n_embd, self.vocab, self.block, self.bias)
+
+
+# ------------------------------------------------------------------ sizes of one micro-batch
+
+def micro_rows(w: Workload, L: Layout) -> int:
+    """Sequences of one micro-batch (one pipeline micro-batch, or one accumulation step)."""
+    return w.batch // (L.dp * L.grad_accum * L.M)
+
+
+def act_bytes(w):
+    """Bytes of one element TP's collectives and saved matmul outputs carry."""
+    return F32 if w.precision == "fp32" else 2
