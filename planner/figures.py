@@ -8,7 +8,6 @@ gives them the names a run writes (`state_bytes`, `comm_bytes`, `comm_<kind>_byt
 May import: planner.shapes, planner.memory, planner.traffic.
 """
 
-from dataclasses import asdict
 
 from planner.memory import activation_bytes, fsdp_candidate_ranks, state_bytes
 from planner.shapes import Layout, Workload
@@ -37,6 +36,3 @@ def metrics_names(fig) -> dict:
     out.update({f"comm_{k}_bytes": v for k, v in sorted(comm.items())})
     return out
 
-
-def layout_dict(L: Layout):
-    return asdict(L)

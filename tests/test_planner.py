@@ -12,7 +12,6 @@
 import json
 import os
 import re
-import subprocess
 import sys
 
 import pytest
