@@ -29,7 +29,7 @@ from checkpoint import hf_gpt2
 from checkpoint.canonical import load_named_parameters
 from checkpoint.export import export
 from checkpoint.resume import check_resumable, snapshot_location
-from checkpoint.snapshot import check_model_shape, open_snapshot, step_to_resume
+from checkpoint.snapshot_reader import check_model_shape, open_snapshot, step_to_resume
 from config import load_config, resolved_yaml, to_dict
 from data.prepare import prepare
 from errors import UserError

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from char_dataset import GlobalBatches, data_identity, data_order, eval_starts
 from checkpoint.async_snapshot import AsyncSnapshots
 from checkpoint.resume import snapshot_location
-from checkpoint.snapshot import save_sharded
+from checkpoint.snapshot_writer import save_sharded
 from errors import UserError
 from launch import preemption
 from parallel.compile import compile_events

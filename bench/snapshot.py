@@ -39,7 +39,8 @@ def worker(overrides, directory, repeats):
     import torch.distributed as dist
     from dataclasses import asdict
     from config import load_config
-    from checkpoint.snapshot import open_snapshot, save_sharded
+    from checkpoint.snapshot_reader import open_snapshot
+    from checkpoint.snapshot_writer import save_sharded
     from main import init_process_group
     from model import GPT, GPTConfig
     from parallel.parallelize import parallelize

@@ -1,5 +1,5 @@
 """`trainer.snapshot_async`: snapshots written while training goes on, with the
-guarantees of the synchronous path (checkpoint/snapshot.py).
+guarantees of the synchronous path (checkpoint/snapshot_writer.py).
 
 A save at step S goes through four phases, each moved on by the scalar all-reduce
 the trainer already makes at the end of every step (launch/preemption.agreed_signal),
@@ -37,8 +37,8 @@ from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
-from checkpoint.snapshot import _fs, _join, commit, prepare_step_dir, write_part
-from checkpoint.snapshot_dirs import remove_stale, step_dir_name
+from checkpoint.snapshot_dirs import fs_and_root, join, remove_stale, step_dir_name
+from checkpoint.snapshot_writer import commit, prepare_step_dir, write_part
 from data.fs_json import read_json, write_json
 from errors import UserError
 
@@ -135,17 +135,17 @@ class AsyncSnapshots:
 
     def _write_own_part(self):
         index = write_part(self.path, self.step, self.grid.rank, self.snapshot_id, self.staged)
-        fs, root = _fs(self.path)
-        write_json(fs, _join(_join(root, step_dir_name(self.step)), index_name(self.grid.rank)),
+        fs, root = fs_and_root(self.path)
+        write_json(fs, join(join(root, step_dir_name(self.step)), index_name(self.grid.rank)),
                    index)
 
     def _commit(self):
         """Main rank, writer thread, once every part is written (raises on failure)."""
-        fs, root = _fs(self.path)
-        step_dir = _join(root, step_dir_name(self.step))
-        indexes = [read_json(fs, _join(step_dir, index_name(r))) for r in range(self.grid.world_size)]
+        fs, root = fs_and_root(self.path)
+        step_dir = join(root, step_dir_name(self.step))
+        indexes = [read_json(fs, join(step_dir, index_name(r))) for r in range(self.grid.world_size)]
         commit(self.path, self.step, self.snapshot_id, self.meta, indexes)
-        remove_stale(fs, root, _join, self.step, self.keep)  # best effort: never raises
+        remove_stale(fs, root, self.step, self.keep)  # best effort: never raises
 
     def _fail(self, what):
         task = self.commit if self.state == COMMITTING else self.write

@@ -1,7 +1,7 @@
 """`python main.py mode=export export.path=DIR`: a snapshot -> a Hugging Face GPT-2 folder.
 
 Reads the snapshot at trainer.snapshot_path (the newest, or trainer.resume_step)
-through snapshot.SnapshotReader, which gives canonical names and full shapes
+through snapshot_reader.SnapshotReader, which gives canonical names and full shapes
 whatever layout wrote it (fsdp shards, TP slices, pipeline stages), and writes
 
     config.json          GPT-2's config (hf_gpt2.hf_config)
@@ -28,7 +28,7 @@ import fsspec
 from checkpoint import hf_gpt2
 from errors import UserError
 from model import GPT, GPTConfig
-from checkpoint.snapshot import open_snapshot
+from checkpoint.snapshot_reader import open_snapshot
 from data.tokenizer import GPT2_FILES, files_sha256
 from checkpoint.resume import snapshot_location
 

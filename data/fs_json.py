@@ -1,5 +1,5 @@
 """JSON objects on any fsspec filesystem: the manifests, indexes and markers that
-snapshots (checkpoint/snapshot.py) and prepared token shards (data/prepare.py)
+snapshots (checkpoint/snapshot_writer.py) and prepared token shards (data/prepare.py)
 write beside their binary parts."""
 
 import json

@@ -293,7 +293,7 @@ class Strategy:
         return snapshot_pieces(self.regions(), self.optimizer)
 
     def load_shards(self, reader):
-        """Take what this rank holds from a snapshot.SnapshotReader, whatever layout wrote it."""
+        """Take what this rank holds from a snapshot_reader.SnapshotReader, whatever layout wrote it."""
         load_regions(self.regions(), self.optimizer, reader)
 
     @torch.no_grad()

@@ -142,7 +142,7 @@ def snapshot_model(snapshot_dir):
     """The canonical model parameters of the snapshot in `snapshot_dir`, in the
     model's own parameter order."""
     from model import GPT, GPTConfig
-    from checkpoint.snapshot import open_snapshot
+    from checkpoint.snapshot_reader import open_snapshot
     reader = open_snapshot(str(snapshot_dir))
     names = [n for n, _ in GPT(GPTConfig(**reader.meta["gpt_config"])).named_parameters()]
     return {n: reader.read_full(f"model/{n}") for n in names}
@@ -152,7 +152,7 @@ def snapshot_state(snapshot_dir):
     """{"model": {name: tensor}, "optimizer": {"state": {name: {field: tensor}}}} of a
     snapshot, in canonical names, for comparing final states across layouts."""
     from checkpoint.canonical import optimizer_state_from
-    from checkpoint.snapshot import open_snapshot
+    from checkpoint.snapshot_reader import open_snapshot
     return {"model": snapshot_model(snapshot_dir),
             "optimizer": {"state": optimizer_state_from(open_snapshot(str(snapshot_dir)))}}
 

@@ -18,7 +18,8 @@ import time
 
 import pytest
 
-from checkpoint.snapshot import open_snapshot, save_sharded
+from checkpoint.snapshot_reader import open_snapshot
+from checkpoint.snapshot_writer import save_sharded
 from errors import UserError
 from harness import (command, job_env, kill_tree, read_metrics, run_job, run_metrics, workers_of)
 
@@ -161,7 +162,7 @@ def test_retention_runs_in_the_background_and_the_next_save_waits_for_it(one_ran
     saver.begin(3, pieces, meta)  # waits for step 2's commit and retention, then prepares 3
     saver.drain()  # writes and commits step 3
     import fsspec
-    assert kept_steps(fsspec.filesystem("file"), path, lambda a, b: f"{a}/{b}") == [3]
+    assert kept_steps(fsspec.filesystem("file"), path) == [3]
     assert open_snapshot(path).meta["step"] == 3
     assert saver.last_wait_ms > 300  # what metrics report as snapshot_wait_ms
     saver.close()

@@ -22,7 +22,7 @@ import time
 
 import pytest
 
-from checkpoint.snapshot import open_snapshot
+from checkpoint.snapshot_reader import open_snapshot
 from harness import (TINY, command, job_env, kill_tree, our_frames, read_metrics, run_job,
                      run_metrics)
 

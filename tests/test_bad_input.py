@@ -8,7 +8,7 @@ import shutil
 
 import pytest
 
-from checkpoint.snapshot import check_model_shape, open_snapshot
+from checkpoint.snapshot_reader import check_model_shape, open_snapshot
 from errors import UserError
 from harness import our_frames, run_job
 

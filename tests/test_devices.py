@@ -35,9 +35,9 @@ HOST_ONLY = {  # a directory, a file, or "file:function" -> why its tensors stay
              "each micro-batch to the device",
     "checkpoint/hf_gpt2.py:to_hf": "the export's zero biases, written to a safetensors file "
                                    "beside the CPU tensors of the canonical state",
-    "checkpoint/snapshot.py:SnapshotReader.read_box": "the box is filled from bytes read off "
+    "checkpoint/snapshot_reader.py:SnapshotReader.read_box": "the box is filled from bytes read off "
                                                       "storage; the loader copies it to the device",
-    "checkpoint/snapshot.py:SnapshotReader.read": "an empty range, beside read_box's host "
+    "checkpoint/snapshot_reader.py:SnapshotReader.read": "an empty range, beside read_box's host "
                                                   "tensors",
     "char_dataset.py": "the tokens and the windows cut from them live on the host",
     "main.py:generate_text": "the final sample runs on a fresh CPU model after the process "
@@ -157,9 +157,9 @@ RAW_COLLECTIVES = {  # "file:function:collective" -> why it may bypass parallel/
     "parallel/strategy.py:Strategy.state_dict:gather_object":
         "an object collective on grid.host_group (gloo, host memory; "
         "test_object_collectives_run_on_the_host_group)",
-    "checkpoint/snapshot.py:save_sharded:broadcast_object_list":
+    "checkpoint/snapshot_writer.py:save_sharded:broadcast_object_list":
         "an object collective on grid.host_group (the snapshot's id)",
-    "checkpoint/snapshot.py:save_sharded:all_gather_object":
+    "checkpoint/snapshot_writer.py:save_sharded:all_gather_object":
         "an object collective on grid.host_group (the parts' indexes for the manifest)",
 }
 

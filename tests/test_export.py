@@ -21,7 +21,8 @@ from config import load_config
 from errors import UserError
 from checkpoint.export import export, file_digest
 from model import GPT, GPTConfig
-from checkpoint.snapshot import open_snapshot, save_sharded
+from checkpoint.snapshot_reader import open_snapshot
+from checkpoint.snapshot_writer import save_sharded
 
 transformers = pytest.importorskip("transformers")  # a test-time dependency (requirements.txt)
 

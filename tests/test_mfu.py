@@ -47,7 +47,7 @@ def test_mfu_is_logged_where_the_peak_is_known(one_rank_grid, tmp_path, monkeypa
     cfg = main.load_config(TINY + ["parallel.dp=single", "trainer.max_steps=2",
                                    f"trainer.run_dir={tmp_path}"], 1)
     main.train(cfg, one_rank_grid)
-    from checkpoint.snapshot import open_snapshot
+    from checkpoint.snapshot_reader import open_snapshot
     gpt = open_snapshot(str(tmp_path / "snapshot")).meta["gpt_config"]
     for r in read_metrics(tmp_path):
         assert r["mfu"] == pytest.approx(mfu.flops_per_token(gpt) * r["tokens_per_s"] / 1e12)

@@ -8,7 +8,7 @@ import subprocess
 import sys
 
 from harness import MAIN, TINY, job_env, kill_tree, read_metrics, run_metrics
-from checkpoint.snapshot import open_snapshot
+from checkpoint.snapshot_reader import open_snapshot
 
 ARGS = ["parallel.dp=torch_ddp", "trainer.max_steps=6", "trainer.save_every=3"]
 

@@ -312,7 +312,7 @@ def test_state_bytes_is_the_fullest_stage_s(tmp_path):
     from model import GPT, GPTConfig
     got = run_metrics(tmp_path, 2, ["parallel.dp=single", "parallel.pp=2", "model.n_layer=4",
                                     "parallel.pp_layers=[1,3]", "trainer.max_steps=2"])
-    from checkpoint.snapshot import open_snapshot
+    from checkpoint.snapshot_reader import open_snapshot
     snapshot = next(tmp_path.glob("job-*")) / "runs" / "default" / "snapshot"
     gpt = GPT(GPTConfig(**open_snapshot(str(snapshot)).meta["gpt_config"]))
     sizes = {n: p.numel() for n, p in gpt.named_parameters()}

@@ -20,7 +20,7 @@ import time
 import pytest
 
 from harness import TINY, command, job_env, kill_tree, read_metrics, run_job, run_metrics
-from checkpoint.snapshot import open_snapshot
+from checkpoint.snapshot_reader import open_snapshot
 from test_elastic import rank_of, workers_of
 
 ARGS = ["trainer.max_steps=30", "trainer.save_every=8", "model.n_embd=64",

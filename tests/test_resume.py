@@ -26,7 +26,7 @@ import torch.distributed as dist
 from char_dataset import embedded_corpus
 from harness import (TINY, assert_parity, command, job_env, kill_tree, read_metrics, run_job,
                      run_metrics)
-from checkpoint.snapshot import open_snapshot
+from checkpoint.snapshot_reader import open_snapshot
 
 # a short corpus makes an epoch 10 steps long, so the run crosses epoch boundaries
 # and the kill lands mid-epoch; a wider model makes steps slow enough to kill mid-run

@@ -14,7 +14,7 @@ from config import load_config
 from errors import UserError
 from harness import REPO
 from data.permutation import Permutation
-from checkpoint.snapshot import open_snapshot
+from checkpoint.snapshot_reader import open_snapshot
 from checkpoint.resume import check_resumable
 
 

@@ -8,7 +8,8 @@ import torch
 
 from errors import UserError
 from harness import run_job
-from checkpoint.snapshot import open_snapshot, save_sharded
+from checkpoint.snapshot_reader import open_snapshot
+from checkpoint.snapshot_writer import save_sharded
 
 META = {"gpt_config": {}}
 

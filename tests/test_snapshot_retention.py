@@ -10,7 +10,8 @@ import torch
 
 from errors import UserError
 from harness import read_metrics, run_job
-from checkpoint.snapshot import open_snapshot, save_sharded, step_to_resume
+from checkpoint.snapshot_reader import open_snapshot, step_to_resume
+from checkpoint.snapshot_writer import save_sharded
 
 
 def meta(resume_step=-1):
@@ -64,11 +65,11 @@ def test_writing_a_resumed_runs_step_again_never_leaves_the_commit_point_danglin
     """Resumed from step 8 (kept: 8, 16; latest.json names 16), the run reaches 16 again:
     latest.json is pointed back at 8 before step 16's directory goes, so a write that
     dies half-way leaves a loadable snapshot (in process: the part write fails)."""
-    from checkpoint import snapshot
+    from checkpoint import snapshot_writer
     path = str(tmp_path / "snap")
     for step in (8, 16):
         write(path, one_rank_grid, step, keep=2)
-    monkeypatch.setattr(snapshot, "_write_part", lambda *a: (_ for _ in ()).throw(OSError("disk full")))
+    monkeypatch.setattr(snapshot_writer, "_write_part", lambda *a: (_ for _ in ()).throw(OSError("disk full")))
     with pytest.raises(UserError, match="disk full"):
         write(path, one_rank_grid, 16, keep=2, resume_step=8)
     assert open_snapshot(path).meta["step"] == 8

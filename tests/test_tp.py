@@ -25,7 +25,7 @@ import pytest
 from harness import (REPO, assert_layout_matches, assert_parity, layout_worker_result,
                      read_metrics, run_job, run_metrics, save_then_resume)
 from layout_worker import BATCH, BLOCK, CASES, N_EMBD
-from checkpoint.snapshot import open_snapshot
+from checkpoint.snapshot_reader import open_snapshot
 
 
 # ---------------------------------------------------------------- torchrun workers

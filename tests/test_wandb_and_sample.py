@@ -3,7 +3,7 @@
 import glob
 
 from harness import run_job
-from checkpoint.snapshot import open_snapshot
+from checkpoint.snapshot_reader import open_snapshot
 
 
 def test_wandb_offline_run_continues_after_resume(tmp_path):

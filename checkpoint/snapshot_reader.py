@@ -1,203 +1,20 @@
-"""Sharded snapshots: each rank writes what it owns, in parallel; nothing is pickled.
-
-Layout under `trainer.snapshot_path` (a directory; any fsspec URL):
-
-    latest.json                  -> {"step_dir": "step-00000120", "snapshot_id": ...}
-    step-00000120/manifest.json  step, layout, config, GPT shape, tokenizer, wandb id,
-                                 and an index: which bytes of which part hold which
-                                 range of which canonical tensor
-    step-00000120/part-00000.bin one per rank: a 256-byte JSON header, then raw tensors
-
-A canonical tensor is a model parameter or an AdamW state in single-device
-names and shapes ("model/transformer.wte.weight", "optim/<name>/exp_avg").
-A rank writes the boxes of it that it owns (checkpoint/boxes.py: a (start,
-stop) range per dimension): a whole tensor for a replicated strategy, the
-rows or columns of a tensor-parallel shard, the pieces of an fsdp flat
-shard. Every element is written by exactly one rank, so replicated state is
-written once. Format 2 stored flat ranges; it still loads, each range read
-as the boxes it covers.
-
-Reading is by box: `SnapshotReader.read_box(key, box)` fetches only the byte
-spans it needs (ranged reads also work on object stores), so a rank
-resuming under another layout reads its own shard without materialising
-the rest.
-
-Atomic: parts and manifest go into a fresh step directory; only then is
-latest.json replaced (write to a temporary name, rename), and step
-directories beyond the newest `keep` are deleted (checkpoint/snapshot_dirs.py). A kill
-at any moment leaves latest.json pointing at a complete snapshot. Safe: JSON
-and raw bytes only, nothing executes on load, and every directory or file
-name read from latest.json or a manifest must be a plain name of the
-expected form (snapshot_dirs.checked_name), so a copied snapshot cannot send
-the reader outside its directory.
-"""
+"""Reading a sharded snapshot (the format: checkpoint/snapshot_format.py): opening checks
+everything that can be checked without reading a tensor, then ranged reads by box, so a
+rank resuming under another layout reads only its own shard; which snapshot a run
+resumes from, and whether it fits the model."""
 
 import json
 import math
-import uuid
 
-import fsspec
 import torch
-import torch.distributed as dist
 
-from data.fs_json import read_json, write_json
+from checkpoint.boxes import (box_numel, box_shape, first_and_end, flat_range_boxes, from_jsonable,
+                              intersect, shift, strides, whole)
+from checkpoint.snapshot_dirs import (PART_FILE, STEP_DIR, checked_name, fs_and_root, join,
+                                      kept_steps, snapshot_exists, step_dir_name)
+from checkpoint.snapshot_format import DTYPES, HEADER_BYTES, MAGIC, READABLE_VERSIONS
 from errors import UserError
-from checkpoint.boxes import (as_jsonable, box_numel, box_shape, first_and_end, flat_range_boxes,
-                            from_jsonable, intersect, shift, strides, whole)
-from checkpoint.snapshot_dirs import (PART_FILE, STEP_DIR, checked_name, kept_steps, remove_stale,
-                           step_dir_name)
 
-FORMAT_VERSION = 3
-READABLE_VERSIONS = (2, 3)  # 2: flat ranges instead of boxes
-HEADER_BYTES = 256
-MAGIC = "mingpt-parallel-part"
-DTYPES = {"float32": torch.float32, "float64": torch.float64, "float16": torch.float16,
-          "bfloat16": torch.bfloat16, "int64": torch.int64}
-
-
-def _fs(path):
-    return fsspec.core.url_to_fs(path)
-
-
-def _join(root, name):
-    return root.rstrip("/") + "/" + name
-
-
-def snapshot_exists(path: str) -> bool:
-    fs, root = _fs(path)
-    return fs.exists(_join(root, "latest.json"))
-
-
-# ---------------------------------------------------------------- writing
-
-def save_sharded(path, grid, step, pieces, meta, keep=1):
-    """Collective. pieces: [(key, full_shape, box, tensor of the box's shape)] this rank
-    owns (an int instead of a box: a flat start, the tensor 1-D); meta: JSON-able facts
-    for the manifest (config, tokenizer, ...); keep: how many snapshots survive
-    (trainer.keep_snapshots). Every rank
-    raises the same UserError if any rank fails, so nobody trains on past a
-    snapshot that was not written."""
-    fs, root = _fs(path)
-
-    def agree(error):
-        if not grid.all_ok(error is None):
-            raise UserError(f"could not write snapshot {path}: {error}" if error
-                            else f"another rank could not write its part of snapshot {path}")
-
-    # any exception (s3 credentials, a read-only filesystem, ...) must reach agree(),
-    # or the other ranks would wait for this one in all_ok
-    error, ids = None, [uuid.uuid4().hex]
-    if grid.is_main:
-        try:
-            prepare_step_dir(path, step)
-        except Exception as e:
-            error = e
-    agree(error)
-    # one id ties parts to their manifest; objects travel in host memory (grid.host_group)
-    dist.broadcast_object_list(ids, src=0, group=grid.host_group)
-
-    index = []
-    try:
-        index = write_part(path, step, grid.rank, ids[0], pieces)
-    except Exception as e:
-        error = e
-    agree(error)
-    indexes = [None] * grid.world_size
-    dist.all_gather_object(indexes, index, group=grid.host_group)
-
-    if grid.is_main:
-        try:
-            commit(path, step, ids[0], meta, indexes)
-        except Exception as e:
-            error = e
-    agree(error)
-    if grid.is_main:
-        remove_stale(fs, root, _join, step, keep)
-
-
-def prepare_step_dir(path, step):
-    """Main rank, before any part is written: an empty directory for `step`."""
-    fs, root = _fs(path)
-    step_name = step_dir_name(step)
-    step_dir = _join(root, step_name)
-    if fs.exists(step_dir):  # a write killed at this very step, or a kept snapshot
-        _step_back_from(fs, root, step_name)  # past the step a run resumed from
-        fs.rm(step_dir, recursive=True)
-    fs.makedirs(step_dir, exist_ok=True)
-
-
-def write_part(path, step, rank, snapshot_id, pieces):
-    """This rank's part file of `step`; returns its index entries (for the manifest)."""
-    fs, root = _fs(path)
-    return _write_part(fs, _join(root, step_dir_name(step)), rank, snapshot_id, pieces)
-
-
-def commit(path, step, snapshot_id, meta, indexes):
-    """Main rank, once every part of `step` is written: the manifest, then latest.json
-    (the commit point, replaced atomically). indexes: every rank's write_part result."""
-    fs, root = _fs(path)
-    step_name = step_dir_name(step)
-    manifest = {"format_version": FORMAT_VERSION, "snapshot_id": snapshot_id, "step": step,
-                **meta, "parts": [e for part in indexes for e in part]}
-    write_json(fs, _join(_join(root, step_name), "manifest.json"), manifest)
-    write_json(fs, _join(root, "latest.json"), {"step_dir": step_name, "snapshot_id": snapshot_id},
-               atomic=True)
-
-
-def _step_back_from(fs, root, step_name):
-    """Before `step_name` is removed to be written again: if latest.json names it (a run
-    resumed from an older kept snapshot, trainer.resume_step, and reached this step
-    again), point latest.json at the newest complete snapshot before it first, so no
-    moment leaves the commit point naming a directory that is gone."""
-    latest = _join(root, "latest.json")
-    if not fs.exists(latest) or read_json(fs, latest).get("step_dir") != step_name:
-        return
-    older = [s for s in kept_steps(fs, root, _join) if step_dir_name(s) < step_name]
-    if older:
-        name = step_dir_name(older[-1])
-        manifest = read_json(fs, _join(_join(root, name), "manifest.json"))
-        write_json(fs, latest, {"step_dir": name, "snapshot_id": manifest["snapshot_id"]},
-                    atomic=True)
-
-
-def _write_part(fs, step_dir, rank, snapshot_id, pieces):
-    name = f"part-{rank:05d}.bin"
-    header = json.dumps({"magic": MAGIC, "format_version": FORMAT_VERSION,
-                         "snapshot_id": snapshot_id, "rank": rank}).encode()
-    assert len(header) < HEADER_BYTES
-    index, offset = [], HEADER_BYTES
-    with fs.open(_join(step_dir, name), "wb") as f:
-        f.write(header.ljust(HEADER_BYTES, b" "))
-        for key, shape, box, data in _as_boxes(pieces):
-            raw = data.detach().contiguous().cpu().view(-1)
-            assert raw.numel() == box_numel(box), f"{key}: {raw.numel()} elements for box {box}"
-            dtype = str(raw.dtype).removeprefix("torch.")
-            assert dtype in DTYPES, f"{key}: dtype {dtype} has no snapshot encoding"
-            nbytes = raw.numel() * raw.element_size()
-            # the tensor's own bytes (buffer protocol), not a bytes copy: a copy doubled the
-            # write's memory traffic and CPU time (bench.snapshot_async), paid by every rank
-            f.write(raw.view(torch.uint8).numpy())
-            index.append({"key": key, "shape": list(shape), "box": as_jsonable(box),
-                          "dtype": dtype, "file": name, "offset": offset})
-            offset += nbytes
-    return index
-
-
-def _as_boxes(pieces):
-    """Pieces given as (key, shape, flat start, 1-D tensor) become boxes."""
-    for key, shape, where, data in pieces:
-        if isinstance(where, int):
-            flat, at = data.reshape(-1), 0
-            for box in flat_range_boxes(tuple(shape), where, where + flat.numel()):
-                n = box_numel(box)
-                yield key, shape, box, flat[at:at + n]
-                at += n
-        else:
-            yield key, shape, tuple(where), data
-
-
-
-# ---------------------------------------------------------------- reading
 
 class SnapshotReader:
     """A checked snapshot: `meta` (the manifest) and ranged reads of canonical tensors.
@@ -210,15 +27,15 @@ class SnapshotReader:
     def __init__(self, path, step=-1):
         """step=-1: the snapshot latest.json names; else the kept one of that step."""
         self.path = path
-        self.fs, root = _fs(path)
+        self.fs, root = fs_and_root(path)
         if step == -1:
-            latest_path = _join(root, "latest.json")
+            latest_path = join(root, "latest.json")
             latest = self._json(latest_path)
             name = checked_name(latest.get("step_dir"), STEP_DIR, "step-00000120", latest_path, path)
         else:
             latest, name = None, step_dir_name(step)
-        self.dir = _join(root, name)
-        manifest = _join(self.dir, "manifest.json")
+        self.dir = join(root, name)
+        manifest = join(self.dir, "manifest.json")
         self.meta = self._json(manifest)
         self.version = self.meta.get("format_version")
         if self.version not in READABLE_VERSIONS:
@@ -289,11 +106,11 @@ class SnapshotReader:
 
     def _bytes(self, name, start, end):
         """One ranged read (no read-ahead: object stores fetch only these bytes)."""
-        return self.fs.cat_file(_join(self.dir, name), start=start, end=end)
+        return self.fs.cat_file(join(self.dir, name), start=start, end=end)
 
     def _check_part(self, name, size):
-        checked_name(name, PART_FILE, "part-00000.bin", _join(self.dir, "manifest.json"), self.path)
-        path = _join(self.dir, name)
+        checked_name(name, PART_FILE, "part-00000.bin", join(self.dir, "manifest.json"), self.path)
+        path = join(self.dir, name)
         try:
             actual = self.fs.size(path)
             header = json.loads(self._bytes(name, 0, HEADER_BYTES).decode())
@@ -368,8 +185,8 @@ def open_snapshot(path, step=-1):
     with an error naming the kept steps if there is none."""
     if step == -1:
         return SnapshotReader(path) if snapshot_exists(path) else None
-    fs, root = _fs(path)
-    kept = kept_steps(fs, root, _join) if fs.exists(root) else []
+    fs, root = fs_and_root(path)
+    kept = kept_steps(fs, root) if fs.exists(root) else []
     if step not in kept:
         raise UserError(f"trainer.resume_step={step}: snapshot {path} keeps "
                         + (f"steps {', '.join(map(str, kept))}" if kept else "no snapshot")
@@ -393,8 +210,8 @@ def step_to_resume(path, resume_step):
         return -1, (f"note: trainer.resume_step={resume_step}: this run went back to step "
                     f"{resume_step} before and has written step {newest['step']} since; "
                     f"continuing from step {newest['step']}")
-    fs, root = _fs(path)
-    newer = [s for s in kept_steps(fs, root, _join) if s > resume_step]
+    fs, root = fs_and_root(path)
+    newer = [s for s in kept_steps(fs, root) if s > resume_step]
     if newer:
         return resume_step, (f"note: going back to step {resume_step}; the newer snapshots (steps "
                              f"{', '.join(map(str, newer))}) are deleted when this run writes its "
