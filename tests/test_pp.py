@@ -29,6 +29,7 @@ from harness import (assert_layout_matches, assert_parity, layout_worker_result,
 from layout_worker import BATCH, BLOCK, CASES, N_EMBD
 from parallel.pipeline_parallel import schedules as pp_schedules
 from parallel.pipeline_parallel import simulator as pp_simulator
+from trainer import TrainerConfig
 
 # ---------------------------------------------------------------- schedules, in process
 
@@ -106,7 +107,7 @@ def refused(schedule, P, M, V):
     """What config.py refuses (pipeline_parallel/schedules.refuse), for P*V layers."""
     cfg = SimpleNamespace(model=SimpleNamespace(n_layer=P * V), parallel=SimpleNamespace(
         microbatches=M, pp_virtual_stages=V, pp_schedule=schedule, pp_layers=[]),
-        trainer=SimpleNamespace(activation_checkpointing=False))
+        trainer=TrainerConfig())  # the real defaults: a rule on a new trainer key sees it
     return bool(pp_schedules.refuse(cfg, {"pp": P}))
 
 

@@ -1,15 +1,16 @@
 """Save under layout A, resume under layout B, optimizer state included: the resumed
-steps equal those of an uninterrupted run under A (loss and gradient norm, rtol 1e-5).
+steps equal those of an uninterrupted run (loss and gradient norm, rtol 1e-5).
 
-Job A trains steps 1-3 and snapshots; job B resumes that snapshot (a copy, so every
-pair starts from the same files) and trains steps 4-6. The learning rate is constant
-and clipping off, so the 3-step and 6-step jobs share a schedule and a wrong Adam
-state or gradient scale shows in the resumed steps.
+One chain of jobs in one run directory, each resuming the snapshot the one before it
+wrote and training two more steps under the next layout: every kind of change
+(replicas -> shards, more shards, fewer, other ZeRO stages, PyTorch's FSDP, shards
+with gradient accumulation, shards -> one process). The learning rate is constant and
+clipping off, so jobs of any length share a schedule, and a wrong Adam state or
+gradient scale shows in the two steps after its resume (the test of that transition).
+A chain costs one job per layout, where a saved-and-resumed pair costs two.
 """
 
 import os
-import shutil
-import uuid
 
 import pytest
 
@@ -18,50 +19,52 @@ from harness import assert_parity, read_metrics, run_job, run_metrics
 LAYOUTS = {
     "single": (1, ["parallel.dp=single"]),
     "ddp_bucket_x2": (2, ["parallel.dp=ddp_bucket"]),
-    "fsdp3_x2": (2, ["parallel.dp=fsdp", "parallel.zero_stage=3"]),
     "fsdp3_x3": (3, ["parallel.dp=fsdp", "parallel.zero_stage=3"]),
+    "fsdp2_x2": (2, ["parallel.dp=fsdp", "parallel.zero_stage=2"]),
+    "fsdp1_x3": (3, ["parallel.dp=fsdp", "parallel.zero_stage=1"]),
+    "torch_fsdp_x2": (2, ["parallel.dp=torch_fsdp"]),
+    "fsdp3_x2_accum2": (2, ["parallel.dp=fsdp", "parallel.zero_stage=3", "trainer.grad_accum=2"]),
 }
+CHAIN = ["single", "ddp_bucket_x2", "fsdp3_x3", "fsdp2_x2", "fsdp1_x3", "torch_fsdp_x2",
+         "fsdp3_x2_accum2", "single"]
+STEPS = 2  # per job
 CONSTANT = ["trainer.warmup_steps=0", "trainer.lr=0.003", "trainer.min_lr=0.003",
             "trainer.grad_clip=0"]
 
 
 @pytest.fixture(scope="module")
-def saved(tmp_path_factory):
-    """Layout name -> snapshot directory after 3 steps under that layout."""
-    out = {}
-    for name, (nproc, args) in LAYOUTS.items():
-        workdir = tmp_path_factory.mktemp(f"save-{name}")
-        result = run_job(workdir, nproc, args + CONSTANT + ["trainer.max_steps=3"])
-        assert result.returncode == 0, result.stderr[-3000:]
-        out[name] = workdir / "runs" / "default" / "snapshot"
-    return out
+def uninterrupted(tmp_path_factory):
+    """One process through the chain's whole length: every layout reproduces it to fp32
+    tolerance (the parity tests), so it is the reference for resumes from any of them."""
+    nproc, args = LAYOUTS["single"]
+    return run_metrics(tmp_path_factory.mktemp("ref"), nproc,
+                       args + CONSTANT + [f"trainer.max_steps={STEPS * len(CHAIN)}"])
 
 
 @pytest.fixture(scope="module")
-def uninterrupted(tmp_path_factory):
-    """One process, 6 steps: every layout reproduces it to fp32 tolerance (the parity
-    tests), so it is the reference for resumes from any of them."""
-    nproc, args = LAYOUTS["single"]
-    return run_metrics(tmp_path_factory.mktemp("ref"), nproc, args + CONSTANT + ["trainer.max_steps=6"])
+def chain(tmp_path_factory):
+    """Job k of CHAIN resumes the snapshot of job k-1 (same run directory) and trains to
+    step STEPS * (k + 1). Returns each job's result; stops at the first failure."""
+    workdir = tmp_path_factory.mktemp("chain")
+    results = []
+    for k, name in enumerate(CHAIN):
+        nproc, args = LAYOUTS[name]
+        results.append(run_job(workdir, nproc, args + CONSTANT + [f"trainer.max_steps={STEPS * (k + 1)}"]))
+        if results[-1].returncode != 0:
+            break
+    return results, read_metrics(os.path.join(workdir, "runs", "default"))
 
 
-# a cycle through the layouts: each saved once and resumed once, every kind of change
-# (replicas -> shards, shards -> more shards, fewer shards, shards -> one process);
-# tests/test_fsdp_resume.py covers the other fsdp stages and torch_fsdp the same way
-PAIRS = [("single", "ddp_bucket_x2"), ("ddp_bucket_x2", "fsdp3_x3"), ("fsdp3_x3", "fsdp3_x2"),
-         ("fsdp3_x2", "single")]
+TRANSITIONS = list(zip(CHAIN, CHAIN[1:]))
 
 
-@pytest.mark.parametrize("saved_under,resumed_under", PAIRS)
-def test_resume_under_another_layout(tmp_path, saved, uninterrupted, saved_under, resumed_under):
-    snapshot = tmp_path / "snapshot"
-    shutil.copytree(saved[saved_under], snapshot)
-    nproc, args = LAYOUTS[resumed_under]
-    workdir = tmp_path / f"resume-{uuid.uuid4().hex[:6]}"
-    result = run_job(workdir, nproc, args + CONSTANT + ["trainer.max_steps=6",
-                                                        f"trainer.snapshot_path={snapshot}"])
+@pytest.mark.parametrize("k", range(1, len(CHAIN)), ids=[f"{a}-to-{b}" for a, b in TRANSITIONS])
+def test_resume_under_another_layout(chain, uninterrupted, k):
+    results, records = chain
+    assert len(results) > k, f"an earlier job of the chain failed:\n{results[-1].stderr[-3000:]}"
+    result = results[k]
     assert result.returncode == 0, result.stderr[-3000:]
-    assert "at step 3" in result.stdout
-    resumed = read_metrics(os.path.join(workdir, "runs", "default"))
-    assert [r["step"] for r in resumed] == [4, 5, 6]
-    assert_parity(uninterrupted[3:], resumed)
+    assert f"at step {STEPS * k}" in result.stdout, result.stdout[-2000:]
+    resumed = [r for r in records if STEPS * k < r["step"] <= STEPS * (k + 1)]
+    assert [r["step"] for r in resumed] == list(range(STEPS * k + 1, STEPS * (k + 1) + 1))
+    assert_parity(uninterrupted[STEPS * k:STEPS * (k + 1)], resumed)
