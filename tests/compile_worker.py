@@ -19,17 +19,14 @@ Like tests/precision_worker.py, it only measures (rank 0 prints `RESULT <json>`)
 so a wrong result cannot hang a rank.
 """
 
-import datetime
-import json
 import os
 import sys
 
 import torch
-import torch.distributed as dist
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from dp_worker import OneRank, report_and_exit  # noqa: E402
+from dp_worker import OneRank, serve  # noqa: E402
 from layout_worker import global_batch, gpt_config  # noqa: E402
 from model import GPT  # noqa: E402
 from parallel.parallelize import parallelize  # noqa: E402
@@ -139,16 +136,10 @@ def check(layout):
     }
 
 
-def main():
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=120))
+def compute():
     names = sys.argv[1].split(",") if sys.argv[1:] else list(LAYOUTS)
-    result = {name: check(LAYOUTS[name]) for name in names}
-    dist.barrier()
-    if dist.get_rank() == 0:
-        print("RESULT " + json.dumps(result), flush=True)
-    dist.destroy_process_group()
+    return {name: check(LAYOUTS[name]) for name in names}
 
 
 if __name__ == "__main__":
-    report_and_exit(main)
+    serve(compute, timeout_s=120)

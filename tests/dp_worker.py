@@ -186,9 +186,7 @@ def check_unused(grid, dp, cap):
     return None
 
 
-def main():
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=60))
+def compute():
     rank, world = dist.get_rank(), dist.get_world_size()
     grid = ProcessGrid({"dp": world}, torch.device("cpu"))
     result = {"ring": check_ring(world, rank), "train": {}, "unused": {}}
@@ -196,10 +194,7 @@ def main():
         result["train"][f"{dp}-{allreduce}-{cap}-{accum}"] = check_train(grid, dp, allreduce, cap, accum)
     for dp, cap in (("ddp_naive", 25.0), ("ddp_bucket", 25.0), ("ddp_bucket", 0.001)):
         result["unused"][f"{dp}-{cap}"] = check_unused(grid, dp, cap)
-    dist.barrier()
-    if rank == 0:
-        print("RESULT " + json.dumps(result), flush=True)
-    dist.destroy_process_group()
+    return result
 
 
 def report_and_exit(main):
@@ -214,5 +209,20 @@ def report_and_exit(main):
     flush_and_exit(code)
 
 
-if __name__ == "__main__":
+def serve(compute, timeout_s=60):
+    """A torchrun test worker's whole life: gloo with one thread per rank, `compute()` on
+    every rank, and its (JSON-able) result printed once, by rank 0, as the `RESULT {...}`
+    line the tests read; then report_and_exit's exit status."""
+    def main():
+        torch.set_num_threads(1)
+        dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=timeout_s))
+        result = compute()
+        dist.barrier()
+        if dist.get_rank() == 0:
+            print("RESULT " + json.dumps(result), flush=True)
+        dist.destroy_process_group()
     report_and_exit(main)
+
+
+if __name__ == "__main__":
+    serve(compute)

@@ -22,9 +22,7 @@ The worker only measures and reports (rank 0 prints `RESULT <json>`), so all
 ranks always reach the same collectives and a wrong result cannot hang.
 """
 
-import datetime
 import hashlib
-import json
 import os
 import sys
 from dataclasses import asdict, dataclass, field
@@ -35,7 +33,7 @@ import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from dp_worker import OneRank, report_and_exit  # noqa: E402  (this directory is the script's: on sys.path)
+from dp_worker import OneRank, serve  # noqa: E402  (this directory is the script's: on sys.path)
 from model import GPT, GPTConfig  # noqa: E402
 from parallel.parallelize import parallelize  # noqa: E402
 from parallel.config import ParallelConfig  # noqa: E402
@@ -391,9 +389,7 @@ def check_cp_streams():
             "states_met_twice": sum(len(v) > 1 for v in sites.values())}
 
 
-def main():
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=60))
+def compute():
     world = dist.get_world_size()
     result = {"cases": {}, "random": {}}
     # debugging aid: cases whose name contains it; LAYOUT_ONLY=random: the random streams only
@@ -406,11 +402,8 @@ def main():
             result["random"][f"sp={sp}"] = check_random_streams(sp)
         result["random"]["pp"] = check_pipeline_streams()
         result["random"]["cp"] = check_cp_streams()
-    dist.barrier()
-    if dist.get_rank() == 0:
-        print("RESULT " + json.dumps(result), flush=True)
-    dist.destroy_process_group()
+    return result
 
 
 if __name__ == "__main__":
-    report_and_exit(main)
+    serve(compute)

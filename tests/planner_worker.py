@@ -12,8 +12,6 @@ tests/test_planner.py holds the planner's predictions for the same layouts equal
 them. It only measures (rank 0 prints `RESULT <json>`), so a wrong figure cannot hang.
 """
 
-import datetime
-import json
 import os
 import sys
 
@@ -22,7 +20,7 @@ import torch.distributed as dist
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from dp_worker import report_and_exit  # noqa: E402
+from dp_worker import serve  # noqa: E402
 from model import GPT, GPTConfig  # noqa: E402
 from parallel.parallelize import parallelize  # noqa: E402
 from parallel.config import ParallelConfig  # noqa: E402
@@ -109,18 +107,12 @@ def run_case(fields, n_layer, vocab):
     return everyone
 
 
-def main():
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=60))
+def compute():
     world = dist.get_world_size()
     only = os.environ.get("PLANNER_ONLY")  # debugging aid: cases whose name contains it
-    result = {name: run_case(*case) for name, case in CASES[world].items()
-              if not only or only in name}
-    dist.barrier()
-    if dist.get_rank() == 0:
-        print("RESULT " + json.dumps(result), flush=True)
-    dist.destroy_process_group()
+    return {name: run_case(*case) for name, case in CASES[world].items()
+            if not only or only in name}
 
 
 if __name__ == "__main__":
-    report_and_exit(main)
+    serve(compute)

@@ -26,8 +26,6 @@ result cannot hang a rank.
     ... tests/precision_worker.py recompute4   # --nproc_per_node=4: only RECOMPUTE4
 """
 
-import datetime
-import json
 import os
 import sys
 
@@ -36,7 +34,7 @@ import torch.distributed as dist
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from dp_worker import OneRank, report_and_exit  # noqa: E402
+from dp_worker import OneRank, serve  # noqa: E402
 from layout_worker import global_batch, gpt_config  # noqa: E402
 from model import GPT  # noqa: E402
 from parallel.parallelize import parallelize  # noqa: E402
@@ -194,21 +192,14 @@ def check_recompute(layouts):
     return result
 
 
-def main():
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=60))
+def compute():
     if sys.argv[1:] == ["recompute4"]:
-        result = {"recompute": check_recompute(RECOMPUTE4)}
-    else:
-        fp32, _ = train(("single", (1, 1, 1), {}), TrainerConfig(lr=LR, weight_decay=0.1), STEPS)
-        result = {"precision": {p: check_precision(p, fp32) for p in ("bf16", "fp16")},
-                  "stage_dtypes": {p: check_stage_dtypes(p) for p in ("bf16", "fp16")},
-                  "reduce": check_reduce(), "recompute": check_recompute(RECOMPUTE)}
-    dist.barrier()
-    if dist.get_rank() == 0:
-        print("RESULT " + json.dumps(result), flush=True)
-    dist.destroy_process_group()
+        return {"recompute": check_recompute(RECOMPUTE4)}
+    fp32, _ = train(("single", (1, 1, 1), {}), TrainerConfig(lr=LR, weight_decay=0.1), STEPS)
+    return {"precision": {p: check_precision(p, fp32) for p in ("bf16", "fp16")},
+            "stage_dtypes": {p: check_stage_dtypes(p) for p in ("bf16", "fp16")},
+            "reduce": check_reduce(), "recompute": check_recompute(RECOMPUTE)}
 
 
 if __name__ == "__main__":
-    report_and_exit(main)
+    serve(compute)
