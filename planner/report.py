@@ -73,7 +73,11 @@ def reason(row, best):
     t, b = row["time"], best["time"]
     delta = t["step_ms"] - b["step_ms"]
     if abs(delta) < 1e-9 * max(1.0, b["step_ms"]):
-        return f"same time, needs {(row['need'] - best['need']) / GB:+.3g} GB"
+        # ties go to the layout that moves fewer bytes, then to the one needing less memory
+        moved = (sum(row["fig"]["comm"].values()) - sum(best["fig"]["comm"].values())) / GB
+        need = (row["need"] - best["need"]) / GB
+        return (f"same time, moves {moved:+.3g} GB a step" if moved else "same time") + \
+            (f", memory {need:+.3g} GB" if need else "")
     diffs = sorted(((t[k] - b[k], k) for k in PARTS), reverse=True)
     words = ", ".join(f"{PARTS[k]} {d:+.3g}" for d, k in diffs[:2] if d > 0.05 * delta)
     return f"{delta:+.3g} ms ({100 * delta / b['step_ms']:+.0f}%): {words}"
