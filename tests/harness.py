@@ -201,24 +201,30 @@ def assert_parity(ref, got, rtol=1e-5):
     return diff
 
 
-_layout_results = {}
+_worker_results = {}
+
+
+def worker_result(script, world, timeout, *args):
+    """The RESULT dict a torchrun test worker (tests/<script>, built on dp_worker.serve)
+    prints, on `world` ranks with `args`: run once per test session and shared by every
+    test that asks; a failure or a hang (its whole process tree killed) fails the test
+    with the worker's output."""
+    key = (script, world, args)
+    if key not in _worker_results:
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
+               f"--nproc_per_node={world}", os.path.join(REPO, "tests", script), *args]
+        out = run_tree(cmd, timeout, f"{script} on {world} ranks", env=job_env())
+        found = re.search(r"^RESULT (.*)$", out.stdout, re.M)
+        assert out.returncode == 0 and found, \
+            f"{script} failed on {world} ranks\n{out.stdout[-3000:]}\n{out.stderr[-5000:]}"
+        _worker_results[key] = json.loads(found.group(1))
+    return _worker_results[key]
 
 
 def layout_worker_result(world):
-    """tests/layout_worker.py's RESULT on `world` ranks, run once per test session
-    (tests/test_tp.py and tests/test_pp.py share it)."""
-    if world not in _layout_results:
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
-               f"--nproc_per_node={world}", os.path.join(REPO, "tests", "layout_worker.py")]
-        try:
-            out = subprocess.run(cmd, env=job_env(), capture_output=True, text=True, timeout=600)
-        except subprocess.TimeoutExpired as e:
-            raise AssertionError(f"layout_worker hung on {world} ranks\n{e.stdout}\n{e.stderr}") from None
-        found = re.search(r"^RESULT (.*)$", out.stdout, re.M)
-        assert out.returncode == 0 and found, \
-            f"layout_worker failed\n{out.stdout[-3000:]}\n{out.stderr[-5000:]}"
-        _layout_results[world] = json.loads(found.group(1))
-    return _layout_results[world]
+    """tests/layout_worker.py's RESULT on `world` ranks (tests/test_tp.py, test_pp.py and
+    test_cp.py share it)."""
+    return worker_result("layout_worker.py", world, 600)
 
 
 def save_then_resume(tmp_path, saved, resumed, common=()):

@@ -327,6 +327,19 @@ def check_random_streams(sequence_parallel):
             "states_reused_across_call_sites": sum(len(v) > 1 for v in sites.values())}
 
 
+def two_steps_seen_by_every_rank(strategy, seen):
+    """Train two steps with dropout (each step's streams reseeded as the trainer does),
+    then every rank's list `seen` (generator digests its hooks appended), by rank."""
+    for step in range(2):
+        x, y = global_batch(step, 64)
+        strategy.reseed(step * 1009)
+        strategy.forward_backward([(x, y)])
+        strategy.optimizer_step(1e-3)
+    everyone = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, seen)
+    return everyone
+
+
 def check_pipeline_streams():
     """Generator state at every Dropout of every stage of a pure pipeline with dropout
     on: a state seen on two stages means two layers draw the same masks."""
@@ -341,13 +354,7 @@ def check_pipeline_streams():
     for m in model.modules():
         if isinstance(m, torch.nn.Dropout):
             m.register_forward_pre_hook(lambda mod, args: seen.append(digest()))
-    for step in range(2):
-        x, y = global_batch(step, 64)
-        strategy.reseed(step * 1009)
-        strategy.forward_backward([(x, y)])
-        strategy.optimizer_step(1e-3)
-    everyone = [None] * world
-    dist.all_gather_object(everyone, seen)
+    everyone = two_steps_seen_by_every_rank(strategy, seen)
     stages_of = {}
     for stage, states in enumerate(everyone):
         for d in states:
@@ -373,13 +380,7 @@ def check_cp_streams():
             m.register_forward_pre_hook(lambda mod, args: seen.append(digest()))
         if hasattr(m, "attend"):
             m.attend = (lambda attend: lambda *a: (seen.append(digest()), attend(*a))[1])(m.attend)
-    for step in range(2):
-        x, y = global_batch(step, 64)
-        strategy.reseed(step * 1009)
-        strategy.forward_backward([(x, y)])
-        strategy.optimizer_step(1e-3)
-    everyone = [None] * world
-    dist.all_gather_object(everyone, seen)
+    everyone = two_steps_seen_by_every_rank(strategy, seen)
     sites = {}
     for rank, states in enumerate(everyone):
         for i, d in enumerate(states):

@@ -13,30 +13,17 @@
 (fsdp stage 3's gather order compiled: tests/test_fsdp_units.py, `compiled` cases.)
 """
 
-import json
-import os
-import re
-import sys
 
 import pytest
 
-from harness import REPO, assert_parity, job_env, run_metrics, run_tree, save_then_resume
+from harness import assert_parity, run_metrics, save_then_resume, worker_result
 
 RTOL = 1e-4  # compilation may reorder floating-point sums (inductor does; aot_eager rarely)
 COMPILED = ["trainer.compile=true", "trainer.compile_backend=aot_eager"]
-_result = {}
 
 
 def worker():
-    if not _result:
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-               os.path.join(REPO, "tests", "compile_worker.py")]
-        out = run_tree(cmd, 400, "compile_worker", env=job_env())
-        found = re.search(r"^RESULT (.*)$", out.stdout, re.M)
-        assert out.returncode == 0 and found, \
-            f"compile_worker failed\n{out.stdout[-3000:]}\n{out.stderr[-5000:]}"
-        _result.update(json.loads(found.group(1)))
-    return _result
+    return worker_result("compile_worker.py", 2, 400)
 
 
 # distinct (shapes, grad mode) a compiled code object meets: training and evaluation

@@ -16,16 +16,12 @@ Three layers of evidence (the parity rule, README "Switching strategy"):
 - plain in-process checks of the bucket plan and the config keys.
 """
 
-import json
 import os
-import re
-import sys
 import uuid
 
 import pytest
 
-from harness import (REPO, assert_parity, job_env, read_metrics, run_job, run_metrics,
-                     run_tree, snapshot_model)
+from harness import assert_parity, read_metrics, run_job, run_metrics, snapshot_model, worker_result
 
 from config import load_config
 from errors import UserError
@@ -117,24 +113,16 @@ def test_losses_match_single_and_traffic_is_counted(single_losses, tmp_path,
 
 # ---------------------------------------------------------------- torchrun workers
 
-_worker_results = {}
 
 
-def worker_result(world):
-    """Run tests/dp_worker.py on `world` ranks once per test session; its RESULT dict."""
-    if world not in _worker_results:
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
-               f"--nproc_per_node={world}", os.path.join(REPO, "tests", "dp_worker.py")]
-        out = run_tree(cmd, 240, f"dp_worker on {world} ranks", env=job_env())
-        found = re.search(r"^RESULT (.*)$", out.stdout, re.M)
-        assert out.returncode == 0 and found, f"dp_worker failed\n{out.stdout[-3000:]}\n{out.stderr[-5000:]}"
-        _worker_results[world] = json.loads(found.group(1))
-    return _worker_results[world]
+def dp_result(world):
+    """tests/dp_worker.py's RESULT on `world` ranks, once per test session."""
+    return worker_result("dp_worker.py", world, 240)
 
 
 @pytest.mark.parametrize("world", [2, 3])
 def test_ring_all_reduce_equals_dist_all_reduce(world):
-    ring = worker_result(world)["ring"]
+    ring = dp_result(world)["ring"]
     print(f"ring vs dist.all_reduce, world {world}: relative differences {ring['rel_diff']}")
     assert ring["rel_diff"]["torch.int64"] == 0.0
     assert ring["rel_diff"]["torch.float64"] < 1e-14
@@ -145,7 +133,7 @@ def test_ring_all_reduce_equals_dist_all_reduce(world):
 
 @pytest.mark.parametrize("world", [2, 3])
 def test_hand_built_strategies_keep_ranks_identical_and_match_single(world):
-    for name, r in worker_result(world)["train"].items():
+    for name, r in dp_result(world)["train"].items():
         print(f"world {world} {name}: loss {r['loss_rel_diff']:.2g}, grad {r['grad_rel_diff']:.2g}, "
               f"param {r['param_max_abs_diff']:.2g}")
         assert all(r["identical_each_step"]), f"{name}: ranks' parameters differ: {r}"
@@ -161,7 +149,7 @@ def test_hand_built_strategies_keep_ranks_identical_and_match_single(world):
 def test_ddp_bucket_all_reduces_start_while_backward_runs(world):
     """A spy on start_all_reduce: every bucket but the last starts its all-reduce
     while some gradient is still missing, i.e. while backward still runs."""
-    bucketed = {n: r for n, r in worker_result(world)["train"].items() if r["buckets"] > 1}
+    bucketed = {n: r for n, r in dp_result(world)["train"].items() if r["buckets"] > 1}
     assert bucketed, "no case with several buckets"
     for name, r in bucketed.items():
         steps = len(r["identical_each_step"])
@@ -174,14 +162,14 @@ def test_ddp_bucket_all_reduces_start_while_backward_runs(world):
 def test_gradients_are_averaged_not_summed(world):
     """After the sync every rank's gradient equals the single-process gradient of the
     whole global batch: a sum instead of a mean is `world` times too large."""
-    for name, r in worker_result(world)["train"].items():
+    for name, r in dp_result(world)["train"].items():
         assert r["grad_rel_diff"] < 1e-5, \
             f"{name}: gradients after the sync differ from single by {r['grad_rel_diff']:.3g} (relative)"
 
 
 @pytest.mark.parametrize("world", [2, 3])
 def test_gradients_not_parameter_values_are_all_reduced(world):
-    for name, r in worker_result(world)["train"].items():
+    for name, r in dp_result(world)["train"].items():
         assert not r["params_changed_in_backward"], \
             f"{name}: forward_backward changed the parameters (values all-reduced instead of gradients?)"
         assert r["grad_rel_diff"] < 1e-5, f"{name}: gradients after the sync differ from single: {r}"
@@ -189,7 +177,7 @@ def test_gradients_not_parameter_values_are_all_reduced(world):
 
 @pytest.mark.parametrize("world", [2, 3])
 def test_parameter_without_gradient_is_refused_by_name(world):
-    for name, message in worker_result(world)["unused"].items():
+    for name, message in dp_result(world)["unused"].items():
         assert message and "spare" in message, f"{name}: expected a UserError naming 'spare', got {message!r}"
 
 

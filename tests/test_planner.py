@@ -16,26 +16,17 @@ import sys
 
 import pytest
 
-from harness import REPO, job_env, run_tree
+from harness import REPO, job_env, run_tree, worker_result
 from planner_worker import BATCH, BLOCK, CASES, N_EMBD, N_HEAD
 from planner.memory import activation_bytes, state_bytes
 from planner.shapes import Layout, Workload
 from planner.traffic import comm_bytes
 
-_results = {}
 
 
-def worker_result(world):
+def planner_result(world):
     """tests/planner_worker.py's RESULT on `world` ranks, once per session."""
-    if world not in _results:
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
-               f"--nproc_per_node={world}", os.path.join(REPO, "tests", "planner_worker.py")]
-        out = run_tree(cmd, 300, f"planner_worker on {world} ranks", env=job_env())
-        found = re.search(r"^RESULT (.*)$", out.stdout, re.M)
-        assert out.returncode == 0 and found, \
-            f"planner_worker failed\n{out.stdout[-3000:]}\n{out.stderr[-5000:]}"
-        _results[world] = json.loads(found.group(1))
-    return _results[world]
+    return worker_result("planner_worker.py", world, 300)
 
 
 def planned(world, name):
@@ -53,7 +44,7 @@ def test_planner_equals_what_the_run_counts(world, name):
     """Per rank: state bytes and each collective kind's bytes exactly; activations
     within 10% of the meter's peak."""
     w, L = planned(world, name)
-    ranks = worker_result(world)[name]
+    ranks = planner_result(world)[name]
     for got in ranks:
         p, r = got["coords"]["pp"], got["grad_rank"]
         comm = {k[len("comm_"):-len("_bytes")]: v for k, v in got["comm"].items()

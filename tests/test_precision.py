@@ -16,31 +16,19 @@ trainer.activation_checkpointing, on every kind of layout.
 """
 
 import json
-import os
-import re
-import sys
 
 import pytest
 
-from harness import (REPO, job_env, read_metrics, run_job, run_tree, snapshot_model)
+from harness import read_metrics, run_job, snapshot_model, worker_result
 
-_result = {}
 
 
 def run_worker(nproc, *args):
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
-           os.path.join(REPO, "tests", "precision_worker.py"), *args]
-    out = run_tree(cmd, 400, "precision_worker", env=job_env())
-    found = re.search(r"^RESULT (.*)$", out.stdout, re.M)
-    assert out.returncode == 0 and found, \
-        f"precision_worker failed\n{out.stdout[-3000:]}\n{out.stderr[-5000:]}"
-    return json.loads(found.group(1))
+    return worker_result("precision_worker.py", nproc, 400, *args)
 
 
 def worker():
-    if not _result:
-        _result.update(run_worker(2))
-    return _result
+    return run_worker(2)
 
 
 LAYOUTS = ["ddp_naive", "ddp_bucket-ring", "fsdp1", "fsdp2", "fsdp3", "tp2-sp", "pp2-1f1b-m2"]

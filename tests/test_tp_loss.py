@@ -7,24 +7,15 @@ vocabulary), scales 1 and 100: losses and the gradient of their mean against
 torch.nn.functional.cross_entropy, and no gradient into the padding rows.
 """
 
-import json
-import os
-import re
-import sys
 
 import pytest
 
-from harness import REPO, job_env, run_tree
+from harness import worker_result
 
 
 @pytest.fixture(scope="module")
 def result():
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-           os.path.join(REPO, "tests", "tp_loss_worker.py")]
-    out = run_tree(cmd, 180, "tp_loss_worker", env=job_env())
-    found = re.search(r"^RESULT (.*)$", out.stdout, re.M)
-    assert out.returncode == 0 and found, f"{out.stdout[-3000:]}\n{out.stderr[-5000:]}"
-    return json.loads(found.group(1))
+    return worker_result("tp_loss_worker.py", 2, 180)
 
 
 @pytest.mark.parametrize("scale", ["1.0", "100.0"])
