@@ -13,7 +13,8 @@
   dp=2 x tp=2 fsdp -> tp=4, and tp=2 with dropout -> tp=2); a snapshot of the
   previous format (tests/data/snapshot-v2) resumed under tp=2; one written before
   the issue 17 redesign (tests/data/snapshot-v3) resumed with the old run's own
-  losses, bitwise; sampling from a TP-trained snapshot.
+  losses (rtol 1e-6: they were computed on another machine); sampling from a
+  TP-trained snapshot.
 """
 
 import json
@@ -23,7 +24,7 @@ import shutil
 import pytest
 
 from harness import (REPO, assert_layout_matches, assert_parity, layout_worker_result,
-                     read_metrics, run_job, run_metrics, save_then_resume)
+                     max_rel_diff, read_metrics, run_job, run_metrics, save_then_resume)
 from layout_worker import BATCH, BLOCK, CASES, N_EMBD
 from checkpoint.snapshot_reader import open_snapshot
 
@@ -233,11 +234,22 @@ def test_previous_snapshot_format_resumes_under_tp(tmp_path):
     assert_parity(reference[3:], resumed)
 
 
+# Numbers stored in the repository were computed on another machine: another CPU (its
+# BLAS kernels, its vector width) rounds fp32 sums in another order, and a few steps of
+# training carry that last-bit difference to ~1e-7 relative (step 6's val_loss of
+# snapshot-v3 came out 1.6e-8 off on one CPU). Bitwise holds only between two runs on one
+# machine. A real fault moves them by 1e-3 and more, far outside 1e-6 (k and v pieces
+# swapped in c_attn's placement, so the snapshot loads into the wrong rows: step 4's loss
+# 1.5e-3 off, its grad norm 10%).
+STORED_RTOL = 1e-6
+
+
 def test_snapshot_written_before_the_redesign_resumes_with_its_own_losses(tmp_path):
     """tests/data/snapshot-v3: step 3 of a 6-step tp=2 run written by the code before the
     issue 17 redesign (commit a706b9e, tests/data/README.md), with the losses that run
     logged for every step (snapshot-v3-metrics.jsonl). Resumed by today's code on the same
-    layout, steps 4-6 (loss, grad_norm, and step 6's val_loss) are the old run's, bitwise."""
+    layout, steps 4-6 (loss, grad_norm, lr, and step 6's val_loss) are the old run's to
+    fp32 tolerance (STORED_RTOL: the old run was made on another machine)."""
     data = os.path.join(REPO, "tests", "data")
     snapshot = tmp_path / "snapshot"
     shutil.copytree(os.path.join(data, "snapshot-v3"), snapshot)
@@ -247,7 +259,12 @@ def test_snapshot_written_before_the_redesign_resumes_with_its_own_losses(tmp_pa
     assert result.returncode == 0, result.stderr[-3000:]
     resumed = read_metrics(tmp_path / "resume" / "runs" / "default")
     with open(os.path.join(data, "snapshot-v3-metrics.jsonl")) as f:
-        old = [json.loads(line) for line in f]
-    fields = ("step", "loss", "grad_norm", "lr", "val_loss")
-    assert [{k: r.get(k) for k in fields} for r in resumed] == \
-        [{k: r.get(k) for k in fields} for r in old[3:]]
+        old = [json.loads(line) for line in f][3:]
+    # the steps, and which of them evaluated: integers and structure, exact
+    assert [(r["step"], "val_loss" in r) for r in resumed] == \
+        [(r["step"], "val_loss" in r) for r in old] == [(4, False), (5, False), (6, True)]
+    pairs = [(o[k], r[k]) for o, r in zip(old, resumed)
+             for k in ("loss", "grad_norm", "lr", "val_loss") if k in o]
+    diff = max_rel_diff(*zip(*pairs))
+    print(f"resumed steps 4-6 vs the stored run: max relative difference {diff:.3g}")
+    assert diff <= STORED_RTOL, f"{diff:.3g} > {STORED_RTOL}: (stored, resumed) {pairs}"
