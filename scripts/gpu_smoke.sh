@@ -13,8 +13,15 @@
 #                                                # arguments, run nothing (tests check them)
 #
 # Every job writes under a fresh temporary directory (printed), never into the checkout.
+#
+# PYTHON: the interpreter every job and the table run with (`python` from PATH by
+# default; a relative path is taken from the checkout's root, where the script runs).
+# The tests set it to the one running pytest, so nothing depends on an activated
+# environment:
+#   PYTHON=.venv/bin/python bash scripts/gpu_smoke.sh --cpu
 set -uo pipefail
 cd "$(dirname "$0")/.."
+PYTHON="${PYTHON:-python}"
 
 MODE=gpu
 LIST=0
@@ -76,9 +83,9 @@ for row in "${MATRIX[@]}"; do
   dir="$OUT/$name"
   mkdir -p "$dir"
   if [[ $nproc == 1 ]]; then
-    launch=(python main.py)
+    launch=("$PYTHON" main.py)
   else  # --standalone: a free port for the rendezvous
-    launch=(python -m torch.distributed.run --standalone "--nproc_per_node=$nproc" main.py)
+    launch=("$PYTHON" -m torch.distributed.run --standalone "--nproc_per_node=$nproc" main.py)
   fi
   # shellcheck disable=SC2086  # $overrides is a list of key=value words
   timeout -k 20 "$JOB_TIMEOUT" "${launch[@]}" "${COMMON[@]}" $overrides \
@@ -86,4 +93,4 @@ for row in "${MATRIX[@]}"; do
   echo $? >"$dir/status"
   ROWS+=("$name:$rtol")
 done
-python scripts/smoke_table.py "$OUT" "${ROWS[@]}"
+"$PYTHON" scripts/smoke_table.py "$OUT" "${ROWS[@]}"

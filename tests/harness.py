@@ -34,8 +34,10 @@ TINY = ["model.n_layer=2", "model.n_head=2", "model.n_embd=32", "data.block_size
 
 
 def job_env():
+    # PYTHON: the interpreter scripts (scripts/gpu_smoke.sh) start jobs with; this one, not
+    # whatever `python` PATH finds (without the environment activated: no torch)
     env = dict(os.environ, OMP_NUM_THREADS="1", MKL_NUM_THREADS="1", WANDB_SILENT="true",
-               PYTHONUNBUFFERED="1")
+               PYTHONUNBUFFERED="1", PYTHON=sys.executable)
     env.pop("MASTER_ADDR", None)
     return env
 

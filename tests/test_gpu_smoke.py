@@ -36,7 +36,7 @@ def test_every_row_is_a_layout_main_accepts(mode):
     would first show on a GPU node), pass main.py's config checks for its process count."""
     script = os.path.join(REPO, "scripts", "gpu_smoke.sh")
     listed = subprocess.run(["bash", script, *mode, "--list"], capture_output=True, text=True,
-                            check=True).stdout.splitlines()
+                            check=True, env=job_env()).stdout.splitlines()
     assert [row.split("|")[0] for row in listed] == MATRIX
     for row in listed:
         name, nproc, args = row.split("|")
@@ -46,8 +46,14 @@ def test_every_row_is_a_layout_main_accepts(mode):
 
 def test_gpu_smoke_passes_on_cpu(tmp_path):
     script = os.path.join(REPO, "scripts", "gpu_smoke.sh")
+    # a `python` first on PATH that fails: the script must run $PYTHON (job_env: the
+    # interpreter running pytest), whatever PATH holds where the tests run
+    decoy = tmp_path / "bin"
+    decoy.mkdir()
+    (decoy / "python").write_text('#!/bin/sh\necho "python from PATH, not \\$PYTHON" >&2; exit 3\n')
+    (decoy / "python").chmod(0o755)
     env = dict(job_env(), TMPDIR=str(tmp_path),  # the jobs' directories go under tmp_path
-               SMOKE_LAYOUTS=" ".join(LAYOUTS))
+               SMOKE_LAYOUTS=" ".join(LAYOUTS), PATH=f"{decoy}{os.pathsep}{os.environ['PATH']}")
     result = run_tree(["bash", script, "--cpu"], 600, "gpu_smoke.sh --cpu", cwd=tmp_path, env=env)
     out = result.stdout
     assert result.returncode == 0, f"{out}\n{result.stderr[-3000:]}"
