@@ -106,6 +106,37 @@ def test_census_is_the_models_parameters_under_tp():
     assert sum(q.numel for q in got if not q.replicated) == split["split"]
 
 
+
+PIPELINES = [(schedule, P, M, V) for schedule, Vs in
+             [("gpipe", (1,)), ("1f1b", (1,)), ("interleaved", (2, 4)), ("zb1p", (1,)), ("zbv", (2,))]
+             for V in Vs for P in (2, 4) for M in (P, 2 * P, 4 * P)]
+
+
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b", "interleaved", "zb1p", "zbv"])
+def test_step_time_bubble_is_the_simulators_idle_share(schedule):
+    """The step-time model stretches compute by the schedule's bubble b (the idle share of
+    all ranks' time): bubble_ms = compute_ms x b / (1 - b), so the bubble is b of compute
+    plus bubble, exactly the simulator's unit_time for (schedule, P, M, V). `compute x b`
+    would make it b / (1 + b): a pipeline's cost understated, most for large bubbles."""
+    from parallel.pipeline_parallel.schedules import SCHEDULES
+    from parallel.pipeline_parallel.simulator import unit_time
+    from planner.config import PlanConfig
+    from planner.figures import rank_figures
+    from planner.machines import PRESETS
+    from planner.step_time import step_time
+    assert {s for s, *_ in PIPELINES} == set(SCHEDULES)  # every schedule of the registry
+    w = Workload(n_layer=16, n_head=4, n_embd=64, vocab=65, block=32, batch=64)
+    cases = [c for c in PIPELINES if c[0] == schedule]
+    for _, P, M, V in cases:
+        L = Layout(dp_kind="single", pp=P, schedule=schedule, V=V, M=M)
+        t = step_time(w, L, rank_figures(w, L)["fullest"], PRESETS["H100-80GB"], PlanConfig())
+        idle = unit_time(schedule, P, M, V)[1]
+        share = t["bubble"] / (t["compute"] + t["bubble"])
+        assert idle > 0 and t["compute"] > 0, (P, M, V, idle, t)
+        assert abs(share - idle) <= 1e-9 * idle, \
+            f"{schedule} P={P} M={M} V={V}: bubble {share:.6f} of compute + bubble, simulator {idle:.6f}"
+    print(f"{schedule}: {len(cases)} (P, M, V), bubble shares equal the simulator's")
+
 def plan_command(tmp_path, *overrides, timeout=120):
     cmd = [sys.executable, os.path.join(REPO, "main.py"), "mode=plan", *overrides]
     return run_tree(cmd, timeout, f"mode=plan {overrides}", cwd=str(tmp_path), env=job_env())
