@@ -170,6 +170,45 @@ def test_plan_command_ranks_layouts_and_writes_every_one(tmp_path):
     load_config(["config=" + os.path.join(REPO, "configs", "gpt2-124m.yaml")] + overrides, 16)
 
 
+
+def readme_plan_example():
+    """README "Choosing a layout": the example's overrides and its table's layouts, in order."""
+    text = open(os.path.join(REPO, "README.md")).read()
+    command = re.search(r"```bash\n(python main.py mode=plan .*?)\n```", text, re.S).group(1)
+    overrides = command.replace("\\\n", " ").split()[2:]
+    table = text[text.index("```", text.index(command) + len(command) + 3) + 3:]
+    table = table[:table.index("```")]
+    layouts = [re.split(r"\s{2,}", line.strip())[1] for line in table.splitlines()
+               if re.match(r"\s+\d+\s{2}", line)]
+    return overrides, layouts
+
+
+def test_plan_breaks_ties_by_bytes_moved_then_memory(tmp_path, capsys):
+    """Equal predicted step times (compute-bound layouts whose gradient sync hides under
+    the backward) rank by the bytes a step moves, then memory: in process, the README's
+    example (GPT-2 small on 2 x 8 A100s) ranks as the README shows it (dp16 ddp_bucket
+    before dp16 fsdp3, which moves 2.7 x the bytes for the same time), and every pair of
+    ranked layouts in plan.out is in (step_ms, comm_bytes, memory_bytes) order, with ties
+    in step time that the bytes decide among them."""
+    from config import load_config
+    from planner.report import plan
+    overrides, readme_layouts = readme_plan_example()
+    assert "mode=plan" in overrides and readme_layouts[:2] == ["dp16 ddp_bucket", "dp16 fsdp3"]
+    out = tmp_path / "plan.json"
+    overrides = [("config=" + os.path.join(REPO, o.split("=", 1)[1])) if o.startswith("config=")
+                 else o for o in overrides if not o.startswith("plan.out=")] + [f"plan.out={out}"]
+    plan(load_config(overrides, 1))
+    printed = [re.split(r"\s{2,}", line.strip())[1] for line in capsys.readouterr().out.splitlines()
+               if re.match(r"\s+\d+\s{2}", line)]
+    assert printed == readme_layouts, f"README's example ranks {readme_layouts}, the plan {printed}"
+    ranked = [o for o in json.loads(out.read_text()) if o["rank"]]
+    keys = [(o["step_ms"], o["comm_bytes"], o["memory_bytes"]) for o in ranked]
+    for i, (a, b) in enumerate(zip(keys, keys[1:])):
+        assert a <= b, f"rank {i + 1} {ranked[i]['layout']} {a} before rank {i + 2} {ranked[i + 1]['layout']} {b}"
+    decided = sum(a[0] == b[0] and a[1] != b[1] for a, b in zip(keys, keys[1:]))
+    assert decided > 0 and keys[0][0] == keys[1][0]
+    print(f"{len(ranked)} layouts ranked, {decided} adjacent ties in step time decided by bytes moved")
+
 @pytest.mark.parametrize("overrides,message", [
     (["plan.gpu=B200"], "plan.gpu='B200' is not a preset"),
     (["model.n_layer=48", "model.n_head=25", "model.n_embd=1600", "plan.gpus_per_node=1",
