@@ -9,7 +9,8 @@
 - through main.py: compile time and counts in metrics.jsonl (a pipeline, whose
   evaluation batch has another shape than its micro-batches); a compiled run
   resumed eager under another layout and the reverse, against an uninterrupted run;
-- refusals, in process: one line each, before anything runs.
+- refusals, in process: one line each, before anything runs;
+- in process: after warm-up no block runs its eager forward (every block compiled).
 (fsdp stage 3's gather order compiled: tests/test_fsdp_units.py, `compiled` cases.)
 """
 

@@ -10,7 +10,9 @@
   validation loss; a dropout run that resumes exactly; resume across layouts, optimizer
   state included; mode=sample from a cp snapshot; a block size the zigzag cannot cut refused;
 - the balanced split, in process: each rank computes exactly the unmasked blocks of
-  its chunks, and all ranks the same amount of work.
+  its chunks, and all ranks the same amount of work;
+- the ring's dropout masks, in process: none repeats under another (seed, query part,
+  key part, source rank), and backward regenerates forward's.
 """
 
 import pytest

@@ -6,7 +6,9 @@
   every rank, the planner's state bytes and bytes per collective kind equal what the
   run counts (exactly), and its activation bytes are within 10% of the meter's.
 - `python main.py mode=plan` on a laptop-sized job: no process group, seconds, the
-  table and `plan.out` JSON; bad input is one line and exit status 2.
+  table and `plan.out` JSON; bad input is one line and exit status 2;
+- in process: the step-time model's bubble is the simulator's idle share for every
+  schedule, and equal step times rank by bytes moved, then memory (the README's example).
 """
 
 import json
