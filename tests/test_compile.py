@@ -9,7 +9,8 @@
 - through main.py: compile time and counts in metrics.jsonl (a pipeline, whose
   evaluation batch has another shape than its micro-batches); a compiled run
   resumed eager under another layout and the reverse, against an uninterrupted run;
-- refusals, in process: one line each, before anything runs.
+- refusals, in process: one line each, before anything runs;
+- in process: after warm-up no block runs its eager forward (every block compiled).
 (fsdp stage 3's gather order compiled: tests/test_fsdp_units.py, `compiled` cases.)
 """
 
@@ -119,3 +120,57 @@ def test_compile_is_off_by_default():
     from config import load_config
     cfg = load_config(["parallel.dp=single"], 1)
     assert cfg.trainer.compile is False and cfg.trainer.compile_backend == "inductor"
+
+
+def test_no_block_runs_its_eager_forward_after_warm_up():
+    """Every block must be compiled, not one: all blocks share one compiled code object,
+    so compiling only the first (`[...][:1]`) leaves the counts of compilations and the
+    parity of the compiled runs unchanged. In process, `single` with trainer.compile,
+    3 blocks (backend eager: dynamo's capture, which decides what runs compiled;
+    aot_eager would add seconds of AOT autograd): each block's forward wrapped before
+    compilation by a counter
+    that only counts when it runs as Python (`torch.compiler.is_compiling()` is true
+    while dynamo traces it, and compiled code never runs it). Eager, it counts every
+    block once per forward; after a warm-up step and evaluation, a training step and an
+    evaluation must count 0 for every block."""
+    import types
+
+    import torch
+    from dp_worker import OneRank
+    from model import GPT, GPTConfig
+    from parallel import model_plan as plan
+    from parallel.config import ParallelConfig
+    from parallel.parallelize import parallelize
+    from trainer import TrainerConfig
+
+    torch.manual_seed(0)
+    gpt = GPT(GPTConfig(n_layer=3, n_head=2, n_embd=32, vocab_size=65, block_size=16))
+    eager = {}
+
+    def counted_forward(self, *args, **kw):
+        if not torch.compiler.is_compiling():
+            eager[self] = eager.get(self, 0) + 1
+        return type(self).forward(self, *args, **kw)
+
+    blocks = [block for _, block in plan.blocks(gpt)]
+    for block in blocks:  # one function for all blocks, as the compiled forward is one code
+        block.forward = types.MethodType(counted_forward, block)
+    strategy = parallelize(gpt, OneRank(), ParallelConfig(dp="single"))
+    tcfg = TrainerConfig(compile=True, compile_backend="eager")
+    data = torch.randint(0, 65, (4, 17))
+    x, y = data[:, :-1], data[:, 1:]
+    strategy.eval_loss(x, y)
+    assert [eager.get(b, 0) for b in blocks] == [1, 1, 1]  # the counter sees an eager forward
+    strategy.configure_compute(tcfg)
+    strategy.configure_optimizer(tcfg)
+
+    def step():
+        strategy.forward_backward([(x, y)])
+        strategy.optimizer_step(1e-3)
+        strategy.eval_loss(x, y)
+    step()  # warm-up: compiles training and evaluation
+    eager.clear()
+    step()
+    counts = [eager.get(b, 0) for b in blocks]
+    print(f"eager forwards per block after warm-up: {counts}")
+    assert counts == [0, 0, 0], f"blocks ran their eager forward after warm-up: {counts}"

@@ -10,7 +10,9 @@
   validation loss; a dropout run that resumes exactly; resume across layouts, optimizer
   state included; mode=sample from a cp snapshot; a block size the zigzag cannot cut refused;
 - the balanced split, in process: each rank computes exactly the unmasked blocks of
-  its chunks, and all ranks the same amount of work.
+  its chunks, and all ranks the same amount of work;
+- the ring's dropout masks, in process: none repeats under another (seed, query part,
+  key part, source rank), and backward regenerates forward's.
 """
 
 import pytest
@@ -69,6 +71,58 @@ def test_zigzag_split_computes_every_unmasked_block_once_and_balances_ranks(N):
     positions = sorted(p for r in range(N) for p in zigzag_positions(r, N, 4).tolist())
     assert positions == list(range(4 * N))  # every token on exactly one rank
 
+
+
+@pytest.mark.parametrize("N", [2, 4])
+def test_ring_dropout_masks_differ_per_block_source_and_seed(N):
+    """The ring draws its attention dropout from a private generator seeded per block
+    (`_keep`), which the stream test (digests of the default generator) cannot see.
+    Every mask `_keep` returns over N ranks' forward and backward, two calls (layers)
+    a rank, p=0.5 on 256 entries: each forward mask is a function of (seed, query part,
+    key part, source rank), so no mask may repeat under another such key (a key part
+    dropped from the seed: tail x head draws tail x tail's mask; the drawn seed dropped:
+    every layer and step draws the same masks), and backward regenerates each one."""
+    import hashlib
+    from types import SimpleNamespace
+    from unittest import mock
+
+    import torch
+    from parallel.context_parallel import ring_attention as ring
+    real, drawn = ring._keep, []
+
+    def spy(seed, qp, kp, src, shape, p, device):
+        mask = real(seed, qp, kp, src, shape, p, device)
+        drawn.append(((seed, qp, kp, src), hashlib.sha1(mask.numpy().tobytes()).hexdigest()))
+        return mask
+
+    torch.manual_seed(0)
+    forward = {}  # sha -> the (seed, qp, kp, src) keys that drew it
+    seeds = set()
+    with mock.patch.object(ring, "_keep", spy):
+        for me in range(N):
+            # no communication: every ring step gets this rank's own keys back (the masks
+            # depend on the block's identity and shape only)
+            cp = SimpleNamespace(rank=me, size=N, pass_on=lambda t: (lambda: t))
+            for call in range(2):
+                q, k, v = (torch.randn(2, 2, 16, 8, requires_grad=True) for _ in range(3))
+                drawn.clear()
+                out = ring.ring_attention(q, k, v, 0.5, cp)
+                fwd = list(drawn)
+                out.sum().backward()
+                bwd = drawn[len(fwd):]
+                expected = sorted((qp, kp, src) for src in range(N) for qp, kp, _ in ring.blocks(me, src, N))
+                assert sorted(key[1:] for key, _ in fwd) == expected, (me, call, fwd)
+                assert sorted(bwd) == sorted(fwd), f"rank {me} call {call}: backward regenerated other masks"
+                assert len({key[0] for key, _ in fwd}) == 1
+                seeds.add(fwd[0][0][0])
+                for key, sha in fwd:
+                    forward.setdefault(sha, set()).add(key)
+    assert len(seeds) == 2 * N, f"{2 * N} calls drew {len(seeds)} seeds"
+    repeated = {sha: sorted(keys) for sha, keys in forward.items() if len(keys) > 1}
+    print(f"cp{N}: {sum(len(k) for k in forward.values())} forward masks, {len(forward)} distinct, "
+          f"{len(seeds)} seeds")
+    assert not repeated, ("one mask under several (seed, query part, key part, source) keys: " +
+                          "; ".join(str(keys) for keys in list(repeated.values())[:3]))
 
 CONSTANT = ["trainer.warmup_steps=0", "trainer.lr=0.003", "trainer.min_lr=0.003",
             "trainer.grad_clip=0"]

@@ -196,6 +196,39 @@ def test_bucket_plan_reverse_order_capped_and_complete():
     assert len(plan_buckets(reversed(named), 25 * 2**20)) == 1
 
 
+
+@pytest.mark.parametrize("accum", [1, 2, 3])
+def test_step_loss_and_gradients_are_the_whole_global_batchs(accum):
+    """The reference every parity test trusts, checked against plain autograd: `single`'s
+    forward_backward over `accum` micro-batches returns the mean loss over the whole
+    global batch, F.cross_entropy of every token, and leaves that loss's gradient in
+    .grad. Parity cannot see a fault here that every strategy shares (layout_worker's
+    reference runs this same code): the last micro-batch's loss logged (4.7e-3 off at
+    accumulation 2), or each micro-batch's backward not divided by their number (the
+    gradient `accum` times too large; AdamW hides the scale from the losses)."""
+    import torch
+    import torch.nn.functional as F
+    from dp_worker import OneRank
+    from parallel.config import ParallelConfig
+    from parallel.parallelize import parallelize
+    from trainer import TrainerConfig
+    config = GPTConfig(n_layer=2, n_head=2, n_embd=32, vocab_size=65, block_size=16)
+    torch.manual_seed(0)
+    plain = GPT(config)
+    torch.manual_seed(0)
+    strategy = parallelize(GPT(config), OneRank(), ParallelConfig(dp="single"))
+    strategy.configure_compute(TrainerConfig())
+    data = torch.randint(0, 65, (12, 17), generator=torch.Generator().manual_seed(1))
+    x, y = data[:, :-1], data[:, 1:]
+    loss = strategy.forward_backward(list(zip(x.chunk(accum), y.chunk(accum))))
+    logits, _ = plain(x)
+    expected = F.cross_entropy(logits.reshape(-1, 65), y.reshape(-1))
+    expected.backward()
+    print(f"accum {accum}: loss {loss:.7f}, F.cross_entropy of the global batch {expected.item():.7f}")
+    assert abs(loss - expected.item()) <= 1e-6 * expected.item()
+    for (name, p), q in zip(strategy.module.named_parameters(), plain.parameters()):
+        torch.testing.assert_close(p.grad, q.grad, rtol=1e-5, atol=1e-7, msg=lambda m: f"{name}: {m}")
+
 def test_allreduce_key_is_validated():
     assert load_config(["parallel.dp=ddp_bucket", "parallel.allreduce=ring"], 2).parallel.allreduce == "ring"
     assert load_config([], 2).parallel.allreduce == "native"

@@ -6,7 +6,9 @@
   every rank, the planner's state bytes and bytes per collective kind equal what the
   run counts (exactly), and its activation bytes are within 10% of the meter's.
 - `python main.py mode=plan` on a laptop-sized job: no process group, seconds, the
-  table and `plan.out` JSON; bad input is one line and exit status 2.
+  table and `plan.out` JSON; bad input is one line and exit status 2;
+- in process: the step-time model's bubble is the simulator's idle share for every
+  schedule, and equal step times rank by bytes moved, then memory (the README's example).
 """
 
 import json
@@ -106,6 +108,37 @@ def test_census_is_the_models_parameters_under_tp():
     assert sum(q.numel for q in got if not q.replicated) == split["split"]
 
 
+
+PIPELINES = [(schedule, P, M, V) for schedule, Vs in
+             [("gpipe", (1,)), ("1f1b", (1,)), ("interleaved", (2, 4)), ("zb1p", (1,)), ("zbv", (2,))]
+             for V in Vs for P in (2, 4) for M in (P, 2 * P, 4 * P)]
+
+
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b", "interleaved", "zb1p", "zbv"])
+def test_step_time_bubble_is_the_simulators_idle_share(schedule):
+    """The step-time model stretches compute by the schedule's bubble b (the idle share of
+    all ranks' time): bubble_ms = compute_ms x b / (1 - b), so the bubble is b of compute
+    plus bubble, exactly the simulator's unit_time for (schedule, P, M, V). `compute x b`
+    would make it b / (1 + b): a pipeline's cost understated, most for large bubbles."""
+    from parallel.pipeline_parallel.schedules import SCHEDULES
+    from parallel.pipeline_parallel.simulator import unit_time
+    from planner.config import PlanConfig
+    from planner.figures import rank_figures
+    from planner.machines import PRESETS
+    from planner.step_time import step_time
+    assert {s for s, *_ in PIPELINES} == set(SCHEDULES)  # every schedule of the registry
+    w = Workload(n_layer=16, n_head=4, n_embd=64, vocab=65, block=32, batch=64)
+    cases = [c for c in PIPELINES if c[0] == schedule]
+    for _, P, M, V in cases:
+        L = Layout(dp_kind="single", pp=P, schedule=schedule, V=V, M=M)
+        t = step_time(w, L, rank_figures(w, L)["fullest"], PRESETS["H100-80GB"], PlanConfig())
+        idle = unit_time(schedule, P, M, V)[1]
+        share = t["bubble"] / (t["compute"] + t["bubble"])
+        assert idle > 0 and t["compute"] > 0, (P, M, V, idle, t)
+        assert abs(share - idle) <= 1e-9 * idle, \
+            f"{schedule} P={P} M={M} V={V}: bubble {share:.6f} of compute + bubble, simulator {idle:.6f}"
+    print(f"{schedule}: {len(cases)} (P, M, V), bubble shares equal the simulator's")
+
 def plan_command(tmp_path, *overrides, timeout=120):
     cmd = [sys.executable, os.path.join(REPO, "main.py"), "mode=plan", *overrides]
     return run_tree(cmd, timeout, f"mode=plan {overrides}", cwd=str(tmp_path), env=job_env())
@@ -138,6 +171,45 @@ def test_plan_command_ranks_layouts_and_writes_every_one(tmp_path):
                  if k.startswith(("parallel.", "trainer."))]
     load_config(["config=" + os.path.join(REPO, "configs", "gpt2-124m.yaml")] + overrides, 16)
 
+
+
+def readme_plan_example():
+    """README "Choosing a layout": the example's overrides and its table's layouts, in order."""
+    text = open(os.path.join(REPO, "README.md")).read()
+    command = re.search(r"```bash\n(python main.py mode=plan .*?)\n```", text, re.S).group(1)
+    overrides = command.replace("\\\n", " ").split()[2:]
+    table = text[text.index("```", text.index(command) + len(command) + 3) + 3:]
+    table = table[:table.index("```")]
+    layouts = [re.split(r"\s{2,}", line.strip())[1] for line in table.splitlines()
+               if re.match(r"\s+\d+\s{2}", line)]
+    return overrides, layouts
+
+
+def test_plan_breaks_ties_by_bytes_moved_then_memory(tmp_path, capsys):
+    """Equal predicted step times (compute-bound layouts whose gradient sync hides under
+    the backward) rank by the bytes a step moves, then memory: in process, the README's
+    example (GPT-2 small on 2 x 8 A100s) ranks as the README shows it (dp16 ddp_bucket
+    before dp16 fsdp3, which moves 2.7 x the bytes for the same time), and every pair of
+    ranked layouts in plan.out is in (step_ms, comm_bytes, memory_bytes) order, with ties
+    in step time that the bytes decide among them."""
+    from config import load_config
+    from planner.report import plan
+    overrides, readme_layouts = readme_plan_example()
+    assert "mode=plan" in overrides and readme_layouts[:2] == ["dp16 ddp_bucket", "dp16 fsdp3"]
+    out = tmp_path / "plan.json"
+    overrides = [("config=" + os.path.join(REPO, o.split("=", 1)[1])) if o.startswith("config=")
+                 else o for o in overrides if not o.startswith("plan.out=")] + [f"plan.out={out}"]
+    plan(load_config(overrides, 1))
+    printed = [re.split(r"\s{2,}", line.strip())[1] for line in capsys.readouterr().out.splitlines()
+               if re.match(r"\s+\d+\s{2}", line)]
+    assert printed == readme_layouts, f"README's example ranks {readme_layouts}, the plan {printed}"
+    ranked = [o for o in json.loads(out.read_text()) if o["rank"]]
+    keys = [(o["step_ms"], o["comm_bytes"], o["memory_bytes"]) for o in ranked]
+    for i, (a, b) in enumerate(zip(keys, keys[1:])):
+        assert a <= b, f"rank {i + 1} {ranked[i]['layout']} {a} before rank {i + 2} {ranked[i + 1]['layout']} {b}"
+    decided = sum(a[0] == b[0] and a[1] != b[1] for a, b in zip(keys, keys[1:]))
+    assert decided > 0 and keys[0][0] == keys[1][0]
+    print(f"{len(ranked)} layouts ranked, {decided} adjacent ties in step time decided by bytes moved")
 
 @pytest.mark.parametrize("overrides,message", [
     (["plan.gpu=B200"], "plan.gpu='B200' is not a preset"),
