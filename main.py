@@ -36,6 +36,7 @@ from errors import UserError
 from launch import preemption
 from launch.exit import flush_and_exit
 from model import GPT, GPTConfig
+from parallel.comm import collective_failure
 from parallel.parallelize import parallelize
 from parallel.grid import ProcessGrid, together, uses_cuda
 from parallel.layout import grid_sizes
@@ -209,9 +210,15 @@ def main(argv, rank, world_size, local_rank):
     preemption.install()  # SIGTERM/SIGUSR1 now stop after a step, with a snapshot
     device = pick_device(cfg.trainer.device, local_rank)
     init_process_group(device, cfg.parallel.timeout_s, rank, world_size)
-    grid = ProcessGrid(grid_sizes(cfg.parallel, world_size), device)
-    state, tokenizer, gpt_config = train(cfg, grid)
-    dist.barrier()  # nobody leaves while another rank may still need it
+    try:
+        grid = ProcessGrid(grid_sizes(cfg.parallel, world_size), device, cfg.parallel.timeout_s)
+        state, tokenizer, gpt_config = train(cfg, grid)
+        dist.barrier()  # nobody leaves while another rank may still need it
+    except Exception as e:  # a collective that timed out or lost its peer: one line, not a traceback
+        failure = collective_failure(e, cfg.parallel.timeout_s)
+        if failure is None:
+            raise
+        raise failure from e
     dist.destroy_process_group()
     # alone now: a failure here blocks nobody; skipped when a stop signal came in the last step
     if grid.is_main and cfg.sample.length > 0 and not preemption.received():

@@ -13,11 +13,14 @@ send sends), not what the algorithm puts on the wire: the benchmark compares
 it with the textbook volumes.
 """
 
+import re
 from collections import Counter
 from contextlib import contextmanager
 
 import torch
 import torch.distributed as dist
+
+from errors import UserError
 
 
 class WrongDevice(RuntimeError):
@@ -40,6 +43,34 @@ def checked_all_reduce(tensor, device, op=dist.ReduceOp.SUM, group=None):
     so metrics.jsonl's comm_* figures stay the strategies' traffic."""
     check_device("all_reduce", torch.device(device), tensor)
     return dist.all_reduce(tensor, op=op, group=group)
+
+
+# how the backends word a collective that gave up waiting, and one whose peer went away
+_TIMED_OUT = re.compile(r"timed out|timeout|watchdog", re.I)
+_PEER_GONE = re.compile(r"connection (closed|reset|refused)|broken pipe|socket closed", re.I)
+
+
+def collective_failure(error, timeout_s):
+    """The one-line UserError for an exception a collective raised (a backend's
+    RuntimeError or torch's DistError), or None if `error` is something else. Each rank
+    gets its own line: the ranks that waited too long say so, the ones whose peer left
+    say that; the backend's own words follow in brackets."""
+    if not isinstance(error, (RuntimeError, dist.DistError)):
+        return None
+    text = str(error).strip()
+    first = next((line.strip() for line in text.splitlines() if line.strip()), type(error).__name__)
+    first = re.sub(r"^\[[^\]]*(gloo|nccl|c10d)[^\]]*\]\s*", "", first, flags=re.I)
+    if len(first) > 200:
+        first = first[:200] + "..."
+    if _TIMED_OUT.search(text):
+        return UserError(f"a collective waited longer than parallel.timeout_s={timeout_s:g} s and "
+                         "gave up: another rank is stuck, crashed or took another code path (the "
+                         f"other ranks' lines say which) [{first}]")
+    if _PEER_GONE.search(text) or isinstance(error, dist.DistError) or "gloo" in text.lower() \
+            or "nccl" in text.lower():
+        return UserError(f"a collective failed because another rank stopped (its own line says "
+                         f"why) [{first}]")
+    return None
 
 
 class CommCounter:

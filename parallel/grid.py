@@ -14,6 +14,7 @@ only those, so a dimension that also splits data (context parallelism) joins
 GRAD_DIMS here instead of changing each strategy.
 """
 
+import datetime
 import hashlib
 import math
 
@@ -28,14 +29,19 @@ GRAD_DIMS = ("dp", "cp")         # the axes gradients are averaged over (cp rank
 
 
 class ProcessGrid:
-    def __init__(self, sizes: dict, device: torch.device):
-        """sizes: {dimension: degree} for dimensions of DIMS (missing ones are 1)."""
+    def __init__(self, sizes: dict, device: torch.device, timeout_s=None):
+        """sizes: {dimension: degree} for dimensions of DIMS (missing ones are 1).
+        timeout_s: how long a collective of any group made here may wait
+        (parallel.timeout_s; None: torch's default, 30 minutes). Every subgroup gets it:
+        `new_group` does not inherit the default group's."""
         unknown = set(sizes) - set(DIMS)
         assert not unknown, f"unknown grid dimensions {sorted(unknown)}"
         self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
         self.sizes = {d: int(sizes.get(d, 1)) for d in DIMS}
         assert math.prod(self.sizes.values()) == self.world_size, "validated in parallel/layout.py"
         self.device = device
+        self.timeout = None if timeout_s is None else datetime.timedelta(seconds=timeout_s)
+        self.splits = can_split(device)  # one split per dimension instead of a group per line
         self.ranks = torch.arange(self.world_size).view(*self.sizes.values())
         self.coords = dict(zip(DIMS, (int(c) for c in (self.ranks == self.rank).nonzero()[0])))
         # every rank must create every group, in the same order
@@ -49,7 +55,7 @@ class ProcessGrid:
         # the group's device: over NCCL that stages world x the largest object on the GPU,
         # beside the model and optimizer state. They run on a gloo group, in host memory
         # (created under gloo too, so that CPU runs take the path GPU runs take).
-        self.host_group = dist.new_group(backend="gloo")
+        self.host_group = dist.new_group(backend="gloo", timeout=self.timeout)
         self.grad_size = math.prod(self.sizes[d] for d in GRAD_DIMS)
         self.grad_rank = 0
         for d in GRAD_DIMS:  # row-major over GRAD_DIMS: this rank's place in grad_group
@@ -69,10 +75,17 @@ class ProcessGrid:
 
     def group_of_lines(self, lines):
         """Create a group for each list of global ranks in `lines` (collective: every rank
-        passes the same lines) and return the one holding this rank, or None."""
+        passes the same lines, disjoint ones) and return the one holding this rank, or None.
+        Where torch can split the default group (NCCL bound to this rank's GPU: `can_split`)
+        all lines come from one `split_group`, which creates only this rank's communicator;
+        else one `new_group` per line, each of which every rank must enter."""
+        if any(len(line) == self.world_size for line in lines):
+            return dist.group.WORLD
+        if self.splits:
+            return dist.split_group(split_ranks=lines, timeout=self.timeout)
         mine = None
         for line in lines:
-            group = dist.new_group(line) if len(line) < self.world_size else dist.group.WORLD
+            group = dist.new_group(line, timeout=self.timeout)
             if self.rank in line:
                 mine = group
         return mine
@@ -108,6 +121,21 @@ class ProcessGrid:
         sizes = ", ".join(f"{d}={n}" for d, n in self.sizes.items())
         at = " ".join(f"{d}={c}" for d, c in self.coords.items())
         return f"ProcessGrid({sizes}; rank {self.rank} at {at})"
+
+
+def can_split(device) -> bool:
+    """Whether `dist.split_group` can make the grid's groups: torch has it, the run is on a
+    GPU, and the default group is bound to it (main.init_process_group's device_id) with a
+    backend that splits (NCCL). gloo cannot (torch 2.13 asks for an accelerator)."""
+    if device.type != "cuda" or not hasattr(dist, "split_group"):
+        return False
+    world = dist.group.WORLD
+    if getattr(world, "bound_device_id", None) is None:
+        return False
+    try:
+        return bool(world._get_backend(device).supports_splitting)
+    except (RuntimeError, AttributeError):
+        return False
 
 
 def uses_cuda(device_choice) -> bool:
