@@ -135,6 +135,9 @@ def validate(cfg: Config, world_size: int):
         (cfg.prepare.workers >= 0, f"prepare.workers must be >= 0, got {cfg.prepare.workers}"),
         (cfg.prepare.chunk_mb > 0, f"prepare.chunk_mb must be > 0, got {cfg.prepare.chunk_mb}"),
         (t.max_steps >= 1, f"trainer.max_steps must be >= 1, got {t.max_steps}"),
+        (t.profile_from >= 0 and t.profile_steps >= 1,
+         f"trainer.profile_from must be >= 0 (0 = off) and trainer.profile_steps >= 1, got "
+         f"{t.profile_from} and {t.profile_steps}"),
         (t.batch_size >= 1 and t.grad_accum >= 1, "trainer.batch_size and grad_accum must be >= 1"),
         (t.lr > 0 and 0 <= t.min_lr <= t.lr, "need 0 < trainer.lr and 0 <= trainer.min_lr <= lr"),
         (min(t.log_every, t.eval_every, t.save_every, t.warmup_steps) >= 0,

@@ -18,6 +18,8 @@ import time
 import uuid
 from dataclasses import dataclass
 
+import torch
+
 from char_dataset import GlobalBatches, data_identity, data_order, eval_starts
 from checkpoint.async_snapshot import AsyncSnapshots
 from checkpoint.resume import snapshot_location
@@ -26,7 +28,9 @@ from errors import UserError
 from launch import preemption
 from parallel.compile import compile_events
 from parallel.grid import together
+from parallel.pipeline_parallel.clock import DeviceClock
 from telemetry import mfu
+from telemetry.profiling import StepProfiler
 from telemetry.activation_meter import ActivationMeter
 from telemetry.metrics import MetricsLog, peak_memory
 
@@ -65,6 +69,34 @@ class TrainerConfig:
     compile: bool = False       # torch.compile each transformer block (parallel/compile.py)
     compile_backend: str = "inductor"  # inductor | aot_eager (no code generation: tests) | eager
     compile_scope: str = "block"  # block | model (the whole GPT in one graph: single only)
+    profile_from: int = 0       # first optimizer step torch.profiler records (0 = off); traces in <run_dir>/profile/
+    profile_steps: int = 2      # how many steps from profile_from it records: one Chrome trace per rank
+    memory_snapshot: bool = False  # CUDA only: a torch.cuda.memory snapshot per rank of the profiled steps
+
+
+class LossWatch:
+    """Whether a training loss became inf or NaN, and at which step, kept on the device:
+    a step's loss is read only at the steps the trainer logs or saves (one host read for
+    all its values), not after every step, where on a GPU it would wait for the step."""
+
+    def __init__(self, device):
+        self.first_bad = torch.zeros((), dtype=torch.int64, device=device)  # 0: none yet
+        self.bad_loss = torch.zeros((), device=device)
+
+    def watch(self, loss, step):
+        new = ~torch.isfinite(loss) & (self.first_bad == 0)
+        self.first_bad = torch.where(new, step, self.first_bad)
+        self.bad_loss = torch.where(new, loss.detach().float(), self.bad_loss)
+
+    def read(self, loss, grad_norm):
+        """(loss, grad_norm) as floats, in one read with the watch; raises if some step's
+        loss since the start was not finite."""
+        values = torch.stack([loss.detach().double(), grad_norm.detach().double(),
+                              self.first_bad.double(), self.bad_loss.double()]).tolist()
+        if values[2]:
+            raise UserError(f"training loss became {values[3]} at step {int(values[2])}: "
+                            "lower trainer.lr or raise trainer.warmup_steps")
+        return values[0], values[1]
 
 
 def lr_at(step: int, t: TrainerConfig) -> float:
@@ -102,6 +134,9 @@ class Trainer:
         self.activations = ActivationMeter() if self.t.measure_activations else None
         self.async_snapshots = AsyncSnapshots(self.snapshot_path, grid, self.t.keep_snapshots) \
             if self.t.snapshot_async else None
+        self.clock = DeviceClock(grid.device)  # step_ms: CUDA events on a GPU, else the host's
+        self.losses = LossWatch(grid.device)
+        self.profiler = StepProfiler(self.t, grid)  # trainer.profile_from / memory_snapshot
 
     def restore(self, reader):
         """Take model, optimizer and step from a snapshot (checked by check_resumable)."""
@@ -128,55 +163,67 @@ class Trainer:
             if not g.all_ok(error is None):
                 raise error or UserError(AGREED_READ_FAILURE)
         while self.step < t.max_steps:
-            started = time.perf_counter()
+            self.profiler.before_step(self.step + 1)
+            started = self.clock.mark()  # the device's clock: CUDA events on a GPU
             self._reseed(self.step)
             if self.activations is not None:
                 with self.activations:
-                    loss = self.strategy.forward_backward(micro)
+                    loss = self.strategy.loss_and_gradients(micro)
             else:
-                loss = self.strategy.forward_backward(micro)
-            if not math.isfinite(loss):
-                raise UserError(f"training loss became {loss} at step {self.step + 1}: "
-                                "lower trainer.lr or raise trainer.warmup_steps")
+                loss = self.strategy.loss_and_gradients(micro)
             lr = lr_at(self.step, t)
             # the pre-clip global norm, logged: it exposes summed-instead-of-averaged
             # gradients, which AdamW's scale invariance hides from the loss
-            grad_norm = self.strategy.clip_grad_norm_(t.grad_clip if t.grad_clip > 0 else math.inf)
+            grad_norm = self.strategy.clip_gradients(t.grad_clip if t.grad_clip > 0 else math.inf)
             self.strategy.optimizer_step(lr)
+            ended = self.clock.mark()  # after the optimizer's kernels, not before them
             self.step += 1
-            elapsed = time.perf_counter() - started + data_ms / 1000  # read at the previous step's end
+            self.losses.watch(loss, self.step)  # on the device: read at the steps below
 
             last = self.step == t.max_steps
-            stats, files = self.strategy.step_stats(last)
-            record = {"step": self.step, "loss": loss, "grad_norm": grad_norm, "lr": lr,
-                      "tokens_per_s": t.batch_size * self.train_set.block_size / elapsed,
-                      "step_ms": 1000 * elapsed, "data_ms": data_ms,
-                      **peak_memory(g.device),
-                      "state_bytes": self.strategy.state_bytes(),
-                      **self.strategy.comm_stats(), **stats, **self.strategy.precision.metrics()}
-            if self.peak_flops:
-                record["mfu"] = mfu.mfu(self.flops_per_token, record["tokens_per_s"],
-                                        self.peak_flops, g.world_size)
-            if self.activations is not None:
-                record["activation_peak_mb"] = self.activations.peak_bytes / 2**20
-            if self.compiles is not None:  # compile_ms: the part of step_ms spent compiling
-                record.update(compile_ms=self.compiles.pop_ms(), **self.compiles.counts())
+            saved = bool(t.save_every and self.step % t.save_every == 0) or last
+            logged = bool(t.log_every and (self.step % t.log_every == 0 or last))
+            evaluated = bool(t.eval_every and (self.step % t.eval_every == 0 or last))
+            # the steps every rank measures alike (their figures take collectives); only
+            # these, a step that compiled and a save step read anything from the device
+            measured = logged or evaluated
+            comm = self.strategy.comm_stats()
+            stats, files = self.strategy.step_stats(last, measure=measured or last)
+            compiled = self.compiles.pop_ms() if self.compiles is not None else 0.0
+            written = measured or bool(compiled)  # a step that compiled shows its cost
+            record = None
+            if written or saved:  # never snapshot a model a non-finite loss has trained
+                loss, grad_norm = self.losses.read(loss, grad_norm)  # raises on a non-finite loss
+            if written:
+                # the whole step on the device's timeline, optimizer included
+                elapsed = self.clock.seconds(started, [ended])[0] + data_ms / 1000  # data: read at the previous step's end
+                record = {"step": self.step, "loss": loss, "grad_norm": grad_norm, "lr": lr,
+                          "tokens_per_s": t.batch_size * self.train_set.block_size / elapsed,
+                          "step_ms": 1000 * elapsed, "data_ms": data_ms,
+                          **peak_memory(g.device),
+                          **({"state_bytes": self.strategy.state_bytes()} if measured else {}),
+                          **comm, **stats, **self.strategy.precision.metrics()}
+                if self.peak_flops:
+                    record["mfu"] = mfu.mfu(self.flops_per_token, record["tokens_per_s"],
+                                            self.peak_flops, g.world_size)
+                if self.activations is not None:
+                    record["activation_peak_mb"] = self.activations.peak_bytes / 2**20
+                if self.compiles is not None:  # compile_ms: the part of step_ms spent compiling
+                    record.update(compile_ms=compiled, **self.compiles.counts())
             self.metrics.write_files(files)
-            if t.eval_every and (self.step % t.eval_every == 0 or last):
+            if evaluated:
                 record["val_loss"] = self.evaluate()
                 if self.compiles is not None:  # evaluation compiles for its own mode and shape
                     record.update(val_compile_ms=self.compiles.pop_ms(), **self.compiles.counts())
-            saved = (t.save_every and self.step % t.save_every == 0) or last
-            logged = t.log_every and (self.step % t.log_every == 0 or last)
-            # a step that compiled is always written: start-up cost shows in metrics.jsonl
-            written = logged or "val_loss" in record or bool(
-                record.get("compile_ms") or record.get("val_compile_ms"))
             if saved:
-                record.update(self.save(final=last, record=record if written else None))
+                figures = self.save(final=last, record=record)
+                if written:
+                    record.update(figures)
             if written:
-                self.metrics.write(record, t.max_steps, console=bool(logged) or last)
+                self.metrics.write(record, t.max_steps, console=logged or last)
             else:
                 self.metrics.progress(self.step, t.max_steps)
+            self.profiler.after_step(self.step, last)
             if not last:  # read the next step's windows, then agree (every rank) on them, a
                 # stop signal and the progress of a background snapshot, in one all-reduce
                 micro, data_ms, error = self._read_step(self.step)
@@ -280,6 +327,7 @@ class Trainer:
         }
 
     def close(self):
+        self.profiler.close()
         if self.metrics is not None:
             self.metrics.close()
         if self.async_snapshots is not None:

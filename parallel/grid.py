@@ -103,12 +103,15 @@ class ProcessGrid:
 
     def max_over_ranks(self, values):
         """[the MAX over every rank of each of `values`] (ints): the ranks' agreements (a
-        stop signal, a damaged read, a background write's progress), made here so that
-        `launch/` and `checkpoint/` need no collective of their own. Not training traffic:
+        stop signal, a damaged read, a background write's progress, the fullest rank's
+        state bytes), made here so that `launch/` and `checkpoint/` need no collective of
+        their own. Host integers, so over the host group (gloo) in host memory: the
+        trainer agrees every step, and on a GPU that must not wait for the device (an
+        all-reduce on the GPU's stream and its read would). Not training traffic:
         device-checked, never counted."""
-        flag = torch.tensor(list(values), dtype=torch.int64, device=self.device)
+        flag = torch.tensor(list(values), dtype=torch.int64, device="cpu")
         if self.world_size > 1:
-            checked_all_reduce(flag, self.device, op=dist.ReduceOp.MAX)
+            checked_all_reduce(flag, "cpu", op=dist.ReduceOp.MAX, group=self.host_group)
         return flag.tolist()
 
     def all_ok(self, ok: bool) -> bool:

@@ -92,15 +92,17 @@ class Precision:
         if self.scaler is None:
             self.skip_step = False
             return
-        inv = 1.0 / self.scaler.scale
-        found = torch.zeros((), device=self.device)
-        for g in grads:
-            g.mul_(inv)
-            found = torch.maximum(found, (~torch.isfinite(g)).any().to(found.dtype))
+        found = torch.zeros(1, device=self.device)
+        grads = [g for g in grads if g is not None]
+        if grads:  # GradScaler's own kernel: unscale and check every tensor in one launch
+            inv = torch.full((1,), 1.0 / self.scaler.scale, device=self.device)
+            torch._amp_foreach_non_finite_check_and_unscale_(grads, found, inv)
         if self.world_size > 1:
             # every gradient element lives on some rank: one MAX over all of them (not
             # training traffic: uncounted, like the preemption flag)
             checked_all_reduce(found, self.device, op=dist.ReduceOp.MAX)
+        # read every step, as torch.amp.GradScaler reads it: whether to step is the host's
+        # decision (fp16 only)
         self.skip_step = bool(found.item())
         self.scaler.update(self.skip_step)
 

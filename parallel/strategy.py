@@ -2,10 +2,14 @@
 
 The trainer never asks which strategy it runs. Per optimizer step it calls
 
-    strategy.reseed(seed)                             # random state of this step
-    loss = strategy.forward_backward(micro_batches)  # grads ready and synced
-    norm = strategy.clip_grad_norm_(max_norm)         # global norm, across shards
-    strategy.optimizer_step(lr)                       # update, then zero grads
+    strategy.reseed(seed)                                # random state of this step
+    loss = strategy.loss_and_gradients(micro_batches)   # grads ready and synced
+    norm = strategy.clip_gradients(max_norm)             # global norm, across shards
+    strategy.optimizer_step(lr)                          # update, then zero grads
+
+`loss` and `norm` stay on the device (0-d tensors): the trainer reads them only at the
+steps it logs, so a step makes no host sync of its own on a GPU. `forward_backward` and
+`clip_grad_norm_` are the same two returning Python floats (tests, benchmarks).
 
 once at start `configure_compute(tcfg)` (precision, compilation, activation checkpointing)
 and `configure_optimizer(tcfg)`, and for evaluation and snapshots `eval_loss`,
@@ -107,9 +111,14 @@ class Strategy:
         raise NotImplementedError
 
     def forward_backward(self, micro_batches) -> float:
+        """loss_and_gradients, the loss read as a Python float."""
+        return self.loss_and_gradients(micro_batches).item()
+
+    def loss_and_gradients(self, micro_batches) -> torch.Tensor:
         """Forward and backward over this rank's micro-batches; gradients end up
         as if one process had run the whole global batch. Returns the mean
-        loss over the global batch, on every rank. Strategies shape it through
+        loss over the global batch, on every rank, as a 0-d tensor on the device (not
+        read: no host sync). Strategies shape it through
         `backward_scope` (around each micro-batch), `sync_gradients` and
         `self.model` (what forward runs through: the GPT, or a wrapper)."""
         micro_batches = [self.split(x, y) for x, y in micro_batches]
@@ -145,7 +154,7 @@ class Strategy:
                     _, loss = self.forward_loss(self.module, x, y)
         finally:
             self.module.train()
-        return self.dp_mean(loss)
+        return self.dp_mean(loss).item()
 
     def optimizer_step(self, lr):
         raise NotImplementedError
@@ -188,10 +197,16 @@ class Strategy:
             self.tp.reseed(base)
 
     def clip_grad_norm_(self, max_norm) -> float:
-        """Scale gradients so their global norm is at most max_norm; return the norm before.
-        Sharded elements are summed over the ranks holding them, replicated ones counted
-        on one replica (Region.in_norm). fp16: gradients are unscaled first, and a step
-        whose gradients overflowed anywhere is skipped by every rank (optimizer_step)."""
+        """clip_gradients, the norm read as a Python float."""
+        return self.clip_gradients(max_norm).item()
+
+    def clip_gradients(self, max_norm) -> torch.Tensor:
+        """Scale gradients so their global norm is at most max_norm; return the norm before
+        (a 0-d tensor on the device, not read). Sharded elements are summed over the
+        ranks holding them, replicated ones counted on one replica (Region.in_norm).
+        fp16: gradients are unscaled first, and a step whose gradients overflowed
+        anywhere is skipped by every rank (optimizer_step). Norm and scaling run as
+        foreach kernels (one launch for all tensors, not one per tensor)."""
         self.precision.unscale_and_check(self.grads())
         sq = grad_norm_squared(self.regions(), self.device)
         group = self.norm_group()
@@ -200,9 +215,10 @@ class Strategy:
         norm = sq.sqrt()
         if not self.precision.skip_step:
             coef = (max_norm / (norm + 1e-6)).clamp(max=1.0)  # as torch.nn.utils.clip_grad_norm_
-            for g in self.grads():
-                g.mul_(coef)
-        return norm.item()
+            grads = self.grads()
+            if grads:
+                torch._foreach_mul_(grads, coef)
+        return norm
 
     def step_optimizer(self):
         """optimizer.step(), unless fp16 gradients overflowed on some rank this step
@@ -274,11 +290,15 @@ class Strategy:
             v.copy_(flat[at:at + v.numel()])
             at += v.numel()
 
-    def step_stats(self, last=False):
+    def step_stats(self, last=False, measure=True):
         """(figures for this step's metrics record, {file name: JSON-able} the main rank
         writes into the run directory): the pipeline's busy/idle time per stage, and
-        on the last step its timeline. Collective."""
+        on the last step its timeline. Collective when measure (every rank measures the
+        same steps); measure=False drops the step's record without reading the device."""
         if self.pipeline is None:
+            return {}, {}
+        if not measure:
+            self.pipeline.drop_step_stats()
             return {}, {}
         stats, timelines = self.pipeline.step_stats(with_timeline=last)
         files = {"pipeline_timeline.json": {"stages": timelines, "schedule": self.pipeline.schedule,
@@ -324,23 +344,21 @@ class Strategy:
         """Bytes of parameters + gradients + optimizer state resident on the fullest rank,
         measured at the end of the last optimizer step (before grads are freed). The max
         over every rank: shards, pipeline stages and TP ranks hold different amounts, and
-        the trainer logs rank 0's value, which should be the worst rank's. Not training
-        traffic: uncounted."""
-        value = torch.tensor([self.last_state_bytes], dtype=torch.int64, device=self.device)
-        if self.grid.world_size > 1:
-            with self.comm.uncounted():
-                self.comm.all_reduce(value, op=dist.ReduceOp.MAX)
-        return int(value.item())
+        the trainer logs rank 0's value, which should be the worst rank's. Collective (the
+        trainer asks at the steps it logs); a host integer over the host group: nothing
+        read from the device, not training traffic."""
+        return int(self.grid.max_over_ranks([self.last_state_bytes])[0])
 
-    def dp_mean(self, value: torch.Tensor) -> float:
+    def dp_mean(self, value: torch.Tensor) -> torch.Tensor:
         """Average a scalar over the ranks that see different data, grid.grad_group
-        (losses, for logging; deliberately not counted as training traffic)."""
+        (losses, for logging; deliberately not counted as training traffic). Stays on
+        the device."""
         value = value.detach().clone()
         if self.grid.grad_size > 1:
             with self.comm.uncounted():
                 self.comm.all_reduce(value, group=self.grid.grad_group)
             value /= self.grid.grad_size
-        return value.item()
+        return value
 
 
 # ---------------------------------------------------------------- helpers of the strategies

@@ -151,7 +151,7 @@ COLLECTIVES = OBJECT_COLLECTIVES | {
 RAW_COLLECTIVES = {  # "file:function:collective" -> why it may bypass parallel/comm.py
     "main.py:main:barrier": "the last collective, after training: no tensor of ours (the "
                             "group is bound to the rank's GPU by device_id)",
-    "parallel/reference/torch_tp.py:TorchTP.clip_grad_norm_:all_reduce":
+    "parallel/reference/torch_tp.py:TorchTP.clip_gradients:all_reduce":
         "PyTorch's TP reference, kept as PyTorch users write it; its norm is built on "
         "self.device",
     "parallel/strategy.py:Strategy.state_dict:gather_object":

@@ -109,7 +109,7 @@ class DDPBucket(DDPNaive):
         self.ring = RingRunner(self.comm, self.group, self.device) if self.use_ring else None
         self.syncing, self.next_launch, self.grads_copied = False, 0, 0
 
-    def forward_backward(self, micro_batches):
+    def loss_and_gradients(self, micro_batches):
         # optimizer_step drops every .grad (zero_grad(set_to_none=True)): point them back
         # at their zeroed slots, so that backward accumulates straight into the buckets
         for bucket in self.buckets:
@@ -119,7 +119,7 @@ class DDPBucket(DDPNaive):
             for p, view in zip(bucket.params, bucket.views):
                 p.grad = view
         self.next_launch = 0
-        return super().forward_backward(micro_batches)
+        return super().loss_and_gradients(micro_batches)
 
     @contextmanager
     def no_sync(self, last_micro_step):

@@ -245,6 +245,11 @@ class Pipeline:
     def _record(self, kind, c, m, started):
         self.timeline.append((kind, c, m, started, self.clock.mark()))
 
+    def drop_step_stats(self):
+        """Forget the last step's actions unread (a step the trainer does not log: reading
+        them would wait for the device)."""
+        self.timeline, self.step_started = [], None
+
     def step_stats(self, with_timeline=False):
         """Busy and idle time of every stage of this rank's pipeline in the last step
         (idle: time inside the schedule not spent computing -- waiting for a neighbour,

@@ -60,13 +60,13 @@ class TorchFSDP(ReplicatedStrategy):
                 block.set_modules_to_forward_prefetch(blocks[i + 1:i + 2])
                 block.set_modules_to_backward_prefetch(blocks[max(i - 1, 0):i])
 
-    def clip_grad_norm_(self, max_norm):
+    def clip_gradients(self, max_norm):
         self.precision.unscale_and_check([_local(p.grad) for p in self.module.parameters()
                                           if p.grad is not None])
         if self.precision.skip_step:
             max_norm = float("inf")  # the gradients are dropped: just measure
         norm = torch.nn.utils.clip_grad_norm_(self.module.parameters(), max_norm)
-        return _full(norm).item()
+        return _full(norm)
 
     def optimizer_step(self, lr):
         for group in self.optimizer.param_groups:

@@ -89,7 +89,7 @@ class TorchPP(ReplicatedStrategy):
     def _loss(self, logits, target):
         return F.cross_entropy(logits.reshape(-1, logits.size(-1)), target.reshape(-1)) * self.scale
 
-    def forward_backward(self, micro_batches):
+    def loss_and_gradients(self, micro_batches):
         rounds = len(micro_batches)
         self.scale = 1.0 / (self.pipeline.M * rounds)
         total = torch.zeros((), device=self.device)

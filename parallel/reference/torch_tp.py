@@ -89,14 +89,14 @@ class TorchTP(ReplicatedStrategy):
                 p.copy_(p[perm])
                 self.perms[name + suffix] = (perm, torch.argsort(perm))
 
-    def forward_backward(self, micro_batches):
+    def loss_and_gradients(self, micro_batches):
         total = torch.zeros((), device=self.device)
         with loss_parallel():
             for x, y in micro_batches:
                 _, loss = self.model(x.to(self.device), y.to(self.device))
                 (loss / len(micro_batches)).backward()
                 total += _full(loss).detach()
-        return total.item() / len(micro_batches)
+        return total / len(micro_batches)
 
     @torch.no_grad()
     def eval_loss(self, x, y):
@@ -119,7 +119,7 @@ class TorchTP(ReplicatedStrategy):
         self.last_state_bytes = sum(t.numel() * t.element_size() for t in tensors)
         self.optimizer.zero_grad(set_to_none=True)
 
-    def clip_grad_norm_(self, max_norm):
+    def clip_gradients(self, max_norm):
         """Sharded gradients' squares summed over TP; replicated ones (plain tensors)
         counted once (torch's clip_grad_norm_ does not take DTensors and tensors mixed)."""
         sharded = torch.zeros((), device=self.device)
@@ -141,7 +141,7 @@ class TorchTP(ReplicatedStrategy):
         for p in self.module.parameters():
             if p.grad is not None:
                 (p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad).mul_(coef)
-        return norm.item()
+        return norm
 
     # snapshots: full canonical tensors out (rank r writes every world-th key), shards in
 
