@@ -44,10 +44,10 @@ def allgather_attention(q, k, v, dropout_p, cp):
     """Causal attention of this rank's zigzag chunks against the gathered sequence."""
     length = q.size(2)
     everyone = gather_kv(torch.stack([k, v]), cp)  # (N, 2, B, H, T/N, d)
-    positions = torch.cat([cp.positions_of(r, length) for r in range(cp.size)]).to(q.device)
+    positions = torch.cat([cp.positions_of(r, length, q.device) for r in range(cp.size)])
     order = torch.argsort(positions)  # gathered tokens in their true order
     kv = everyone.permute(1, 2, 3, 0, 4, 5).reshape(2, q.size(0), q.size(1), -1, q.size(3))
     keys, values = kv[0][:, :, order], kv[1][:, :, order]
-    mine = cp.positions(length).to(q.device)
+    mine = cp.positions(length, q.device)
     mask = torch.arange(keys.size(2), device=q.device)[None, :] <= mine[:, None]
     return F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, dropout_p=dropout_p)

@@ -38,15 +38,22 @@ class CPContext:
     left: int    # global rank it receives them from
     _positions: dict = field(default_factory=dict)
 
-    def positions(self, length):
-        """True positions of this rank's `length` tokens (cached per length)."""
-        return self.positions_of(self.rank, length)
+    def positions(self, length, device=None):
+        """True positions of this rank's `length` tokens (cached per length and device)."""
+        return self.positions_of(self.rank, length, device)
 
-    def positions_of(self, rank, length):
-        """True positions of cp rank `rank`'s `length` tokens (cached)."""
-        if (rank, length) not in self._positions:
-            self._positions[rank, length] = zigzag_positions(rank, self.size, length)
-        return self._positions[rank, length]
+    def positions_of(self, rank, length, device=None):
+        """True positions of cp rank `rank`'s `length` tokens, on `device` (None: the
+        host). Cached: every forward asks again, and a copy to the GPU each time would
+        be a host-to-device transfer per layer and step."""
+        key = (rank, length, None if device is None else torch.device(device))
+        if key not in self._positions:
+            host = self._positions.get((rank, length, None))
+            if host is None:
+                host = zigzag_positions(rank, self.size, length)
+                self._positions[rank, length, None] = host
+            self._positions[key] = host.to(key[2]) if key[2] is not None else host
+        return self._positions[key]
 
     def split(self, x, y):
         """This rank's zigzag chunks of every sequence of a micro-batch (B, T)."""
@@ -99,6 +106,6 @@ def apply_context_parallel(model, grid, comm, impl="ring"):
 
     def true_positions(module, args):
         (pos,) = args
-        return (cp.positions(pos.numel()).to(pos.device)[pos],)
+        return (cp.positions(pos.numel(), pos.device)[pos],)
     plan.position_embedding(model).register_forward_pre_hook(true_positions)
     return cp

@@ -14,13 +14,18 @@ fully if k < i, causally if k == i, not at all if k > i; so per step
 
 and the blocks that are entirely masked (head x tail, always) are never computed.
 Partial results merge by the running log-sum-exp (online softmax), in fp32; a
-block is c x c, so no rank holds a T x T score matrix.
+block is c x c, so no rank holds a T x T score matrix. Under bf16/fp16 autocast the
+inputs arrive in the low precision, but every product, the running max, sum and
+output accumulate in fp32 (autocast is switched off inside: it would run each
+block's matmuls in bf16, scores included), as flash attention does; the output is
+cast back once.
 
 Backward is a ring too: keys and values go around again together with the
 gradients of keys and values accumulated so far; after N steps those gradients
 are back on the rank that owns the keys. Dropout on the attention probabilities
 draws each block's mask from a seed taken from the default generator in forward
 (so it follows the step's random state and a recompute), regenerated in backward.
+Drawing it reads nothing from the device (`_draw_seed`).
 """
 
 import math
@@ -53,6 +58,23 @@ def blocks(me, src, size):
     return [(1, 0, False), (1, 1, False)]
 
 
+def _draw_seed(device, generator=None):
+    """The dropout masks' seed, from the default generator of `device` (on a GPU inside a
+    TP region: the TP rank's own stream, which TPRandom swaps in there), without a host
+    sync. CPU: a draw from the generator (a host tensor). Elsewhere: the generator's
+    seed and offset, host-side numbers, and the offset moved on as a draw moves it, so
+    the next call gets another seed and a recompute that restores the state this one.
+    generator: a stand-in (tests)."""
+    if device.type == "cpu" and generator is None:
+        return int(torch.randint(2**62, (), device="cpu"))
+    if generator is None:
+        generator = torch.cuda.default_generators[device.index or 0] if device.type == "cuda" \
+            else torch.default_generator
+    offset = generator.get_offset()
+    generator.set_offset(offset + 4)  # philox offsets move in fours
+    return derive_seed("ring dropout", generator.initial_seed(), offset)
+
+
 def _scores(q, k, causal, scale):
     s = torch.matmul(q.float(), k.float().transpose(-2, -1)) * scale
     if causal:
@@ -72,10 +94,16 @@ def _keep(seed, qp, kp, src, shape, p, device):
 class _RingAttention(Function):
     @staticmethod
     def forward(ctx, q, k, v, cp, dropout_p):
+        # fp32 inside, whatever autocast is on around us (the module docstring says why)
+        with torch.autocast(q.device.type, enabled=False):
+            return _RingAttention._forward(ctx, q, k, v, cp, dropout_p)
+
+    @staticmethod
+    def _forward(ctx, q, k, v, cp, dropout_p):
         me, N = cp.rank, cp.size
         scale = 1.0 / math.sqrt(q.size(-1))
         # the masks' seed follows the step's random state (and a recompute's replay of it)
-        seed = int(torch.randint(2**62, (), device=q.device)) if dropout_p > 0 else 0
+        seed = _draw_seed(q.device) if dropout_p > 0 else 0
         qs = q.chunk(2, dim=2)
         m = [torch.full(x.shape[:-1], float("-inf"), device=q.device) for x in qs]
         l = [torch.zeros(x.shape[:-1], device=q.device) for x in qs]  # noqa: E741
@@ -111,6 +139,11 @@ class _RingAttention(Function):
 
     @staticmethod
     def backward(ctx, grad_out):
+        with torch.autocast(grad_out.device.type, enabled=False):
+            return _RingAttention._backward(ctx, grad_out)
+
+    @staticmethod
+    def _backward(ctx, grad_out):
         q, k, v, out, lse = ctx.saved_tensors
         cp, dropout_p, seed, scale = ctx.cp, ctx.dropout_p, ctx.seed, ctx.scale
         me, N = cp.rank, cp.size
