@@ -15,6 +15,9 @@ result cannot hang a rank.
   overflow and back off several times, so skipping must be agreed);
 - reduce: parallel.reduce_dtype=bf16 against fp32 reduction, the same layout:
   collective bytes of each step by kind, and the loss difference;
+- sp_bytes: tp=2 with sequence parallelism, one step in fp32 and in bf16: the bytes
+  its all-gathers and reduce-scatters move (bf16 sends the gathered activations in
+  bf16: at most 0.55x fp32's);
 - recompute: trainer.activation_checkpointing against the same layout
   without it, fp32, with dropout 0.1: per-step losses, and the gradients of
   one step on every rank, which must be bitwise equal (the TP random
@@ -24,6 +27,7 @@ result cannot hang a rank.
   left rewound.
 
     ... tests/precision_worker.py recompute4   # --nproc_per_node=4: only RECOMPUTE4
+    ... tests/precision_worker.py sp_bytes     # only sp_bytes (quick, by hand)
 """
 
 import os
@@ -176,6 +180,21 @@ def check_reduce():
     return result
 
 
+def check_sp_bytes():
+    """{precision: that step's all-gather and reduce-scatter bytes} of tp2-sp, 4 blocks
+    (the default model's depth: the embedding's fp32 reduce-scatter weighs less the
+    deeper the model)."""
+    out = {}
+    layout = ("single", (1, 1, 2), {"sequence_parallel": True, "layers": 4})
+    for precision in ("fp32", "bf16"):
+        tcfg = TrainerConfig(lr=LR, weight_decay=0.1, precision=precision)
+        steps, _ = train(layout, tcfg, 1)
+        comm = steps[-1][3]
+        out[precision] = {k: comm.get(k, 0) for k in ("comm_all_gather_bytes",
+                                                      "comm_reduce_scatter_bytes")}
+    return out
+
+
 def check_recompute(layouts):
     result = {}
     for name, layout in layouts.items():
@@ -195,10 +214,13 @@ def check_recompute(layouts):
 def compute():
     if sys.argv[1:] == ["recompute4"]:
         return {"recompute": check_recompute(RECOMPUTE4)}
+    if sys.argv[1:] == ["sp_bytes"]:
+        return {"sp_bytes": check_sp_bytes()}
     fp32, _ = train(("single", (1, 1, 1), {}), TrainerConfig(lr=LR, weight_decay=0.1), STEPS)
     return {"precision": {p: check_precision(p, fp32) for p in ("bf16", "fp16")},
             "stage_dtypes": {p: check_stage_dtypes(p) for p in ("bf16", "fp16")},
-            "reduce": check_reduce(), "recompute": check_recompute(RECOMPUTE)}
+            "reduce": check_reduce(), "recompute": check_recompute(RECOMPUTE),
+            "sp_bytes": check_sp_bytes()}
 
 
 if __name__ == "__main__":

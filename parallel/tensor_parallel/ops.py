@@ -13,7 +13,12 @@ are split along the sequence, and the pair becomes
     scatter_seq          forward: reduce-scatter seq    backward: all-gather
 
 moving the same bytes as one all-reduce (which is a reduce-scatter plus an
-all-gather) while activations between blocks stay 1/tp the size.
+all-gather) while activations between blocks stay 1/tp the size. Under bf16/fp16
+autocast the all-gathered activation (a LayerNorm's fp32 output) feeds a matmul that
+would cast it to the low precision anyway: `gather_seq` casts it first, so the
+all-gather, and its backward's reduce-scatter, move half the bytes (Megatron moves
+them in bf16 too); the forward is unchanged to the bit, the backward's sum is
+rounded to bf16 once per rank.
 
 `vocab_parallel_cross_entropy` computes the loss from vocabulary-sharded
 logits without any rank holding all of them: the max, the sum of exponentials
@@ -103,9 +108,19 @@ def reduce_from_tp(x, tp):
     return _ReduceFromTP.apply(x, tp)
 
 
+def compute_dtype(x):
+    """The dtype a matmul under the current autocast would cast `x` to (its own if none)."""
+    device = x.device.type
+    if x.is_floating_point() and torch.is_autocast_enabled(device):
+        return torch.get_autocast_dtype(device)
+    return x.dtype
+
+
 @torch.compiler.disable  # a collective: compiled regions stop here (parallel/compile.py)
 def gather_seq(x, tp):
-    return _GatherSeq.apply(x, tp)
+    """All-gather the sequence shards of x, the input of a column-parallel matmul: in the
+    dtype that matmul computes in (under autocast: the low precision)."""
+    return _GatherSeq.apply(x.to(compute_dtype(x)), tp)
 
 
 @torch.compiler.disable  # a collective: compiled regions stop here (parallel/compile.py)
