@@ -7,7 +7,9 @@ never by a barrier of its own, and never by a collective from the writer thread:
 
 1. staged (the save step, main thread): every rank copies what it holds into host
    memory (pinned and reused between saves on CUDA), so training may change the
-   live tensors; the main rank empties step S's directory (the only filesystem
+   live tensors (on CUDA the copies are asynchronous: an event recorded after them on
+   the run's device is what the writer thread waits for, not the whole device, and
+   nothing CUDA is touched when the run is on another device); the main rank empties step S's directory (the only filesystem
    work every part must wait for) and draws the snapshot id. The step's
    all-reduce carries the id and whether that failed.
 2. writing (a background thread per rank): its part file and the part's index
@@ -48,6 +50,18 @@ ID, PREP_FAILED, NOT_WRITTEN, WRITE_FAILED, NOT_COMMITTED, COMMIT_FAILED = range
 N_FLAGS = 6
 
 
+def staging_done(device, event_class=None):
+    """An event recorded on `device`'s current stream after the staging copies were
+    queued (they run asynchronously from pinned memory on CUDA), or None where copies
+    are synchronous (CPU): the run's device decides, not whether CUDA happens to be
+    there. event_class: a stand-in (tests)."""
+    if device.type != "cuda":
+        return None
+    event = (event_class or torch.cuda.Event)()
+    event.record()
+    return event
+
+
 def index_name(rank):
     return f"index-{rank:05d}.json"
 
@@ -58,6 +72,7 @@ class AsyncSnapshots:
         self.pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="snapshot-writer")
         self.state, self.step, self.meta = IDLE, None, None
         self.staged, self.buffers = None, {}
+        self.copied = None  # on CUDA: an event after the staging copies (begin)
         self.snapshot_id, self.write, self.commit, self.error = None, None, None, None
         self.last_wait_ms = 0.0
 
@@ -71,6 +86,7 @@ class AsyncSnapshots:
         self.last_wait_ms = 1000 * (time.perf_counter() - started)
         self.staged = [(key, shape, box, self._stage(i, t)) for i, (key, shape, box, t)
                        in enumerate(pieces)]
+        self.copied = staging_done(self.grid.device)
         self.step, self.meta, self.error = step, meta, None
         self.snapshot_id = 0
         if self.grid.is_main:
@@ -114,8 +130,9 @@ class AsyncSnapshots:
         if self.state == STAGED:
             if agreed[PREP_FAILED]:
                 self._fail(f"could not prepare snapshot step {self.step}")
-            if torch.cuda.is_available():
-                torch.cuda.synchronize()  # the staging copies are complete before the thread reads
+            if self.copied is not None:
+                self.copied.synchronize()  # the staging copies are complete before the thread reads
+                self.copied = None
             self.snapshot_id = f"{agreed[ID]:016x}"
             self.write = self.pool.submit(self._write_own_part)
             self.state = WRITING

@@ -273,6 +273,31 @@ def test_each_rank_picks_its_gpu_or_says_why_it_cannot():
     assert cuda_index(3, 8, local_world=4) == 3
 
 
+def test_a_rank_without_local_rank_is_not_put_on_gpu_0(monkeypatch):
+    """Without LOCAL_RANK (a launcher other than torchrun) every rank fell back to local
+    rank 0: all of a node's ranks on GPU 0. Now the launcher's own variable is read
+    (Slurm's SLURM_LOCALID, Open MPI's), and with none a multi-rank job that sees several
+    GPUs is refused with one line; one rank, or one GPU per task, still takes GPU 0."""
+    import main
+    from errors import UserError
+    assert main.local_rank_from_env({}) is None
+    assert main.local_rank_from_env({"SLURM_LOCALID": "3", "RANK": "11"}) == 3
+    assert main.local_rank_from_env({"LOCAL_RANK": "1", "SLURM_LOCALID": "0"}) == 1
+    assert main.local_rank_from_env({"OMPI_COMM_WORLD_LOCAL_RANK": "2"}) == 2
+    with pytest.raises(UserError, match="every rank would take GPU 0"):
+        main.cuda_index(None, 4, world_size=8)
+    assert main.cuda_index(None, 1, world_size=8) == 0  # srun --gpus-per-task=1
+    assert main.cuda_index(None, 4, world_size=1) == 0  # python main.py on a 4-GPU box
+    current = []  # and through pick_device, CUDA faked: refused before any device is touched
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 4)
+    monkeypatch.setattr(torch.cuda, "set_device", current.append)
+    monkeypatch.delenv("LOCAL_WORLD_SIZE", raising=False)
+    with pytest.raises(UserError, match="no LOCAL_RANK / SLURM_LOCALID"):
+        main.pick_device("cuda", main.local_rank_from_env({}), 2)
+    assert current == []
+
+
 def test_torchrun_with_more_ranks_than_the_nodes_one_gpu_is_one_line(monkeypatch):
     """pick_device reads LOCAL_WORLD_SIZE: torchrun --nproc_per_node=2 on a one-GPU box
     put every rank on GPU 0 and NCCL failed with its own error. CUDA faked in process."""
