@@ -41,6 +41,7 @@ from parallel.parallelize import parallelize
 from parallel.grid import ProcessGrid, together, uses_cuda
 from parallel.layout import grid_sizes
 from planner.report import plan
+from telemetry.ranks import write_ranks
 from trainer import Trainer
 
 
@@ -189,6 +190,7 @@ def train(cfg, grid):
         trainer.train()
     finally:
         trainer.close()
+    write_ranks(grid, strategy, cfg.trainer.run_dir)  # collective: every rank's memory, replicas
     state = strategy.state_dict()  # collective: gathers shards where there are any
     return state, tokenizer, gpt_config
 

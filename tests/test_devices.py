@@ -157,6 +157,9 @@ RAW_COLLECTIVES = {  # "file:function:collective" -> why it may bypass parallel/
     "parallel/strategy.py:Strategy.state_dict:gather_object":
         "an object collective on grid.host_group (gloo, host memory; "
         "test_object_collectives_run_on_the_host_group)",
+    "telemetry/ranks.py:write_ranks:gather_object":
+        "an object collective on grid.host_group (every rank's memory and replica digests, "
+        "once at the end of training)",
     "checkpoint/snapshot_writer.py:save_sharded:broadcast_object_list":
         "an object collective on grid.host_group (the snapshot's id)",
     "checkpoint/snapshot_writer.py:save_sharded:all_gather_object":

@@ -1,8 +1,12 @@
 """scripts/gpu_smoke.sh, the first command to run on a GPU node, runs here with --cpu:
-the same matrix of layouts through main.py on gloo at tiny sizes, each against
-`single`; it must print its table with every layout passing and exit 0 (and it
-exits 1 on any difference, crash or hang: seen by breaking a strategy on purpose,
-tests/README.md)."""
+its 2-process tier through main.py on gloo at tiny sizes, each row against `single`;
+it must print its table with every layout passing and exit 0 (and it exits 1 on any
+difference, crash or hang: seen by breaking a strategy on purpose, tests/README.md).
+Every row of every tier (2, 4, 8 GPUs and two nodes) passes main.py's config checks
+at both sizes; a worker that hangs on purpose is killed with its whole job and the
+row reruns with the backends' debug output; the table's columns (replicas,
+determinism, the kill-and-resume row, PyTorch's references) are checked on fake job
+directories, in process."""
 
 import importlib.util
 import json
@@ -15,31 +19,67 @@ import pytest
 from config import load_config
 from harness import REPO, job_env, run_tree
 
-MATRIX = ["single", "ddp_bucket", "ddp_bucket-ring", "fsdp3-prefetch", "tp2-sp", "pp2-gpipe",
-          "pp2-1f1b", "pp2-interleaved-v2", "pp2-zb1p", "pp2-zbv", "ddp_bucket-bf16", "cp2"]
+TIERS = {
+    "2": ["single", "ddp_naive", "ddp_bucket", "ddp_bucket-ring", "torch_ddp", "fsdp1", "fsdp2",
+          "fsdp3-prefetch", "fsdp3-noprefetch", "torch_fsdp", "tp2", "tp2-torch", "tp2-sp",
+          "pp2-gpipe", "pp2-1f1b", "pp2-interleaved-v2", "pp2-zb1p", "pp2-zbv", "cp2",
+          "cp2-allgather", "ddp_bucket-fp16", "ddp_bucket-bf16", "tp2-sp-bf16", "pp2-1f1b-bf16",
+          "cp2-bf16", "ddp_bucket-reduce-bf16", "fsdp2-reduce-bf16", "ddp_bucket-recompute",
+          "tp2-sp-recompute", "ddp_bucket-compile", "snapshot-kill-resume", "tp2-sp-dropout",
+          "cp2-dropout"],
+    "4": ["dp2-tp2", "dp2-tp2-fsdp1", "dp2-pp2", "dp2-cp2", "pp2-tp2", "cp2-tp2", "dp4-ddp_bucket",
+          "dp4-torch_ddp", "dp4-fsdp3", "dp4-torch_fsdp", "tp4", "tp4-torch"],
+    "8": ["dp2-pp2-tp2", "dp2-pp2-tp2-zbv", "dp2-cp2-tp2", "pp2-cp2-tp2", "dp2-pp2-tp2-bf16",
+          "dp8-fsdp3", "dp8-torch_fsdp"],
+    "2x8": ["dp2-pp2-cp2-tp2", "dp2-pp2-tp4", "dp16-ddp_bucket", "dp16-torch_ddp", "dp16-fsdp3",
+            "dp16-torch_fsdp"],
+}
+MATRIX = [name for rows in TIERS.values() for name in rows]
+PROCESSES = {"2": 2, "4": 4, "8": 8, "2x8": 16}
 # run for real: the reference, a 2-rank layout and the bf16 tolerance (each layout of the
 # matrix is at parity in its own tests; here the script, its table and its exit status are
 # under test, and every row's arguments are checked in process below)
 LAYOUTS = ["single", "pp2-zbv", "ddp_bucket-bf16"]
 
 
+def script_rows(*mode):
+    script = os.path.join(REPO, "scripts", "gpu_smoke.sh")
+    listed = subprocess.run(["bash", script, *mode, "--list"], capture_output=True, text=True,
+                            check=True, env=job_env()).stdout.splitlines()
+    return [row.split("|") for row in listed]
+
+
 def test_the_matrix_names_every_layout():
-    """The script's matrix is the one listed here (a renamed or dropped row shows)."""
-    with open(os.path.join(REPO, "scripts", "gpu_smoke.sh")) as f:
-        rows = re.findall(r'^  "([^|"]+)\|', f.read(), re.M)
-    assert rows == MATRIX
+    """The script's matrix is the one listed here, tier by tier (a renamed or dropped row
+    shows), and every path the issue names has a row."""
+    rows = script_rows()
+    tiers = {}
+    for tier, name, nproc, _ in rows:
+        tiers.setdefault(tier, []).append(name)
+        assert int(nproc) == (1 if name == "single" else PROCESSES[tier]), (name, nproc)
+    assert tiers == TIERS
+    args = {name: a for _, name, _, a in rows}
+    for name, keys in {"fsdp1": "zero_stage=1", "fsdp2": "zero_stage=2", "fsdp3-prefetch": "prefetch=true",
+                       "fsdp3-noprefetch": "prefetch=false", "ddp_naive": "dp=ddp_naive",
+                       "ddp_bucket-ring": "allreduce=ring", "ddp_bucket-fp16": "precision=fp16",
+                       "tp2-sp-bf16": "precision=bf16", "pp2-1f1b-bf16": "precision=bf16",
+                       "cp2-bf16": "precision=bf16", "ddp_bucket-reduce-bf16": "reduce_dtype=bf16",
+                       "ddp_bucket-recompute": "activation_checkpointing=true",
+                       "ddp_bucket-compile": "compile=true", "snapshot-kill-resume": "snapshot_async=true",
+                       "cp2-allgather": "cp_impl=allgather", "cp2-dropout": "dropout=0.1",
+                       "torch_ddp": "dp=torch_ddp", "torch_fsdp": "dp=torch_fsdp",
+                       "tp2-torch": "tp_impl=torch"}.items():
+        assert keys in args[name], (name, args[name])
 
 
 @pytest.mark.parametrize("mode", [["--cpu"], []], ids=["cpu", "gpu"])
 def test_every_row_is_a_layout_main_accepts(mode):
     """Each row's arguments, at both sizes (the GPU one too: a refused or misspelt row
-    would first show on a GPU node), pass main.py's config checks for its process count."""
-    script = os.path.join(REPO, "scripts", "gpu_smoke.sh")
-    listed = subprocess.run(["bash", script, *mode, "--list"], capture_output=True, text=True,
-                            check=True, env=job_env()).stdout.splitlines()
-    assert [row.split("|")[0] for row in listed] == MATRIX
-    for row in listed:
-        name, nproc, args = row.split("|")
+    would first show on a GPU node), pass main.py's config checks for its process
+    count, in every tier (16 processes for the two-node tier)."""
+    rows = script_rows(*mode)
+    assert [name for _, name, _, _ in rows] == MATRIX
+    for tier, name, nproc, args in rows:
         cfg = load_config(args.split(), int(nproc))
         assert cfg.trainer.device == ("cpu" if mode else "cuda"), name
 
@@ -57,10 +97,59 @@ def test_gpu_smoke_passes_on_cpu(tmp_path):
     result = run_tree(["bash", script, "--cpu"], 600, "gpu_smoke.sh --cpu", cwd=tmp_path, env=env)
     out = result.stdout
     assert result.returncode == 0, f"{out}\n{result.stderr[-3000:]}"
-    rows = {line.split()[0]: line.split()[-1] for line in out.splitlines()
+    rows = {line.split()[0]: line for line in out.splitlines()
             if line.split() and line.split()[0] in LAYOUTS}
-    assert rows == {name: "pass" for name in LAYOUTS}, out
+    assert {name: line.split()[-1] for name, line in rows.items()} == \
+        {name: "pass" for name in LAYOUTS}, out
     assert f"{len(LAYOUTS)} of {len(LAYOUTS)} layouts pass" in out, out
+    # single ran twice (SMOKE_RERUN's default on CPU): bitwise the same; the 2-rank rows'
+    # replicas (ddp_bucket's every parameter on both ranks) hold the same weights
+    assert " bitwise " in rows["single"] and " equal (" in rows["ddp_bucket-bf16"], out
+    assert "ran on cpu" in out, out
+
+
+def hang_hook(directory):
+    """A sitecustomize.py that makes rank SMOKE_HANG_RANK of a torchrun job hang at start
+    (ignoring SIGTERM, as a worker stuck in a collective may) and say so in a file."""
+    directory.mkdir()
+    (directory / "sitecustomize.py").write_text(
+        "import os, signal, time\n"
+        "if 'TORCHELASTIC_RUN_ID' in os.environ and os.environ.get('RANK') == os.environ.get('SMOKE_HANG_RANK'):\n"
+        "    signal.signal(signal.SIGTERM, signal.SIG_IGN)\n"
+        "    with open(os.path.join(os.environ['SMOKE_HANG_DIR'], f'hung-{os.getpid()}'), 'w') as f:\n"
+        "        f.write(os.environ.get('NCCL_DEBUG', '-') + ' ' + os.environ.get('TORCH_DISTRIBUTED_DEBUG', '-'))\n"
+        "    while True:\n"
+        "        time.sleep(3600)\n")
+
+
+def test_a_hung_worker_is_killed_with_its_job_and_the_row_reruns_with_debug_output(tmp_path):
+    """Rank 1 of the ddp_bucket row hangs on purpose (ignoring SIGTERM). The job's
+    deadline must kill every process of the job: torchrun starts each worker in a session
+    of its own, and `timeout -k` (the old way) killed torchrun and left the worker
+    holding its GPU. The row is then run once more with NCCL_DEBUG=WARN and
+    TORCH_DISTRIBUTED_DEBUG=DETAIL (it hangs again, and is killed again), its logs kept."""
+    from harness import _alive
+    script = os.path.join(REPO, "scripts", "gpu_smoke.sh")
+    hook, marks = tmp_path / "hook", tmp_path / "hung"
+    hang_hook(hook)
+    marks.mkdir()
+    env = dict(job_env(), TMPDIR=str(tmp_path), SMOKE_LAYOUTS="single ddp_bucket", SMOKE_RERUN="",
+               SMOKE_JOB_TIMEOUT="15", PYTHONPATH=str(hook), SMOKE_HANG_RANK="1",
+               SMOKE_HANG_DIR=str(marks))
+    result = run_tree(["bash", script, "--cpu"], 300, "gpu_smoke.sh --cpu", cwd=tmp_path, env=env)
+    hung = {int(p.name.split("-")[1]): p.read_text() for p in marks.iterdir()}
+    alive = [pid for pid in hung if _alive(pid)]
+    for pid in alive:  # ours: left behind by the script, cleaned up here
+        os.kill(pid, 9)
+    out = result.stdout
+    print(out, hung)
+    assert not alive, f"hung workers {alive} outlived gpu_smoke.sh\n{out}"
+    assert sorted(hung.values()) == ["- -", "WARN DETAIL"], hung  # the row, then its debug rerun
+    rows = {line.split()[0]: line for line in out.split("\n----")[0].splitlines() if line.split()}
+    assert result.returncode == 1 and rows["ddp_bucket"].endswith("FAIL: hung (timeout)"), out
+    assert rows["single"].endswith("pass") and "rerun with NCCL_DEBUG=WARN" in out, out
+    debug_log = re.search(r"NCCL flight recorder: (\S+/debug/log)", out).group(1)
+    assert "killed after 15s" in open(debug_log).read()
 
 
 def smoke_table():
@@ -71,18 +160,28 @@ def smoke_table():
     return module
 
 
-def fake_job(out, name, status, losses=()):
-    """What gpu_smoke.sh leaves for one layout: status, log, run/metrics.jsonl."""
+def fake_job(out, name, status, losses=(), ranks=None, ms=10.0, log=""):
+    """What gpu_smoke.sh leaves for one layout: status, log, run/metrics.jsonl and (ranks)
+    run/ranks.json."""
     os.makedirs(os.path.join(out, name, "run"))
     with open(os.path.join(out, name, "status"), "w") as f:
         f.write(f"{status}\n")
     with open(os.path.join(out, name, "log"), "w") as f:
-        f.write(f"{name} started\nlast words of {name}\n")
+        f.write(f"{name} started\n{log}last words of {name}\n")
     if losses:
         with open(os.path.join(out, name, "run", "metrics.jsonl"), "w") as f:
-            for step, loss in enumerate(losses):
+            for step, loss in enumerate(losses, 1):
                 f.write(json.dumps({"step": step, "loss": loss, "grad_norm": 1.5,
-                                    "step_ms": 10.0 + step, "peak_mem_mb": 64.0}) + "\n")
+                                    "step_ms": ms + step, "peak_mem_mb": 64.0}) + "\n")
+    if ranks is not None:
+        with open(os.path.join(out, name, "run", "ranks.json"), "w") as f:
+            json.dump(ranks, f)
+
+
+def ranks_json(n=2, differ=(), digest="d1", model="NVIDIA H100 80GB HBM3"):
+    return {"ranks": [{"rank": r, "device_name": model, "peak_mem_mb": 100.0 + r} for r in range(n)],
+            "replicas_checked": 12, "replicas_equal": not differ, "replicas_differ": list(differ),
+            "weights_digest": digest}
 
 
 def test_the_table_fails_a_loss_difference_and_a_hang(tmp_path, capsys):
@@ -104,3 +203,45 @@ def test_the_table_fails_a_loss_difference_and_a_hang(tmp_path, capsys):
     assert rows["pp2-gpipe"].endswith("FAIL: hung (timeout)"), printed
     assert "last words of ddp_bucket" in printed and "last words of pp2-gpipe" in printed, printed
     assert "last words of tp2-sp" not in printed and "2 of 4 layouts pass" in printed, printed
+
+
+def test_the_table_checks_replicas_determinism_the_kill_and_resume_and_times_torch(tmp_path, capsys):
+    """The columns past parity, in process on fake job directories: replicas that differ,
+    a rerun that is not bitwise equal, a kill-and-resume row whose retrained step differs
+    and one that passes, an own strategy timed against PyTorch's, and the line saying which
+    GPU model ran which rows."""
+    out = str(tmp_path)
+    losses = [4.0, 3.5, 3.0]
+    fake_job(out, "single", 0, losses, ranks_json(1))
+    fake_job(out, "ddp_bucket", 0, losses, ranks_json(), ms=10.0)
+    fake_job(out, "torch_ddp", 0, losses, ranks_json(), ms=20.0)
+    fake_job(out, "tp2", 0, losses, ranks_json(differ=["transformer.ln_f.weight[[0, 32]]"]))
+    fake_job(out, "fsdp1", 0, losses, ranks_json())
+    fake_job(os.path.join(out, "fsdp1"), "rerun", 0, [4.0, 3.5, 3.0000001], ranks_json())
+    fake_job(os.path.join(out, "ddp_bucket"), "rerun", 0, losses, ranks_json())
+    for name, retrained in (("kill-ok", 3.0), ("kill-bad", 3.1)):
+        fake_job(out, name, 0, losses + [2.5], ranks_json(),
+                 log="resuming from snapshot /x/snapshot at step 2\n")
+        with open(os.path.join(out, name, "kill.json"), "w") as f:
+            json.dump({"killed_running": 1, "logged_before_kill": 3}, f)
+        with open(os.path.join(out, name, "killed.jsonl"), "w") as f:
+            for step, loss in enumerate([4.0, 3.5, retrained], 1):
+                f.write(json.dumps({"step": step, "loss": loss, "grad_norm": 1.5}) + "\n")
+    os.environ["SMOKE_SPEED_PAIRS"] = "ddp_bucket=torch_ddp"
+    try:
+        status = smoke_table().main(out, ["single:0", "ddp_bucket:1e-5", "torch_ddp:1e-5", "tp2:1e-5",
+                                          "fsdp1:1e-5", "kill-ok:1e-5", "kill-bad:1e-5"])
+    finally:
+        del os.environ["SMOKE_SPEED_PAIRS"]
+    printed = capsys.readouterr().out
+    rows = {line.split()[0]: line for line in printed.split("\n----")[0].splitlines() if line.split()}
+    assert status == 1, printed
+    assert rows["ddp_bucket"].endswith("pass") and " 0.56x torch_ddp " in rows["ddp_bucket"], printed
+    assert " bitwise " in rows["ddp_bucket"] and " equal (12) " in rows["ddp_bucket"], printed
+    assert "100/101" in rows["ddp_bucket"], printed  # every rank's peak memory
+    assert rows["tp2"].endswith("FAIL: replicas differ: transformer.ln_f.weight[[0, 32]]"), printed
+    assert rows["fsdp1"].endswith("FAIL: not deterministic") and "DIFFERS: loss at step 3" in rows["fsdp1"]
+    assert rows["kill-ok"].endswith("pass (killed at step 3, resumed from 2)"), printed
+    assert rows["kill-bad"].endswith("FAIL: step 3 trained again differs"), printed
+    assert "ran on NVIDIA H100 80GB HBM3: single (1), ddp_bucket (2)" in printed, printed
+    assert "4 of 7 layouts pass" in printed, printed
