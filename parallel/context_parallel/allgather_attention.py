@@ -14,6 +14,8 @@ import torch
 import torch.nn.functional as F
 from torch.autograd import Function
 
+from parallel.compile import eager_under_compile
+
 
 class _GatherKV(Function):
     """(2, B, H, T/N, d) on each rank -> (N, 2, B, H, T/N, d), ranks in cp order;
@@ -35,7 +37,7 @@ class _GatherKV(Function):
         return mine, None
 
 
-@torch.compiler.disable  # a collective: eager under trainer.compile (parallel/compile.py)
+@eager_under_compile  # a collective: eager under trainer.compile (parallel/compile.py)
 def gather_kv(kv, cp):
     return _GatherKV.apply(kv, cp)
 
