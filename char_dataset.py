@@ -37,12 +37,15 @@ from data.tokenizer import build_tokenizer, describe_state, same_tokenizer  # no
 @dataclass
 class DataConfig:
     """The `data:` section of gpt2_train_cfg.yaml."""
-    path: str = ""           # fsspec path or URL; "" = embedded default corpus
-    tokens_path: str = ""    # a corpus prepared by mode=prepare; when set, training reads it
+    path: str = ""           # UTF-8 text, any fsspec path or URL ("" = the embedded corpus);
+                             # mode=prepare also takes a directory or a glob
+    tokens_path: str = ""    # token shards made by mode=prepare (any fsspec URL); when set,
+                             # training reads them in place instead of data.path
     block_size: int = 128    # context length in tokens
-    tokenizer: str = "char"  # char | gpt2
-    val_fraction: float = 0.1
-    sampler: str = "feistel"  # feistel | randperm (the old order, to finish old snapshots)
+    tokenizer: str = "char"  # char (the text's characters, saved in snapshots) | gpt2 (tiktoken BPE)
+    val_fraction: float = 0.1  # the last fraction of the tokens validates (tokens_path: fixed at prepare)
+    sampler: str = "feistel"  # window order per epoch: feistel (keyed permutation, O(batch) a step)
+                              # | randperm (the older order, only to finish snapshots written with it)
 
 
 def open_data(cfg: DataConfig, saved_tokenizer=None, saved_by="the snapshot"):
