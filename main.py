@@ -6,6 +6,7 @@
     python main.py mode=export export.path=DIR     # a Hugging Face GPT-2 folder (checkpoint/export.py)
     python main.py mode=prepare data.path=SRC data.tokens_path=DST   # token shards
     python main.py mode=plan plan.nodes=8 plan.gpus_per_node=8 plan.gpu=H100-80GB  # layouts
+    python main.py --help                          # the modes and every key with its default
 
 Every failure a user can fix is a UserError: printed as one line on every
 rank, exit status 2. SIGTERM or SIGUSR1 (a cluster preempting the job) stops
@@ -30,7 +31,7 @@ from checkpoint.canonical import load_named_parameters
 from checkpoint.export import export
 from checkpoint.resume import check_resumable, snapshot_location
 from checkpoint.snapshot_reader import check_model_shape, open_snapshot, step_to_resume
-from config import load_config, resolved_yaml, to_dict
+from config import help_text, load_config, resolved_yaml, to_dict
 from data.prepare import prepare
 from errors import UserError
 from launch import preemption
@@ -222,6 +223,10 @@ def main(argv, rank, world_size, local_rank):
 
 def run_and_exit():
     """main(), then one exit status for every way it can end (launch/exit.py)."""
+    if any(arg in ("-h", "--help") for arg in sys.argv[1:]):
+        sys.stdout.write(help_text())  # before any config, device or process group
+        sys.stdout.flush()
+        flush_and_exit(0)
     rank = int(os.environ.get("RANK", 0))
     world_size = int(os.environ.get("WORLD_SIZE", 1))
     code = 0
