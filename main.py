@@ -146,8 +146,31 @@ def init_tokenizer(cfg, hf, tensors, chars):
     return saved
 
 
+def finished(cfg):
+    """The lines to print when the snapshot this run would resume from is at or past
+    trainer.max_steps (the command of a finished run, run again), else None."""
+    t = cfg.trainer
+    path = snapshot_location(t)
+    step, note = step_to_resume(path, t.resume_step)
+    snapshot = open_snapshot(path, step)
+    if snapshot is None or snapshot.meta["step"] < t.max_steps:
+        return None
+    run, fresh = (f"snapshot {path}", "trainer.snapshot_path") if t.snapshot_path else \
+        (f"run {t.run_dir}", "trainer.run_dir")
+    return ([note] if note else []) + [
+        f"{run} already finished at step {snapshot.meta['step']} (trainer.max_steps="
+        f"{t.max_steps}): raise trainer.max_steps to continue, or set a new {fresh} for a "
+        "fresh run"]
+
+
 def train(cfg, grid):
-    """Returns what the main rank needs to print a sample once the group is gone."""
+    """Returns what the main rank needs to print a sample once the group is gone, or None
+    when the run had finished already (nothing trained, nothing written)."""
+    done = together(grid, "reading the snapshot", lambda: finished(cfg))
+    if not grid.all_ok(done is None):
+        if grid.is_main and done:
+            print("\n".join(done), flush=True)
+        return None
     snapshot, tokenizer, train_set, val_set, gpt_config, init_state = together(
         grid, "reading the config, data and snapshot", lambda: read_inputs(cfg, grid.is_main))
     torch.manual_seed(cfg.trainer.seed)  # identical initial weights on every rank
@@ -211,9 +234,12 @@ def main(argv, rank, world_size, local_rank):
     device = pick_device(cfg.trainer.device, local_rank)
     init_process_group(device, cfg.parallel.timeout_s, rank, world_size)
     grid = ProcessGrid(grid_sizes(cfg.parallel, world_size), device)
-    state, tokenizer, gpt_config = train(cfg, grid)
+    trained = train(cfg, grid)
     dist.barrier()  # nobody leaves while another rank may still need it
     dist.destroy_process_group()
+    if trained is None:  # the run had finished: said so, nothing to sample
+        return
+    state, tokenizer, gpt_config = trained
     # alone now: a failure here blocks nobody; skipped when a stop signal came in the last step
     if grid.is_main and cfg.sample.length > 0 and not preemption.received():
         model = GPT(gpt_config)

@@ -6,7 +6,7 @@ import subprocess
 import sys
 
 import config
-from harness import MAIN, REPO, job_env, run_tree
+from harness import MAIN, REPO, job_env, run_job, run_tree
 
 
 def test_help_lists_the_modes_and_every_key_with_its_default_and_exits_0():
@@ -21,3 +21,31 @@ def test_help_lists_the_modes_and_every_key_with_its_default_and_exits_0():
                    if f"    {k.name}={config._typed(k.default)} " not in out]
         assert not missing, missing
         assert "docs/configuration.md" in out
+
+
+def files_of(directory):
+    """{relative path: (bytes, mtime)} of everything under `directory`."""
+    found = {}
+    for root, _, files in os.walk(directory):
+        for name in files:
+            path = os.path.join(root, name)
+            with open(path, "rb") as f:
+                found[os.path.relpath(path, directory)] = (f.read(), os.stat(path).st_mtime_ns)
+    return found
+
+
+def test_the_command_of_a_finished_run_run_again_says_so_and_changes_nothing(tmp_path):
+    """Rerunning a run that reached trainer.max_steps (same command, same run directory)
+    is one line saying how to go on, exit 0: no training, no metrics, the snapshot and
+    the run directory untouched (it used to resume silently, print a sample and end)."""
+    args = ["parallel.dp=single", "trainer.max_steps=2", "sample.length=5"]
+    first = run_job(tmp_path, 1, args)
+    assert first.returncode == 0 and "---- sample ----" in first.stdout, first.stderr[-3000:]
+    run_dir = tmp_path / "runs" / "default"
+    before = files_of(run_dir)
+    again = run_job(tmp_path, 1, args)
+    assert again.returncode == 0, again.stderr[-3000:]
+    assert again.stdout.splitlines() == [
+        "run runs/default already finished at step 2 (trainer.max_steps=2): raise "
+        "trainer.max_steps to continue, or set a new trainer.run_dir for a fresh run"], again.stdout
+    assert files_of(run_dir) == before
