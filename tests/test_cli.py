@@ -2,11 +2,12 @@
 a default run (the program's lines, not a library's), and the hints of common mistakes."""
 
 import os
-import subprocess
 import sys
 
+import pytest
+
 import config
-from harness import MAIN, REPO, job_env, run_job, run_tree
+from harness import MAIN, REPO, command, job_env, run_job, run_tree
 
 
 def test_help_lists_the_modes_and_every_key_with_its_default_and_exits_0():
@@ -49,3 +50,32 @@ def test_the_command_of_a_finished_run_run_again_says_so_and_changes_nothing(tmp
         "run runs/default already finished at step 2 (trainer.max_steps=2): raise "
         "trainer.max_steps to continue, or set a new trainer.run_dir for a fresh run"], again.stdout
     assert files_of(run_dir) == before
+
+
+@pytest.fixture(scope="module")
+def default_run(tmp_path_factory):
+    """The README's first command, shortened: 2 ranks, the default config, wandb offline,
+    in an environment without WANDB_SILENT (what a user has)."""
+    workdir = tmp_path_factory.mktemp("default")
+    env = job_env()
+    env.pop("WANDB_SILENT", None)
+    result = run_tree(command(2, ["trainer.max_steps=2", "trainer.eval_every=2", "sample.length=20"]),
+                      240, "the default run", cwd=workdir, env=env)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    return workdir, result
+
+
+def test_default_run_console_shows_the_programs_lines_not_wandbs(default_run):
+    """wandb's banner, sync hints and run summary (some 30 lines) are quieted; one line of
+    ours says where the offline run is and how to upload it."""
+    workdir, result = default_run
+    lines = (result.stdout + result.stderr).splitlines()
+    ours = [ln for ln in lines if ln.startswith("wandb: offline run in")]
+    from_wandb = [ln for ln in lines if "wandb" in ln.lower() and ln not in ours]
+    assert not from_wandb, "\n".join(from_wandb)
+    assert len(ours) == 1 and "upload it with `wandb sync runs/default/wandb/offline-run-" in ours[0]
+    run = ours[0].split("`wandb sync ")[1].rstrip("`")
+    assert os.path.isdir(workdir / run)
+    program = [ln for ln in result.stdout.splitlines()
+               if ln.startswith(("ProcessGrid(", "step ", "wandb: ", "---- sample ----"))]
+    assert len(program) == 4, result.stdout
