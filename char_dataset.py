@@ -48,16 +48,20 @@ class DataConfig:
                               # | randperm (the older order, only to finish snapshots written with it)
 
 
-def open_data(cfg: DataConfig, saved_tokenizer=None, saved_by="the snapshot"):
+def open_data(cfg: DataConfig, saved_tokenizer=None, saved_by="the snapshot", config_file=""):
     """(tokenizer, train set, val set) of the run: prepared tokens if data.tokens_path is
     set, else the text of data.path. saved_tokenizer: the one the model was trained with
-    (`saved_by`: the snapshot's when resuming, or a model.init_from folder's)."""
+    (`saved_by`: the snapshot's when resuming, or a model.init_from folder's).
+    config_file: the run's config=FILE, quoted in the command that prepares missing tokens."""
     if not cfg.tokens_path:
         text = load_text(cfg.path)
-        tokenizer = build_tokenizer(cfg.tokenizer, text, saved=saved_tokenizer)
+        tokenizer = build_tokenizer(cfg.tokenizer, text, saved=saved_tokenizer, source=saved_by)
         return (tokenizer, *split_tokens(text, tokenizer, cfg, cfg.path))
     from data.token_shards import TokenCorpus
-    corpus = TokenCorpus(cfg.tokens_path)
+    corpus = TokenCorpus(cfg.tokens_path, " ".join(
+        ["python main.py"] + ([f"config={config_file}"] if config_file else [])
+        + ["mode=prepare", "data.path=<text>", f"data.tokens_path={cfg.tokens_path}"]
+        + ([f"data.tokenizer={cfg.tokenizer}"] if cfg.tokenizer != DataConfig.tokenizer else [])))
     state = corpus.tokenizer_state
     if state["kind"] != cfg.tokenizer:
         raise UserError(f"data.tokens_path {cfg.tokens_path} was prepared with the "
@@ -68,8 +72,8 @@ def open_data(cfg: DataConfig, saved_tokenizer=None, saved_by="the snapshot"):
                         f"{describe_state(state)} tokenizer, {saved_by} was trained with "
                         f"{describe_state(saved_tokenizer)}: its token ids mean other text. Use "
                         f"tokens prepared with the tokenizer of {saved_by}"
-                        + (", or a new trainer.snapshot_path" if saved_by == "the snapshot" else ""))
-    tokenizer = build_tokenizer(None, saved=state)
+                        + (", or a new trainer.snapshot_path" if saved_by.startswith("the snapshot") else ""))
+    tokenizer = build_tokenizer(None, saved=state, source=f"the tokens at {cfg.tokens_path}")
     return (tokenizer, *corpus.splits(cfg.block_size, tokenizer.vocab_size))
 
 

@@ -104,11 +104,12 @@ def read_inputs(cfg, is_main):
     init = None
     if cfg.model.init_from and not snapshot:
         init = hf_gpt2.read_folder(cfg.model.init_from)
-    saved_tokenizer, saved_by = (snapshot.meta["tokenizer"] if snapshot else None), "the snapshot"
+    saved_tokenizer = snapshot.meta["tokenizer"] if snapshot else None
+    saved_by = f"the snapshot at {path}"
     if init is not None:  # the data must be read with the folder's tokenizer
         saved_tokenizer = init_tokenizer(cfg, *init)
         saved_by = f"model.init_from={cfg.model.init_from}"
-    tokenizer, train_set, val_set = open_data(cfg.data, saved_tokenizer, saved_by)
+    tokenizer, train_set, val_set = open_data(cfg.data, saved_tokenizer, saved_by, cfg.config)
     notes = ([note] if note else []) + (check_resumable(path, snapshot.meta, cfg,
                                                         data_identity(train_set))
                                         if snapshot else [])
@@ -199,7 +200,7 @@ def sample(cfg):
     snap = open_snapshot(path, cfg.trainer.resume_step)
     if snap is None:
         raise UserError(f"no snapshot at {path}: train first, or set trainer.snapshot_path")
-    tokenizer = build_tokenizer(None, saved=snap.meta["tokenizer"])
+    tokenizer = build_tokenizer(None, saved=snap.meta["tokenizer"], source=f"the snapshot at {path}")
     model = GPT(GPTConfig(**snap.meta["gpt_config"]))
     load_named_parameters(model, {n: snap.read_full(f"model/{n}") for n, _ in model.named_parameters()},
                           f"snapshot {path}")

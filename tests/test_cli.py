@@ -79,3 +79,20 @@ def test_default_run_console_shows_the_programs_lines_not_wandbs(default_run):
     program = [ln for ln in result.stdout.splitlines()
                if ln.startswith(("ProcessGrid(", "step ", "wandb: ", "---- sample ----"))]
     assert len(program) == 4, result.stdout
+
+
+def test_missing_tokens_of_the_gpt2_preset_hint_the_prepare_command_with_its_config(tmp_path,
+                                                                                   monkeypatch):
+    """The preset trains on prepared tokens; before they exist, the error gives the command
+    that makes them, config=... included (without it, prepare would read the default YAML:
+    another tokenizer and split)."""
+    from char_dataset import open_data
+    from errors import UserError
+    monkeypatch.chdir(REPO)
+    tokens = tmp_path / "tokens"
+    cfg = config.load_config(["config=configs/gpt2-124m.yaml", f"data.tokens_path={tokens}"], 1)
+    with pytest.raises(UserError) as e:
+        open_data(cfg.data, config_file=cfg.config)
+    assert str(e.value).endswith(
+        f"prepare it first, python main.py config=configs/gpt2-124m.yaml mode=prepare "
+        f"data.path=<text> data.tokens_path={tokens} data.tokenizer=gpt2")
