@@ -6,7 +6,7 @@
   data/prepare.py) is read in place instead: data/token_shards.py.
 - Tokenizers (data/tokenizer.py): `char` (vocabulary = the sorted characters of
   the text, saved in snapshots) or `gpt2` (GPT-2's BPE through tiktoken, which
-  needs its two files locally when offline: see TIKTOKEN_CACHE_DIR in the README).
+  needs its two files locally when offline: see TIKTOKEN_CACHE_DIR in docs/data.md).
 - Train/val split: the first (1 - val_fraction) of the tokens train, the rest
   validate. Contiguous, so no window straddles both, and identical on every
   rank because it involves no randomness at all.

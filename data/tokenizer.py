@@ -91,7 +91,7 @@ class GPT2Tokenizer:
                 "tiktoken's gpt2 encoding files are not available offline "
                 f"({type(e).__name__}). Copy vocab.bpe and encoder.json into a directory, "
                 "named by the sha1 of their download URL, and set TIKTOKEN_CACHE_DIR to it "
-                "(see README, 'GPT-2 tokenizer offline').") from None
+                "(see docs/data.md, 'GPT-2\'s BPE offline').") from None
         self.sha256 = files_sha256(files)
         if expected_sha256 and expected_sha256 != self.sha256:
             raise UserError(

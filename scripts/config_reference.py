@@ -45,10 +45,10 @@ def markdown():
     for key in describe_keys():
         section = key.name.split(".")[0] if "." in key.name else ""
         if section != current:
-            title = f"`{section}:` {sections[section]}" if section else "Top level"
-            out += ([""] if current is not None else []) + [f"## {title}", "",
-                                                                "| key | type | default | meaning |",
-                                                                "|---|---|---|---|"]
+            head = [f"## {section}", "", f"`{section}:` {sections[section]}."] if section \
+                else ["## Top level"]
+            out += ([""] if current is not None else []) + head + [
+                "", "| key | type | default | meaning |", "|---|---|---|---|"]
             current = section
         out.append(f"| `{key.name}` | {key.type} | `{cell(key.default)}` | {cell(key.meaning)} |")
     return "\n".join(out) + "\n"
