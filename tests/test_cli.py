@@ -1,13 +1,15 @@
 """What a user sees at the command line: `--help`, a finished run run again, the console of
 a default run (the program's lines, not a library's), and the hints of common mistakes."""
 
+import ast
 import os
+import re
 import sys
 
 import pytest
 
 import config
-from harness import MAIN, REPO, command, job_env, run_job, run_tree
+from harness import MAIN, REPO, command, job_env, read_metrics, run_job, run_tree
 
 
 def test_help_lists_the_modes_and_every_key_with_its_default_and_exits_0():
@@ -96,3 +98,61 @@ def test_missing_tokens_of_the_gpt2_preset_hint_the_prepare_command_with_its_con
     assert str(e.value).endswith(
         f"prepare it first, python main.py config=configs/gpt2-124m.yaml mode=prepare "
         f"data.path=<text> data.tokens_path={tokens} data.tokenizer=gpt2")
+
+
+def documented_metrics():
+    """The names in the first column of docs/metrics.md's metrics.jsonl table, as
+    patterns (`comm_<kind>_calls` matches comm_all_reduce_calls)."""
+    with open(os.path.join(REPO, "docs", "metrics.md")) as f:
+        text = f.read().split("## metrics.jsonl", 1)[1].split("\n## ", 1)[0]
+    names = [name for line in text.splitlines() if line.startswith("| `")
+             for name in re.findall(r"`([^`]+)`", line.split("|")[1])]
+    return [re.compile(re.sub(r"<\w+>", r"\\w+", re.escape(n).replace(r"\<", "<").replace(r"\>", ">"))
+                       + "$") for n in names]
+
+
+def written_statically():
+    """Keys the code writes into a step's record by name (AST: dict literals of the
+    trainer's step and save and of telemetry's peak_memory, record["x"] = ...,
+    record.update(x=...)): some appear only on CUDA, which no test here has."""
+    found = set()
+    for path, functions in (("trainer.py", {"train", "save"}),
+                            ("telemetry/metrics.py", {"peak_memory"})):
+        with open(os.path.join(REPO, path)) as f:
+            tree = ast.parse(f.read())
+        for fn in ast.walk(tree):
+            if not (isinstance(fn, ast.FunctionDef) and fn.name in functions):
+                continue
+            for node in ast.walk(fn):
+                if isinstance(node, ast.Dict):
+                    found |= {k.value for k in node.keys if isinstance(k, ast.Constant)}
+                elif isinstance(node, ast.Subscript) and isinstance(node.ctx, ast.Store) \
+                        and getattr(node.value, "id", "") == "record" \
+                        and isinstance(node.slice, ast.Constant):
+                    found.add(node.slice.value)
+                elif isinstance(node, ast.Call) and getattr(node.func, "attr", "") == "update" \
+                        and getattr(node.func.value, "id", "") == "record":
+                    found |= {k.arg for k in node.keywords if k.arg}
+    return found
+
+
+def test_every_metrics_field_is_documented(default_run, tmp_path):
+    """Every key of metrics.jsonl has a row in docs/metrics.md: the default run's, a
+    2-rank pipeline job's with fp16, asynchronous snapshots, the activation meter and
+    compilation (eager backend: no code generation), and the keys the code writes by
+    name (CUDA-only ones included)."""
+    workdir, _ = default_run
+    seen = {k for r in read_metrics(workdir / "runs" / "default") for k in r}
+    features = ["parallel.dp=single", "parallel.pp=2", "parallel.microbatches=2",
+                "trainer.precision=fp16", "trainer.snapshot_async=true", "trainer.save_every=2",
+                "trainer.eval_every=2", "trainer.max_steps=4", "trainer.measure_activations=true",
+                "trainer.compile=true", "trainer.compile_backend=eager"]
+    result = run_job(tmp_path, 2, features)
+    assert result.returncode == 0, result.stderr[-3000:]
+    seen |= {k for r in read_metrics(tmp_path / "runs" / "default") for k in r}
+    assert {"pp_bubble", "snapshot_wait_ms", "loss_scale", "compile_ms", "activation_peak_mb",
+            "comm_send_bytes"} <= seen, seen
+    documented = documented_metrics()
+    missing = sorted(k for k in seen | written_statically()
+                     if not any(p.match(k) for p in documented))
+    assert not missing, f"metrics.jsonl fields without a row in docs/metrics.md: {missing}"
