@@ -1,0 +1,272 @@
+"""trainer.snapshot_async's protocol (checkpoint/async_snapshot.py), in process and
+deterministic: no job, no sleep, no timing. Each test drives AsyncSnapshots the way the
+trainer does (begin on a save step; flags, the step's all-reduce and advance at every
+step's end; drain) against a fake grid whose all-reduce the test plays, and holds the
+writer thread on an Event where it must be in flight.
+
+- the race of issue part 3: what a background write or commit reads is fixed when its
+  save begins: the next save (or anything else the main thread does) cannot change it;
+- no error of the writer thread is swallowed: a failed commit reaches every rank's
+  all-reduce and stops the run; one still in flight when the run stops for another
+  reason is reported when the run ends;
+- one test per fault class the multi-rank jobs saw only by chance (the slowed-
+  filesystem SIGKILL test) or only by a wait-time figure (tests/README.md's guards).
+"""
+
+import json
+import os
+import threading
+
+import pytest
+import torch
+
+from checkpoint import async_snapshot
+from checkpoint.snapshot_dirs import fs_and_root, step_dir_name
+from checkpoint.snapshot_format import DTYPES, HEADER_BYTES
+from checkpoint.snapshot_reader import open_snapshot
+from checkpoint.snapshot_writer import save_sharded, write_part
+from data.fs_json import write_json
+from errors import UserError
+
+META = {"config": {}, "gpt_config": {}, "tokenizer": {}}
+SHAPE = (2, 3)
+
+
+def pieces(value):
+    return [("model/w", SHAPE, ((0, 2), (0, 3)), torch.full(SHAPE, float(value)))]
+
+
+class PeerGrid:
+    """This process is rank `rank` of a 2-rank world; the test plays the other rank:
+    the step's all-reduce (MAX) merges this rank's flags with `peer` (a list, or a
+    function of this rank's flags returning one)."""
+
+    def __init__(self, rank=0, peer=None):
+        self.rank, self.world_size, self.is_main = rank, 2, rank == 0
+        self.peer = peer
+        self.sent = []  # this rank's contribution to each all-reduce
+
+    def max_over_ranks(self, values):
+        self.sent.append(list(values))
+        peer = self.peer(values) if callable(self.peer) else self.peer
+        peer = peer or [0] * len(values)
+        return [max(a, b) for a, b in zip(values, peer)]
+
+
+def peer_writes(saver, step, value=0.0):
+    """Rank 1's part and index of `step`, which `saver` (rank 0) is writing, as rank 1's
+    writer thread would leave them."""
+    fs, root = fs_and_root(saver.path)
+    index = write_part(saver.path, step, 1, saver.save.snapshot_id, pieces(value))
+    write_json(fs, f"{root}/{step_dir_name(step)}/{async_snapshot.index_name(1)}", index)
+
+
+def flag(**set_flags):
+    f = [0] * async_snapshot.N_FLAGS
+    for name, value in set_flags.items():
+        f[getattr(async_snapshot, name.upper())] = value
+    return f
+
+
+def end_of_step(saver):
+    """What the trainer does at the end of every step: this rank's flags into the
+    step's all-reduce, then advance by what every rank said."""
+    saver.advance(saver.grid_all_reduce(saver.flags()))
+
+
+class Hold:
+    """Wraps async_snapshot.<name>: the call from the writer thread (with the arguments
+    it was given) waits until release(); entered is set once it is waiting."""
+
+    def __init__(self, monkeypatch, name, fail=None):
+        self.real, self.fail = getattr(async_snapshot, name), fail
+        self.entered, self.go, self.calls = threading.Event(), threading.Event(), []
+        monkeypatch.setattr(async_snapshot, name, self)
+
+    def __call__(self, *args, **kw):
+        self.calls.append(args)
+        self.entered.set()
+        assert self.go.wait(60), "the test never released the held call"
+        if self.fail is not None:  # an injected error, raised once released
+            raise self.fail
+        return self.real(*args, **kw)
+
+    def release(self):
+        self.go.set()
+
+
+def part_values(part, index):
+    """{key: tensor} of a part file, read back through its index (a JSON file)."""
+    with open(index) as f:
+        entries = json.load(f)
+    with open(part, "rb") as f:
+        raw = f.read()
+    out = {}
+    for e in entries:
+        assert e["offset"] >= HEADER_BYTES
+        dtype = DTYPES[e["dtype"]]
+        n = 1
+        for lo, hi in e["box"]:
+            n *= hi - lo
+        size = n * torch.empty((), dtype=dtype).element_size()
+        out[e["key"]] = torch.frombuffer(bytearray(raw[e["offset"]:e["offset"] + size]), dtype=dtype)
+    return out
+
+
+def test_a_write_still_running_when_its_save_fails_elsewhere_writes_its_own_step(tmp_path, monkeypatch):
+    """The race (issue part 3): the writer thread read the save's fields (step, staged
+    buffers, id) off the shared object while it ran. Rank 1 reports its write of step 2
+    failed while this rank's own write of step 2 is still running (held): every rank
+    raises, and this rank's state is idle with its write still running. A next save
+    (a caller going on after the error) then begins step 3, staging new values, and the
+    write is let go: it must write step 2's values into step 2's directory. It wrote
+    the index into step 3's directory (it read `self.step` after begin(3)) and step 3's
+    values into step 2's part (it read the staging buffer begin(3) had refilled)."""
+    path = str(tmp_path / "snapshot")
+    grid = PeerGrid()
+    saver = async_snapshot.AsyncSnapshots(path, grid, keep=2)
+    held = Hold(monkeypatch, "write_part")
+    saver.begin(2, pieces(1.0), META)
+    end_of_step(saver)  # staged -> writing: the write of step 2 starts, and is held
+    assert held.entered.wait(60)
+    grid.peer = flag(write_failed=1)  # rank 1: "my write of step 2 failed"
+    with pytest.raises(UserError, match=r"could not write snapshot step 2 .*on another rank"):
+        end_of_step(saver)
+    grid.peer = None
+    saver.begin(3, pieces(3.0), META)  # the next save begins while step 2's write still runs
+    held.release()
+    saver.close()  # waits for the writer thread
+    step2, step3 = tmp_path / "snapshot" / "step-00000002", tmp_path / "snapshot" / "step-00000003"
+    index2, index3 = (d / async_snapshot.index_name(0) for d in (step2, step3))
+    wrong = []
+    if index3.exists():
+        wrong.append("step 2's write put its index into step 3's directory")
+    if not index2.exists():
+        wrong.append("step 2's directory has no index of rank 0")
+    got = part_values(step2 / "part-00000.bin", index2 if index2.exists() else index3)
+    if got["model/w"].tolist() != [1.0] * 6:
+        wrong.append(f"step 2's part holds {got['model/w'].tolist()}, not step 2's values (1.0)")
+    assert not wrong, "; ".join(wrong)
+
+
+class Rank:
+    """A rank of Pair: the pair makes the all-reduce, so this grid never does."""
+
+    def __init__(self, rank):
+        self.rank, self.world_size, self.is_main = rank, 2, rank == 0
+
+    def max_over_ranks(self, values):
+        raise AssertionError("Pair ranks agree through Pair.end_of_step")
+
+
+class Pair:
+    """Ranks 0 and 1 of a 2-rank world in this one thread: the end of each step is the
+    MAX of both ranks' flags, by which both advance (each rank's error, or None)."""
+
+    def __init__(self, path, keep=2):
+        self.savers = [async_snapshot.AsyncSnapshots(path, Rank(r), keep) for r in (0, 1)]
+
+    def begin(self, step, value):
+        for s in self.savers:
+            s.begin(step, pieces(value), META)
+
+    def end_of_step(self):
+        agreed = [max(vs) for vs in zip(*(s.flags() for s in self.savers))]
+        errors = []
+        for s in self.savers:
+            try:
+                s.advance(agreed)
+                errors.append(None)
+            except UserError as e:
+                errors.append(str(e))
+        return errors
+
+    def settle(self):
+        """Wait until no task of either rank runs (what a rank's drain waits for)."""
+        for s in self.savers:
+            for task in (s.write, s.commit):
+                if task is not None:
+                    task.exception()
+
+    def close(self):
+        return [s.close() for s in self.savers]
+
+
+def test_a_failed_commit_stops_every_rank_and_the_commit_point_stays(tmp_path, monkeypatch,
+                                                                     one_rank_grid):
+    """An error raised by the main rank's background commit (injected: the manifest
+    cannot be written) reaches the other rank through the step's all-reduce, and every
+    rank raises it at the same step: rank 0 with the error, rank 1 pointing at it."""
+    path = str(tmp_path / "snapshot")
+    save_sharded(path, one_rank_grid, 1, pieces(1.0), META)  # the snapshot to fall back on
+
+    def refused(*args):
+        raise OSError("injected: the bucket refused manifest.json")
+    monkeypatch.setattr(async_snapshot, "commit", refused)
+    pair = Pair(path)
+    pair.begin(2, 2.0)
+    assert pair.end_of_step() == [None, None]  # staged -> writing
+    pair.settle()
+    assert pair.end_of_step() == [None, None]  # written -> committing (rank 0's thread)
+    pair.settle()
+    errors = pair.end_of_step()
+    assert errors[0] is not None and errors[0].startswith(
+        f"could not commit snapshot step 2 at {path}: OSError: injected: the bucket refused "
+        "manifest.json; the previous snapshot stays"), errors
+    assert errors[1] is not None and errors[1].startswith(
+        f"could not commit snapshot step 2 at {path} (on another rank: see its error)"), errors
+    assert open_snapshot(path).meta["step"] == 1
+    assert pair.close() == [None, None]  # reported already: nothing more at the end
+
+
+def test_a_save_step_that_finds_a_failed_commit_raises_it(tmp_path, monkeypatch):
+    """The same failure found by the next save step's wait (drain: it waited for the
+    commit, dropping its exception, and relied on the flags to carry it)."""
+    path = str(tmp_path / "snapshot")
+    held = Hold(monkeypatch, "commit", fail=OSError("injected: disk quota exceeded"))
+    saver = async_snapshot.AsyncSnapshots(path, PeerGrid(), keep=2)
+    saver.begin(2, pieces(2.0), META)
+    end_of_step(saver)
+    saver.write.result()
+    peer_writes(saver, 2)
+    end_of_step(saver)  # the commit starts, and is held
+    assert held.entered.wait(60)
+    end_of_step(saver)  # a step while it runs: nothing agreed yet
+    assert saver.state == async_snapshot.COMMITTING
+    held.release()
+    with pytest.raises(UserError, match=r"^could not commit snapshot step 2 at .*: OSError: "
+                                        r"injected: disk quota exceeded; the previous snapshot"):
+        saver.begin(3, pieces(3.0), META)
+    assert saver.grid.sent[-1][async_snapshot.COMMIT_FAILED] == 1  # what the other rank got
+    assert not os.path.exists(os.path.join(path, "latest.json"))
+    assert saver.close() is None
+
+
+@pytest.mark.parametrize("phase", ["commit", "write"])
+def test_a_save_in_flight_when_the_run_stops_for_another_reason_is_reported(tmp_path, monkeypatch,
+                                                                            capfd, phase):
+    """The run stops (a damaged batch, a NaN loss, ...) while the main rank's commit of
+    step 2 runs and then fails, or once its write is done but before the ranks agreed
+    to commit: no all-reduce will carry it any more. The end of the run (Trainer.close)
+    says so in one line instead of leaving the snapshot silently missing."""
+    import trainer
+    path = str(tmp_path / "snapshot")
+    if phase == "commit":
+        held = Hold(monkeypatch, "commit", fail=OSError("injected: connection reset"))
+    saver = async_snapshot.AsyncSnapshots(path, PeerGrid(), keep=2)
+    saver.begin(2, pieces(2.0), META)
+    end_of_step(saver)
+    saver.write.result()
+    peer_writes(saver, 2)
+    if phase == "commit":
+        end_of_step(saver)
+        assert held.entered.wait(60)
+        held.release()  # it fails while the run is already on its way out
+    stub = type("Stub", (), {"metrics": None, "async_snapshots": saver, "grid": saver.grid})()
+    trainer.Trainer.close(stub)
+    err = capfd.readouterr().err
+    want = {"commit": f"warning on rank 0: could not commit snapshot step 2 at {path}: OSError: "
+                      "injected: connection reset; the previous snapshot stays the one to resume from",
+            "write": f"warning on rank 0: snapshot step 2 at {path} was not committed: the run "
+                     "stopped while it was writing; the previous snapshot stays the one to resume from"}
+    assert err.splitlines() == [want[phase]], err
