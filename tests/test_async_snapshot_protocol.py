@@ -32,8 +32,11 @@ META = {"config": {}, "gpt_config": {}, "tokenizer": {}}
 SHAPE = (2, 3)
 
 
-def pieces(value):
-    return [("model/w", SHAPE, ((0, 2), (0, 3)), torch.full(SHAPE, float(value)))]
+def pieces(value, rank=None):
+    """The tensor "model/w": whole, or (a rank of Pair) the rank's row of it."""
+    if rank is None:
+        return [("model/w", SHAPE, ((0, 2), (0, 3)), torch.full(SHAPE, float(value)))]
+    return [("model/w", SHAPE, ((rank, rank + 1), (0, 3)), torch.full((1, 3), float(value)))]
 
 
 class PeerGrid:
@@ -57,7 +60,7 @@ def peer_writes(saver, step, value=0.0):
     """Rank 1's part and index of `step`, which `saver` (rank 0) is writing, as rank 1's
     writer thread would leave them."""
     fs, root = fs_and_root(saver.path)
-    index = write_part(saver.path, step, 1, saver.save.snapshot_id, pieces(value))
+    index = write_part(saver.path, step, 1, saver.save.snapshot_id, pieces(value, rank=1))
     write_json(fs, f"{root}/{step_dir_name(step)}/{async_snapshot.index_name(1)}", index)
 
 
@@ -74,17 +77,38 @@ def end_of_step(saver):
     saver.advance(saver.grid_all_reduce(saver.flags()))
 
 
+_holds = []
+
+
+@pytest.fixture(autouse=True)
+def _release_holds():
+    """A test that fails with a call still held lets it go, so no writer thread waits on."""
+    yield
+    while _holds:
+        _holds.pop().release()
+
+
 class Hold:
     """Wraps async_snapshot.<name>: the call from the writer thread (with the arguments
     it was given) waits until release(); entered is set once it is waiting."""
 
-    def __init__(self, monkeypatch, name, fail=None):
-        self.real, self.fail = getattr(async_snapshot, name), fail
+    def __init__(self, monkeypatch, name, fail=None, only=None):
+        self.real, self.fail, self.only = getattr(async_snapshot, name), fail, only
         self.entered, self.go, self.calls = threading.Event(), threading.Event(), []
+        self.returned = threading.Event()
         monkeypatch.setattr(async_snapshot, name, self)
+        _holds.append(self)
 
     def __call__(self, *args, **kw):
+        if self.only is not None and not self.only(*args):  # not a call to hold
+            return self.real(*args, **kw)
         self.calls.append(args)
+        try:
+            return self._held(*args, **kw)
+        finally:
+            self.returned.set()
+
+    def _held(self, *args, **kw):
         self.entered.set()
         assert self.go.wait(60), "the test never released the held call"
         if self.fail is not None:  # an injected error, raised once released
@@ -167,8 +191,8 @@ class Pair:
         self.savers = [async_snapshot.AsyncSnapshots(path, Rank(r), keep) for r in (0, 1)]
 
     def begin(self, step, value):
-        for s in self.savers:
-            s.begin(step, pieces(value), META)
+        for r, s in enumerate(self.savers):
+            s.begin(step, pieces(value, rank=r), META)
 
     def end_of_step(self):
         agreed = [max(vs) for vs in zip(*(s.flags() for s in self.savers))]
@@ -225,7 +249,7 @@ def test_a_save_step_that_finds_a_failed_commit_raises_it(tmp_path, monkeypatch)
     path = str(tmp_path / "snapshot")
     held = Hold(monkeypatch, "commit", fail=OSError("injected: disk quota exceeded"))
     saver = async_snapshot.AsyncSnapshots(path, PeerGrid(), keep=2)
-    saver.begin(2, pieces(2.0), META)
+    saver.begin(2, pieces(2.0, rank=0), META)
     end_of_step(saver)
     saver.write.result()
     peer_writes(saver, 2)
@@ -236,7 +260,7 @@ def test_a_save_step_that_finds_a_failed_commit_raises_it(tmp_path, monkeypatch)
     held.release()
     with pytest.raises(UserError, match=r"^could not commit snapshot step 2 at .*: OSError: "
                                         r"injected: disk quota exceeded; the previous snapshot"):
-        saver.begin(3, pieces(3.0), META)
+        saver.begin(3, pieces(3.0, rank=0), META)
     assert saver.grid.sent[-1][async_snapshot.COMMIT_FAILED] == 1  # what the other rank got
     assert not os.path.exists(os.path.join(path, "latest.json"))
     assert saver.close() is None
@@ -254,7 +278,7 @@ def test_a_save_in_flight_when_the_run_stops_for_another_reason_is_reported(tmp_
     if phase == "commit":
         held = Hold(monkeypatch, "commit", fail=OSError("injected: connection reset"))
     saver = async_snapshot.AsyncSnapshots(path, PeerGrid(), keep=2)
-    saver.begin(2, pieces(2.0), META)
+    saver.begin(2, pieces(2.0, rank=0), META)
     end_of_step(saver)
     saver.write.result()
     peer_writes(saver, 2)
@@ -270,3 +294,122 @@ def test_a_save_in_flight_when_the_run_stops_for_another_reason_is_reported(tmp_
             "write": f"warning on rank 0: snapshot step 2 at {path} was not committed: the run "
                      "stopped while it was writing; the previous snapshot stays the one to resume from"}
     assert err.splitlines() == [want[phase]], err
+
+
+# ---------------------------------------------- fault classes the jobs saw only by chance
+
+
+def test_the_commit_waits_for_every_ranks_part(tmp_path, monkeypatch):
+    """The commit point never names a step some rank has not finished: rank 0's write
+    of step 2 is done, rank 1's is held; steps go by and no commit may start (a commit
+    started on NOT_WRITTEN ignored, on the main rank's own write, or on a rank that says
+    "written" too early). Let go, the next steps commit step 2 with both ranks' parts."""
+    path = str(tmp_path / "snapshot")
+    started = []  # (step, files in its directory) when a commit starts
+    real_commit = async_snapshot.commit_save
+
+    def commit_save(save):
+        started.append((save.step, sorted(os.listdir(os.path.join(path, step_dir_name(save.step))))))
+        return real_commit(save)
+    monkeypatch.setattr(async_snapshot, "commit_save", commit_save)
+    held = Hold(monkeypatch, "write_part", only=lambda path, step, rank, *rest: rank == 1)
+    pair = Pair(path)
+    pair.begin(2, 2.0)
+    assert pair.end_of_step() == [None, None]  # staged -> writing
+    assert held.entered.wait(60)
+    pair.savers[0].write.result()  # rank 0's part and index are written
+    for _ in range(3):
+        assert pair.end_of_step() == [None, None]
+        assert not started, f"a commit of step 2 started while rank 1 was writing: {started}"
+    held.release()
+    pair.settle()
+    for _ in range(2):  # written -> committing -> idle
+        assert pair.end_of_step() == [None, None]
+        pair.settle()
+    assert [s.state for s in pair.savers] == [async_snapshot.IDLE] * 2
+    every_file = ["index-00000.json", "index-00001.json", "part-00000.bin", "part-00001.bin"]
+    assert started == [(2, every_file)]
+    snap = open_snapshot(path)
+    assert snap.meta["step"] == 2 and snap.read_full("model/w").tolist() == [[2.0] * 3] * 2
+    assert pair.close() == [None, None]
+
+
+def test_no_rank_is_idle_while_the_commit_runs(tmp_path, monkeypatch):
+    """Steps go by while the main rank's commit of step 2 runs (held): every rank stays
+    in the save (idle would let the next save begin without waiting for it: its
+    directory prepared, and removed by the commit's retention, and the commit's error
+    never carried by the flags). Let go, the next step makes both idle."""
+    path = str(tmp_path / "snapshot")
+    held = Hold(monkeypatch, "commit")
+    pair = Pair(path)
+    pair.begin(2, 2.0)
+    pair.end_of_step()
+    pair.settle()
+    assert pair.end_of_step() == [None, None]  # every part written: the commit starts
+    assert held.entered.wait(60)
+    for _ in range(3):
+        assert pair.end_of_step() == [None, None]
+        assert [s.state for s in pair.savers] == [async_snapshot.COMMITTING] * 2
+    held.release()
+    pair.settle()
+    assert pair.end_of_step() == [None, None]
+    assert [s.state for s in pair.savers] == [async_snapshot.IDLE] * 2
+    assert open_snapshot(path).meta["step"] == 2
+
+
+class Clock:
+    """async_snapshot's time.perf_counter, moved on by the test only."""
+
+    def __init__(self, monkeypatch):
+        self.now = 1000.0
+        monkeypatch.setattr(async_snapshot, "time", self)
+
+    def perf_counter(self):
+        return self.now
+
+
+def test_a_save_step_waits_for_the_save_in_flight_and_reports_the_wait(tmp_path, monkeypatch):
+    """The issue's sequence, held open: step 2's commit runs when the save of step 3
+    begins. begin(3) must wait for it (drain) before staging or preparing anything; the
+    commit, let go only once begin(3) waits for it (or has returned without waiting),
+    commits step 2; and the wait is what metrics report as snapshot_wait_ms (a fake
+    clock: the 2.5 s the commit is held, exactly)."""
+    path = str(tmp_path / "snapshot")
+    clock = Clock(monkeypatch)
+    held = Hold(monkeypatch, "commit")
+    saver = async_snapshot.AsyncSnapshots(path, PeerGrid(), keep=2)
+    saver.begin(2, pieces(2.0, rank=0), META)
+    end_of_step(saver)
+    saver.write.result()
+    peer_writes(saver, 2)
+    end_of_step(saver)  # every part written: the commit of step 2 starts, and is held
+    assert held.entered.wait(60)
+
+    events, waiting_or_returned = [], threading.Event()
+    real_wait = async_snapshot.wait
+
+    def wait(tasks, *args, **kw):  # drain's wait for a task of the save in flight
+        events.append("begin(3) waits for step 2's commit")
+        waiting_or_returned.set()
+        return real_wait(tasks, *args, **kw)
+    monkeypatch.setattr(async_snapshot, "wait", wait)
+
+    def begin_3():
+        try:
+            saver.begin(3, pieces(3.0, rank=0), META)
+        finally:
+            events.append("begin(3) returned" + ("" if held.returned.is_set() else
+                                                 " with step 2's commit still running"))
+            waiting_or_returned.set()
+    thread = threading.Thread(target=begin_3)
+    thread.start()
+    assert waiting_or_returned.wait(60)
+    clock.now += 2.5  # the commit takes 2.5 s
+    held.release()
+    thread.join(60)
+    assert events == ["begin(3) waits for step 2's commit", "begin(3) returned"], events
+    assert [call[1] for call in held.calls] == [2]  # commit(path, step, ...) of step 2
+    assert open_snapshot(path).meta["step"] == 2
+    assert saver.state == async_snapshot.STAGED  # step 3, staged after the wait
+    assert saver.last_wait_ms == 2500.0
+    saver.close()
