@@ -205,9 +205,9 @@ class Pair:
                 errors.append(str(e))
         return errors
 
-    def settle(self):
-        """Wait until no task of either rank runs (what a rank's drain waits for)."""
-        for s in self.savers:
+    def settle(self, ranks=(0, 1)):
+        """Wait until no task of these ranks runs (what a rank's drain waits for)."""
+        for s in (self.savers[r] for r in ranks):
             for task in (s.write, s.commit):
                 if task is not None:
                     task.exception()
@@ -320,6 +320,7 @@ def test_the_commit_waits_for_every_ranks_part(tmp_path, monkeypatch):
     pair.savers[0].write.result()  # rank 0's part and index are written
     for _ in range(3):
         assert pair.end_of_step() == [None, None]
+        pair.settle(ranks=[0])  # whatever rank 0's thread was given has run
         assert not started, f"a commit of step 2 started while rank 1 was writing: {started}"
     held.release()
     pair.settle()
@@ -355,6 +356,51 @@ def test_no_rank_is_idle_while_the_commit_runs(tmp_path, monkeypatch):
     assert pair.end_of_step() == [None, None]
     assert [s.state for s in pair.savers] == [async_snapshot.IDLE] * 2
     assert open_snapshot(path).meta["step"] == 2
+
+
+
+def test_the_save_holds_the_values_of_its_step_while_training_changes_them(tmp_path, monkeypatch):
+    """Training goes on while step 2 is written: the optimizer step changes the live
+    tensors in place before the (held) write reads them. The part holds the values at
+    step 2 (the staging copy), not the ones of a later step."""
+    path = str(tmp_path / "snapshot")
+    held = Hold(monkeypatch, "write_part")
+    live = pieces(2.0)
+    saver = async_snapshot.AsyncSnapshots(path, PeerGrid(), keep=2)
+    saver.begin(2, live, META)
+    end_of_step(saver)
+    assert held.entered.wait(60)
+    live[0][3].add_(1.0)  # step 3's optimizer step, in place
+    held.release()
+    saver.write.result()
+    step2 = tmp_path / "snapshot" / "step-00000002"
+    got = part_values(step2 / "part-00000.bin", step2 / async_snapshot.index_name(0))["model/w"]
+    assert got.tolist() == [2.0] * 6, f"step 2's part holds {got.tolist()}"
+    saver.close()
+
+
+def test_a_failed_prepare_stops_every_rank_before_any_part_is_written(tmp_path, monkeypatch):
+    """The main rank could not empty step 2's directory (begin): the save step's
+    all-reduce carries it, every rank raises at once, and no write starts (a write into
+    a directory that still holds another run's files could be committed with them)."""
+    path = str(tmp_path / "snapshot")
+
+    def refused(path, step):
+        raise PermissionError(f"injected: cannot remove step-{step:08d}")
+    monkeypatch.setattr(async_snapshot, "prepare_step_dir", refused)
+    writes = []
+    monkeypatch.setattr(async_snapshot, "write_part", lambda *args: writes.append(args))
+    pair = Pair(path)
+    pair.begin(2, 2.0)
+    errors = pair.end_of_step()
+    assert errors[0] is not None and errors[0].startswith(
+        f"could not prepare snapshot step 2 at {path}: PermissionError: injected: cannot remove "
+        "step-00000002; the previous snapshot stays"), errors
+    assert errors[1] is not None and errors[1].startswith(
+        f"could not prepare snapshot step 2 at {path} (on another rank: see its error)"), errors
+    pair.settle()
+    assert not writes and [s.state for s in pair.savers] == [async_snapshot.IDLE] * 2
+    assert pair.close() == [None, None]
 
 
 class Clock:
