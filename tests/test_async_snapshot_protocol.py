@@ -40,20 +40,18 @@ def pieces(value, rank=None):
 
 
 class PeerGrid:
-    """This process is rank `rank` of a 2-rank world; the test plays the other rank:
-    the step's all-reduce (MAX) merges this rank's flags with `peer` (a list, or a
-    function of this rank's flags returning one)."""
+    """This process is rank 0 (the main rank) of a 2-rank world; the test plays rank 1:
+    the step's all-reduce (MAX) merges this rank's flags with `peer`, rank 1's (zeros
+    when None)."""
 
-    def __init__(self, rank=0, peer=None):
-        self.rank, self.world_size, self.is_main = rank, 2, rank == 0
-        self.peer = peer
+    def __init__(self):
+        self.rank, self.world_size, self.is_main = 0, 2, True
+        self.peer = None
         self.sent = []  # this rank's contribution to each all-reduce
 
     def max_over_ranks(self, values):
         self.sent.append(list(values))
-        peer = self.peer(values) if callable(self.peer) else self.peer
-        peer = peer or [0] * len(values)
-        return [max(a, b) for a, b in zip(values, peer)]
+        return [max(a, b) for a, b in zip(values, self.peer or [0] * len(values))]
 
 
 def peer_writes(saver, step, value=0.0):
