@@ -413,8 +413,9 @@ class Clock:
 
 
 def test_a_save_step_waits_for_the_save_in_flight_and_reports_the_wait(tmp_path, monkeypatch):
-    """The issue's sequence, held open: step 2's commit runs when the save of step 3
-    begins. begin(3) must wait for it (drain) before staging or preparing anything; the
+    """The issue's sequence, held open: step 2's commit runs across a step and on when
+    the save of step 3 begins. begin(3) must wait for it (drain) before staging or
+    preparing anything (retention would delete step 3's unfinished directory); the
     commit, let go only once begin(3) waits for it (or has returned without waiting),
     commits step 2; and the wait is what metrics report as snapshot_wait_ms (a fake
     clock: the 2.5 s the commit is held, exactly)."""
@@ -428,6 +429,7 @@ def test_a_save_step_waits_for_the_save_in_flight_and_reports_the_wait(tmp_path,
     peer_writes(saver, 2)
     end_of_step(saver)  # every part written: the commit of step 2 starts, and is held
     assert held.entered.wait(60)
+    end_of_step(saver)  # a step between two saves, while it runs
 
     events, waiting_or_returned = [], threading.Event()
     real_wait = async_snapshot.wait
