@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The first command to run on a GPU node (docs: "Running on GPUs"): trains a matrix of
+# The first command to run on a GPU node (docs/gpus.md): trains a matrix of
 # layouts through main.py, each against `single` on the same global batch, seed and
 # weights, and prints one table (scripts/smoke_table.py): per layout the max relative loss
 # and pre-clip grad-norm difference, median step time, MFU, peak memory of every rank

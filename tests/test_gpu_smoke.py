@@ -1,7 +1,7 @@
 """scripts/gpu_smoke.sh, the first command to run on a GPU node, runs here with --cpu:
 its 2-process tier through main.py on gloo at tiny sizes, each row against `single`;
 it must print its table with every layout passing and exit 0 (and it exits 1 on any
-difference, crash or hang: seen by breaking a strategy on purpose, tests/README.md).
+difference, crash or hang: seen by breaking a strategy on purpose, docs/testing-layouts.md).
 Every row of every tier (2, 4, 8 GPUs and two nodes) passes main.py's config checks
 at both sizes; a worker that hangs on purpose is killed with its whole job and the
 row reruns with the backends' debug output; the table's columns (replicas,
