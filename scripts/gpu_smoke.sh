@@ -260,7 +260,7 @@ run_kill_resume() {
     "trainer.run_dir=$dir/run" >"$dir/log" 2>&1 &
   local job=$! deadline=$((SECONDS + JOB_TIMEOUT)) lines=0
   while kill -0 "$job" 2>/dev/null && (( SECONDS < deadline )); do
-    lines=$(wc -l <"$dir/run/metrics.jsonl" 2>/dev/null || echo 0)
+    lines=$( { wc -l <"$dir/run/metrics.jsonl"; } 2>/dev/null || echo 0)
     [[ -f $dir/run/snapshot/latest.json ]] && (( lines >= 5 )) && break
     sleep 0.05
   done
