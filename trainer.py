@@ -332,7 +332,8 @@ class Trainer:
         }
 
     def close(self):
-        self.profiler.close()
+        if getattr(self, "profiler", None) is not None:  # a window the run stopped inside
+            self.profiler.close()
         if self.metrics is not None:
             self.metrics.close()
         if self.async_snapshots is not None:

@@ -141,7 +141,9 @@ class AsyncSnapshots:
             self.buffers = {}
         staged = tuple((key, tuple(shape), box, self._stage(i, t))
                        for i, (key, shape, box, t) in enumerate(pieces))
-        self.copied = staging_done(self.grid.device)
+        # the run's device is where its tensors live: an event there, none on a CPU run
+        on = next((t.device for _, _, _, t in pieces if t.device.type != "cpu"), torch.device("cpu"))
+        self.copied = staging_done(on)
         self.save = Save(self.path, step, self.grid.rank, self.grid.world_size, self.keep,
                          MappingProxyType(copy.deepcopy(dict(meta))), staged)
         self.write, self.commit, self.error = None, None, None
