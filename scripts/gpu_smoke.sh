@@ -29,7 +29,9 @@
 # once more with NCCL_DEBUG=WARN, TORCH_DISTRIBUTED_DEBUG=DETAIL and NCCL's flight
 # recorder on (dumped on a timeout), its logs kept under <row>/debug/. On GPUs every row
 # runs twice and the second run must be bitwise equal to the first (losses, gradient
-# norms, weights); with --cpu only the rows in SMOKE_RERUN (default: single) do.
+# norms, weights); with --cpu only the rows in SMOKE_RERUN (default: single) do. Two nodes
+# run every row exactly twice, so that both start the same jobs: the second run is the
+# determinism rerun where this node's first passed, else the debug rerun.
 #
 # Every job writes under a fresh temporary directory (printed), never into the checkout.
 # PYTHON: the interpreter every job and the table run with (`python` from PATH by
@@ -195,6 +197,17 @@ kill_job() {  # $1: a job's launcher; $2: its tag. SIGKILL every process carryin
   wait "$1" 2>/dev/null
 }
 
+await_first() {  # $1: a job, $2: its timer -> DONE: the one that ended first; the job's status
+  if (( BASH_VERSINFO[0] * 100 + BASH_VERSINFO[1] >= 501 )); then  # bash 5.1: wait -n -p
+    wait -n -p DONE "$1" "$2"
+    return $?
+  fi
+  while kill -0 "$1" 2>/dev/null && kill -0 "$2" 2>/dev/null; do sleep 1; done
+  if kill -0 "$1" 2>/dev/null; then DONE=$2; return 0; fi
+  DONE=$1
+  wait "$1"
+}
+
 launcher() {  # $1: processes, $2: a port offset -> LAUNCH, the command that starts main.py
   local nproc=$1
   if [[ $nproc == 1 ]]; then
@@ -226,10 +239,11 @@ run_job() {
     "trainer.run_dir=$run_dir" >"$dir/log" 2>&1 &
   local job=$!
   sleep "$JOB_TIMEOUT" &
-  local timer=$! done_pid="" status
-  wait -n -p done_pid "$job" "$timer"
+  local timer=$! status
+  DONE=""
+  await_first "$job" "$timer"
   status=$?
-  if [[ $done_pid == "$timer" ]]; then  # the deadline came first: the whole tree goes
+  if [[ $DONE == "$timer" ]]; then  # the deadline came first: the whole tree goes
     kill_job "$job" "$tag"
     status=124
     echo "gpu_smoke: killed after ${JOB_TIMEOUT}s (every process tagged SMOKE_JOB_TAG=$tag)" >>"$dir/log"
@@ -291,6 +305,20 @@ for row in "${MATRIX[@]}"; do
   dir="$OUT/$name"
   if [[ $name == snapshot-kill-resume ]]; then
     run_kill_resume "$dir" "$nproc" "$overrides"
+  elif [[ $NODES == 2 && $nproc != 1 ]]; then
+    # both nodes must start the same jobs in the same order, whatever each saw: always
+    # two runs, the second the determinism rerun if this node's first passed, else the
+    # debug rerun (a node cannot know whether the other's failed)
+    run_job "$dir" "$nproc" "$overrides"
+    if [[ $(cat "$dir/status") == 0 ]]; then
+      run_job "$dir/rerun" "$nproc" "$overrides"
+    else
+      echo "gpu_smoke: $name failed (exit $(cat "$dir/status")); its second run has NCCL_DEBUG=WARN," \
+           "TORCH_DISTRIBUTED_DEBUG=DETAIL and the NCCL flight recorder: $dir/debug"
+      run_job "$dir/debug" "$nproc" "$overrides" debug
+    fi
+    SPECS+=("$name:$rtol")
+    continue
   else
     run_job "$dir" "$nproc" "$overrides"
     rerun=0
