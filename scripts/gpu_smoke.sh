@@ -11,8 +11,8 @@
 #   bash scripts/gpu_smoke.sh --gpus 4       # the 2- and 4-GPU rows
 #   bash scripts/gpu_smoke.sh --nodes 2      # the two-node tier, on each of two 8-GPU nodes:
 #       MASTER_ADDR=node0 MASTER_PORT=29400 NODE_RANK=0|1 (torchrun's static rendezvous,
-#       from these variables, as scripts/slurm_train.sbatch starts a job; node 0 prints
-#       the table)
+#       from these variables; node 0 prints the table) SMOKE_SHARED_DIR=<a directory both
+#       nodes see: the jobs' snapshots, as for any multi-node run>
 #   bash scripts/gpu_smoke.sh --cpu          # the 2-process tier on gloo, tiny sizes
 #   bash scripts/gpu_smoke.sh [--cpu] --list # every tier's rows: tier|name|processes|args
 #   SMOKE_LAYOUTS="single pp2-zbv" bash scripts/gpu_smoke.sh --cpu   # only those rows
@@ -158,6 +158,7 @@ if [[ $NODES == 2 ]]; then
   : "${MASTER_ADDR:?--nodes 2 needs MASTER_ADDR (the address of node 0)}"
   : "${MASTER_PORT:?--nodes 2 needs MASTER_PORT}"
   : "${NODE_RANK:?--nodes 2 needs NODE_RANK (0 or 1)}"
+  : "${SMOKE_SHARED_DIR:?--nodes 2 needs SMOKE_SHARED_DIR, a directory both nodes see (the jobs snapshots)}"
   TIERS=(2x8)
   PER_NODE=8
 elif [[ $NODES != 1 ]]; then
@@ -210,8 +211,8 @@ await_first() {  # $1: a job, $2: its timer -> DONE: the one that ended first; t
 
 launcher() {  # $1: processes, $2: a port offset -> LAUNCH, the command that starts main.py
   local nproc=$1
-  if [[ $nproc == 1 ]]; then
-    LAUNCH=("$PYTHON" main.py)
+  if [[ $nproc == 1 ]]; then  # one process: no rendezvous, whatever the node's environment says
+    LAUNCH=(env -u MASTER_ADDR -u MASTER_PORT -u RANK -u WORLD_SIZE "$PYTHON" main.py)
   elif [[ $NODES == 2 ]]; then  # static rendezvous: node 0 holds ranks 0-7, rank 0 writes
     LAUNCH=("$PYTHON" -m torch.distributed.run --nnodes=2 "--node_rank=$NODE_RANK"
             "--nproc_per_node=$PER_NODE" "--master_addr=$MASTER_ADDR"
@@ -233,10 +234,16 @@ run_job() {
          TORCH_NCCL_DUMP_ON_TIMEOUT=1 "TORCH_FR_DUMP_TEMP_FILE=$dir/nccl_trace_rank_"
          "TORCH_NCCL_DEBUG_INFO_TEMP_FILE=$dir/nccl_trace_rank_")
   fi
-  launcher "$nproc" "$job_seq"
+  launcher "$nproc" "$PORT_OFFSET"
+  local shared=()
+  if [[ $NODES == 2 && $nproc != 1 ]]; then  # a snapshot every node's ranks write parts of
+    local snap="$SMOKE_SHARED_DIR/gpu_smoke.$MASTER_PORT/${dir#"$OUT"/}"
+    [[ $NODE_RANK == 0 ]] && rm -rf "$snap"  # before the rendezvous: node 1 waits for it
+    shared=("trainer.snapshot_path=$snap")
+  fi
   # shellcheck disable=SC2086  # $overrides is a list of key=value words
   env SMOKE_JOB_TAG="$tag" "${env[@]}" "${LAUNCH[@]}" "${COMMON[@]}" $overrides \
-    "trainer.run_dir=$run_dir" >"$dir/log" 2>&1 &
+    "trainer.run_dir=$run_dir" "${shared[@]}" >"$dir/log" 2>&1 &
   local job=$!
   sleep "$JOB_TIMEOUT" &
   local timer=$! status
@@ -268,7 +275,7 @@ run_kill_resume() {
   mkdir -p "$dir"
   job_seq=$((job_seq + 1))
   local tag="$JOB_TAG_PREFIX.$job_seq"
-  launcher "$nproc" "$job_seq"
+  launcher "$nproc" "$PORT_OFFSET"
   # shellcheck disable=SC2086
   env SMOKE_JOB_TAG="$tag" "${LAUNCH[@]}" "${COMMON[@]}" $overrides \
     "trainer.run_dir=$dir/run" >"$dir/log" 2>&1 &
@@ -293,8 +300,12 @@ run_kill_resume() {
 OUT=$(mktemp -d "${TMPDIR:-/tmp}/gpu_smoke.XXXXXX")
 echo "gpu_smoke ($MODE, tiers ${TIERS[*]}): jobs under $OUT"
 SPECS=()
+row_index=0
 for row in "${MATRIX[@]}"; do
   IFS='|' read -r tier name nproc rtol overrides <<<"$row"
+  row_index=$((row_index + 1))
+  # the rendezvous port of a row's runs (two nodes): the same on both, whatever ran before
+  PORT_OFFSET=$((4 * row_index))
   wanted=0
   for t in "${TIERS[@]}"; do [[ $t == "$tier" ]] && wanted=1; done
   [[ $name == single ]] && wanted=1  # the reference, of every tier
@@ -310,6 +321,7 @@ for row in "${MATRIX[@]}"; do
     # two runs, the second the determinism rerun if this node's first passed, else the
     # debug rerun (a node cannot know whether the other's failed)
     run_job "$dir" "$nproc" "$overrides"
+    PORT_OFFSET=$((PORT_OFFSET + 1))
     if [[ $(cat "$dir/status") == 0 ]]; then
       run_job "$dir/rerun" "$nproc" "$overrides"
     else

@@ -62,6 +62,7 @@ def planned_mib(run_dir, world):
     try:
         repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
         sys.path.insert(0, repo)
+        from checkpoint.resume import snapshot_location
         from checkpoint.snapshot_reader import open_snapshot
         from config import load_config
         from parallel.layout import grid_sizes
@@ -70,7 +71,7 @@ def planned_mib(run_dir, world):
         from planner.report import workload
         from planner.shapes import Layout
         cfg = load_config([f"config={os.path.join(run_dir, 'config.yaml')}"], world)
-        vocab = open_snapshot(os.path.join(run_dir, "snapshot")).meta["gpt_config"]["vocab_size"]
+        vocab = open_snapshot(snapshot_location(cfg.trainer)).meta["gpt_config"]["vocab_size"]
         cfg.plan.vocab_size = vocab
         p, t = cfg.parallel, cfg.trainer
         kind = {"ddp_naive": "ddp_bucket", "torch_ddp": "ddp_bucket", "torch_fsdp": "fsdp"}.get(p.dp, p.dp)
