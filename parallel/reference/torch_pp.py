@@ -83,7 +83,7 @@ class TorchPP(ReplicatedStrategy):
         self.schedule = cls(stages, n_microbatches=cfg.microbatches, loss_fn=self._loss,
                             scale_grads=False)
 
-    def step_stats(self, last=False):
+    def step_stats(self, last=False, measure=True):
         return {}, {}  # torch's schedules run outside our Pipeline: no busy/idle record
 
     def _loss(self, logits, target):
