@@ -14,6 +14,7 @@ with another.
 
 import math
 import os
+import sys
 import time
 import uuid
 from dataclasses import dataclass
@@ -286,4 +287,8 @@ class Trainer:
         if self.metrics is not None:
             self.metrics.close()
         if self.async_snapshots is not None:
-            self.async_snapshots.close()
+            lost = self.async_snapshots.close()  # a save the run stopped in the middle of
+            if lost:
+                where = f" on rank {self.grid.rank}" if self.grid.world_size > 1 else ""
+                sys.stderr.flush()  # one write of the whole line, as main.py's error line
+                os.write(2, f"warning{where}: {lost}\n".encode())
