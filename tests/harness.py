@@ -172,14 +172,22 @@ def _read(path):
 _servers = {}
 
 
+MAX_SERVERS = 2  # idle servers hold memory (a few hundred MB a rank), not CPU
+
+
 def job_server(nproc):
     """This session's job server for `nproc` ranks (started on first use, or again after
-    a job ended the last one)."""
-    server = _servers.get(nproc)
-    if server is None or not server.alive() or not server.job_fds:
-        if server is not None and server.job_fds:
+    a job ended the last one); the least recently used one stops when a third is needed."""
+    server = _servers.pop(nproc, None)
+    if server is not None and not (server.alive() and server.job_fds):
+        if server.job_fds:
             server.stop()
-        server = _servers[nproc] = JobServer(nproc)
+        server = None
+    if server is None:
+        while len(_servers) >= MAX_SERVERS:
+            _servers.pop(next(iter(_servers))).stop()
+        server = JobServer(nproc)
+    _servers[nproc] = server  # most recently used last
     return server
 
 
