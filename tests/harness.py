@@ -135,10 +135,14 @@ class JobServer:
             os.write(fd, line)
         codes, pending = {}, dict(zip(self.done_fds, range(self.nproc)))
         deadline = time.time() + timeout
-        while pending and self.alive() and time.time() < deadline:
-            ready, _, _ = select.select(list(pending), [], [], min(1.0, deadline - time.time()))
-            for fd in ready:
-                codes[pending.pop(fd)] = int(os.read(fd, 64).decode().split()[0])
+        try:
+            while pending and self.alive() and time.time() < deadline:
+                ready, _, _ = select.select(list(pending), [], [], min(1.0, deadline - time.time()))
+                for fd in ready:
+                    codes[pending.pop(fd)] = int(os.read(fd, 64).decode().split()[0])
+        except BaseException:  # pytest's timeout, Ctrl-C: the job may still be running
+            self.stop()
+            raise
         output = lambda kind: "".join(_read(f"{out}-rank{r}.{kind}") for r in range(self.nproc))
         if pending:
             self.stop()
