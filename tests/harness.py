@@ -17,6 +17,7 @@ import glob
 import json
 import os
 import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -163,6 +164,7 @@ class JobServer:
             kill_tree(self.proc.pid)
         self.proc.wait()
         self.log.close()
+        shutil.rmtree(self.control, ignore_errors=True)  # FIFOs and torchrun's log
 
 
 def _read(path):
