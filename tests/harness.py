@@ -146,11 +146,11 @@ class JobServer:
             raise
         output = lambda kind: "".join(_read(f"{out}-rank{r}.{kind}") for r in range(self.nproc))
         if pending:
-            self.stop()
             what = "hung" if time.time() >= deadline else "died"
+            self.stop()  # killed first: its ranks' last output is in the files now
             raise AssertionError(f"job {args} {what} in the {self.nproc}-rank job server\n"
                                  f"{output('out')[-3000:]}\n{output('err')[-5000:]}\n"
-                                 f"{_read(self.log.name)[-3000:]}")
+                                 f"torchrun: {self.launcher_log[-3000:]}")
         code = next((c for c in codes.values() if c != 0), 0)
         if code != 0:
             self.stop()
@@ -164,6 +164,7 @@ class JobServer:
             kill_tree(self.proc.pid)
         self.proc.wait()
         self.log.close()
+        self.launcher_log = _read(self.log.name)
         shutil.rmtree(self.control, ignore_errors=True)  # FIFOs and torchrun's log
 
 
