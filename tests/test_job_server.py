@@ -4,7 +4,7 @@ long-lived torchrun workers. What a test sees from it must be what a fresh job g
 - the same job, fresh and in the server (after another job there), writes the same
   metrics.jsonl to the bit and the same snapshot;
 - a job that fails in the server returns its status and its one line, and the next job
-  runs in a new server.
+  runs in a new server; a job past its timeout fails the test and ends its server.
 """
 
 import json
@@ -40,3 +40,11 @@ def test_a_failed_job_returns_its_status_and_the_next_job_gets_a_new_server(tmp_
     good = run_job(tmp_path / "good", 2, [])
     assert good.returncode == 0, good.stderr[-3000:]
     assert job_server(2) is not first
+
+
+def test_a_job_past_its_timeout_fails_the_test_and_ends_its_server(tmp_path):
+    import pytest
+    server = job_server(2)
+    with pytest.raises(AssertionError, match="hung in the 2-rank job server"):
+        run_job(tmp_path / "long", 2, ["trainer.max_steps=100000"], timeout=3)
+    assert not server.alive()
