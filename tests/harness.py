@@ -179,12 +179,12 @@ def _read(path):
 _servers = {}
 
 
-MAX_SERVERS = 2  # idle servers hold memory (a few hundred MB a rank), not CPU
+MAX_SERVERS = 3  # idle servers hold memory (about 330 MB a rank), not CPU
 
 
 def job_server(nproc):
     """This session's job server for `nproc` ranks (started on first use, or again after
-    a job ended the last one); the least recently used one stops when a third is needed."""
+    a job ended the last one); the least recently used one stops when one more than MAX_SERVERS is needed."""
     server = _servers.pop(nproc, None)
     if server is not None and not (server.alive() and server.job_fds):
         if server.job_fds:
