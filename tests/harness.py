@@ -184,7 +184,7 @@ MAX_SERVERS = 3  # idle servers hold memory (about 330 MB a rank), not CPU
 
 def job_server(nproc):
     """This session's job server for `nproc` ranks (started on first use, or again after
-    a job ended the last one); the least recently used one stops when one more than MAX_SERVERS is needed."""
+    a job ended the last one); past MAX_SERVERS the least recently used one stops."""
     server = _servers.pop(nproc, None)
     if server is not None and not (server.alive() and server.job_fds):
         if server.job_fds:
