@@ -50,12 +50,12 @@ def test_snapshot_on_s3_resumes(tmp_path, s3_server):
     reference = [r["loss"] for r in run_metrics(tmp_path, 2, ARGS + ["trainer.max_steps=6"])]
     url = "s3://snapshots/run1/snapshot"
     workdir = tmp_path / "s3job"
-    first = run_job(workdir, 2, ARGS + ["trainer.max_steps=3", f"trainer.snapshot_path={url}"],
-                    fresh=True)  # s3fs caches listings per process: resume as a user would
+    first = run_job(workdir, 2, ARGS + ["trainer.max_steps=3", f"trainer.snapshot_path={url}"])
     assert first.returncode == 0, first.stderr[-3000:]
     s3_server.invalidate_cache()
     assert s3_server.exists(url + "/latest.json")
     assert not os.path.exists(workdir / "runs" / "default" / "snapshot")
+    # a process of its own: s3fs caches listings per process, and a user resumes in a new one
     second = run_job(workdir, 2, ARGS + ["trainer.max_steps=6", f"trainer.snapshot_path={url}"],
                      fresh=True)
     assert second.returncode == 0, second.stderr[-3000:]
