@@ -100,6 +100,9 @@ def cuda_index(local_rank, visible, local_world=1, world_size=1):
     return local_rank
 
 
+_groups_started = 0  # process groups this process has started (init_process_group)
+
+
 def init_process_group(device, timeout_s, rank, world_size):
     backend = "nccl" if device.type == "cuda" else "gloo"
     timeout = datetime.timedelta(seconds=timeout_s)
@@ -111,7 +114,11 @@ def init_process_group(device, timeout_s, rank, world_size):
         # torchrun keeps one key-value store across --max-restarts attempts: without a
         # per-attempt namespace a restarted rank can read a dead rank's old address
         attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
-        store = dist.PrefixStore(f"attempt-{attempt}", store)
+        # and one per group this process starts: a second run in the same process (a
+        # notebook, the tests' job server) must not read the first one's addresses
+        global _groups_started
+        _groups_started += 1
+        store = dist.PrefixStore(f"attempt-{attempt}/group-{_groups_started}", store)
         dist.init_process_group(backend, store=store, rank=rank, world_size=world_size,
                                 timeout=timeout, **bound)
     else:  # plain `python main.py`: a one-rank group, so the code path is the same
@@ -279,32 +286,36 @@ def main(argv, rank, world_size, local_rank):
         print("---- sample ----\n" + generate_text(model, tokenizer, cfg.sample), flush=True)
 
 
-def run_and_exit():
-    """main(), then one exit status for every way it can end (launch/exit.py)."""
-    if any(arg in ("-h", "--help") for arg in sys.argv[1:]):
-        sys.stdout.write(help_text())  # before any config, device or process group
-        sys.stdout.flush()
-        flush_and_exit(0)
-    rank = int(os.environ.get("RANK", 0))
-    world_size = int(os.environ.get("WORLD_SIZE", 1))
-    code = 0
+def run(argv, rank, world_size, local_rank) -> int:
+    """main(), and the exit status for every way it can end."""
     try:
-        main(sys.argv[1:], rank, world_size, local_rank_from_env())
+        main(argv, rank, world_size, local_rank)
     except UserError as e:
         where = f" on rank {rank}" if world_size > 1 else ""
         sys.stderr.flush()  # one write of the whole line, so ranks' lines never interleave
         os.write(2, f"error{where}: {e}\n".encode())
-        code = 2
+        return 2
     except preemption.Preempted as e:  # the snapshot of the last step done is written
         if rank == 0:
             print(str(e), flush=True)
-        code = preemption.EXIT_STATUS
+        return preemption.EXIT_STATUS
     except KeyboardInterrupt:
-        code = 130
+        return 130
     except BaseException:
         traceback.print_exc()
-        code = 1
-    flush_and_exit(code)
+        return 1
+    return 0
+
+
+def run_and_exit():
+    """run() with this process's arguments and launcher environment, then leave through
+    launch/exit.py (never the interpreter's teardown)."""
+    if any(arg in ("-h", "--help") for arg in sys.argv[1:]):
+        sys.stdout.write(help_text())  # before any config, device or process group
+        sys.stdout.flush()
+        flush_and_exit(0)
+    flush_and_exit(run(sys.argv[1:], int(os.environ.get("RANK", 0)),
+                       int(os.environ.get("WORLD_SIZE", 1)), local_rank_from_env()))
 
 
 if __name__ == "__main__":

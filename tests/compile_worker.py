@@ -35,7 +35,9 @@ from parallel.config import ParallelConfig  # noqa: E402
 from parallel.grid import ProcessGrid  # noqa: E402
 from trainer import TrainerConfig  # noqa: E402
 
-STEPS, EVAL_AT, VOCAB, LR, BATCH = 20, (10, 20), 65, 3e-3, 16
+# two evaluations between training steps: every signature a block meets (training,
+# evaluation, training again after it) is compiled and met again
+STEPS, EVAL_AT, VOCAB, LR, BATCH = 4, (2, 4), 65, 3e-3, 16
 PP = lambda schedule, m, **more: {"pp_schedule": schedule, "microbatches": m, **more}  # noqa: E731
 
 # name: (dp strategy, (dp, pp, tp, cp), more ParallelConfig, more TrainerConfig, model)

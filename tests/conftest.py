@@ -18,3 +18,9 @@ def one_rank_grid():
     dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
     yield ProcessGrid({}, torch.device("cpu"))
     dist.destroy_process_group()
+
+
+def pytest_sessionfinish(session, exitstatus):
+    """The job servers (harness.run_job's long-lived torchrun launches) end with the session."""
+    from harness import stop_job_servers
+    stop_job_servers()

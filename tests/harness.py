@@ -17,6 +17,7 @@ import glob
 import json
 import os
 import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -66,11 +67,142 @@ def run_tree(cmd, timeout, what, **popen_kw):
     return subprocess.CompletedProcess(cmd, proc.returncode, out, err)
 
 
-def run_job(workdir, nproc, overrides, timeout=240, tiny=True):
-    """Run main.py in `workdir`; returns the CompletedProcess (never raises on exit code)."""
+def run_job(workdir, nproc, overrides, timeout=240, tiny=True, fresh=False):
+    """Run main.py in `workdir`; returns the CompletedProcess (never raises on exit code).
+
+    By default the job runs in this session's job server for `nproc` ranks (JobServer:
+    main.py's own code in long-lived torchrun workers, a fraction of a fresh job's CPU);
+    `fresh=True` starts torchrun (or python) for this job alone: for jobs that must fail,
+    whose exit status and console are what the test checks."""
     os.makedirs(workdir, exist_ok=True)
     args = (TINY if tiny else []) + list(overrides)
+    if not fresh and not needs_own_process(args):
+        return job_server(nproc).run(args, str(workdir), timeout)
     return run_tree(command(nproc, args), timeout, f"job {args}", cwd=workdir, env=job_env())
+
+
+def needs_own_process(args):
+    """Jobs whose process-wide state would outlive them in a job server: compilation
+    (dynamo's caches: a later compiled job would compile nothing) and wandb (its run and
+    service belong to the process)."""
+    value = lambda key, default: next((a.split("=", 1)[1] for a in reversed(args)
+                                       if a.startswith(key + "=")), default)
+    return value("trainer.compile", "false") == "true" or value("wandb.mode", "offline") != "disabled"
+
+
+# launcher variables: the server's own, never a job's
+LAUNCHER_ENV = re.compile(r"^(RANK|WORLD_SIZE|LOCAL_RANK|LOCAL_WORLD_SIZE|GROUP_RANK|GROUP_WORLD_SIZE|"
+                          r"ROLE_RANK|ROLE_WORLD_SIZE|ROLE_NAME|MASTER_ADDR|MASTER_PORT|"
+                          r"TORCHELASTIC_.*|TORCH_NCCL_ASYNC_ERROR_HANDLING|OMP_NUM_THREADS)$")
+
+
+class JobServer:
+    """One torchrun launch of tests/job_server.py on `nproc` ranks that runs main.py's jobs
+    one after another (its docstring says why and what it leaves to fresh jobs). Each rank
+    reads a job from its FIFO and answers with the exit status on another; a job that
+    fails anywhere, or hangs (its whole tree killed), ends the server, and the next job
+    starts a new one."""
+
+    def __init__(self, nproc):
+        import tempfile
+        self.nproc, self.jobs = nproc, 0
+        self.control = tempfile.mkdtemp(prefix=f"job-server-{nproc}-")
+        for rank in range(nproc):
+            for kind in ("jobs", "done"):
+                os.mkfifo(os.path.join(self.control, f"{kind}-{rank}.fifo"))
+        # read-write ends: opening never blocks, and the server's opens never wait for us
+        self.job_fds = [os.open(os.path.join(self.control, f"jobs-{r}.fifo"), os.O_RDWR)
+                        for r in range(nproc)]
+        self.done_fds = [os.open(os.path.join(self.control, f"done-{r}.fifo"), os.O_RDWR)
+                         for r in range(nproc)]
+        self.env = job_env()
+        self.log = open(os.path.join(self.control, "torchrun.log"), "w")
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "torch.distributed.run", "--standalone",
+             f"--nproc_per_node={nproc}", os.path.join(REPO, "tests", "job_server.py"), self.control],
+            stdout=self.log, stderr=subprocess.STDOUT, env=self.env, cwd=self.control)
+
+    def alive(self):
+        return self.proc.poll() is None
+
+    def run(self, args, workdir, timeout):
+        import select
+        self.jobs += 1
+        out = os.path.join(workdir, f"job-server-{self.jobs:04d}")
+        env = {k: v for k, v in job_env().items() if not LAUNCHER_ENV.match(k)}
+        job = {"argv": list(args), "cwd": workdir, "out": out, "env": env}
+        line = (json.dumps(job) + "\n").encode()
+        for fd in self.job_fds:
+            os.write(fd, line)
+        codes, pending = {}, dict(zip(self.done_fds, range(self.nproc)))
+        deadline = time.time() + timeout
+        try:
+            while pending and self.alive() and time.time() < deadline:
+                ready, _, _ = select.select(list(pending), [], [], min(1.0, deadline - time.time()))
+                for fd in ready:
+                    codes[pending.pop(fd)] = int(os.read(fd, 64).decode().split()[0])
+        except BaseException:  # pytest's timeout, Ctrl-C: the job may still be running
+            self.stop()
+            raise
+        output = lambda kind: "".join(_read(f"{out}-rank{r}.{kind}") for r in range(self.nproc))
+        if pending:
+            what = "hung" if time.time() >= deadline else "died"
+            self.stop()  # killed first: its ranks' last output is in the files now
+            raise AssertionError(f"job {args} {what} in the {self.nproc}-rank job server\n"
+                                 f"{output('out')[-3000:]}\n{output('err')[-5000:]}\n"
+                                 f"torchrun: {self.launcher_log[-3000:]}")
+        code = next((c for c in codes.values() if c != 0), 0)
+        if code != 0:
+            self.stop()
+        return subprocess.CompletedProcess(["job-server", *args], code, output("out"), output("err"))
+
+    def stop(self):
+        for fd in self.job_fds + self.done_fds:
+            os.close(fd)
+        self.job_fds = self.done_fds = []
+        if self.alive():
+            kill_tree(self.proc.pid)
+        self.proc.wait()
+        self.log.close()
+        self.launcher_log = _read(self.log.name)
+        shutil.rmtree(self.control, ignore_errors=True)  # FIFOs and torchrun's log
+
+
+def _read(path):
+    try:
+        with open(path, errors="replace") as f:
+            return f.read()
+    except OSError:
+        return ""
+
+
+_servers = {}
+
+
+MAX_SERVERS = 3  # idle servers hold memory (about 330 MB a rank), not CPU
+
+
+def job_server(nproc):
+    """This session's job server for `nproc` ranks (started on first use, or again after
+    a job ended the last one); past MAX_SERVERS the least recently used one stops."""
+    server = _servers.pop(nproc, None)
+    if server is not None and not (server.alive() and server.job_fds):
+        if server.job_fds:
+            server.stop()
+        server = None
+    if server is None:
+        while len(_servers) >= MAX_SERVERS:
+            _servers.pop(next(iter(_servers))).stop()
+        server = JobServer(nproc)
+    _servers[nproc] = server  # most recently used last
+    return server
+
+
+def stop_job_servers():
+    for server in _servers.values():
+        if server.job_fds:
+            server.stop()
+    _servers.clear()
 
 
 def workers_of(launcher_pid):

@@ -42,7 +42,7 @@ def test_bad_data(tmp_path, name, content, needle):
         path.write_text(content)
     elif content is not None:
         path.write_bytes(content)
-    result = run_job(tmp_path / "job", 2, [f"data.path={path}"], timeout=120)
+    result = run_job(tmp_path / "job", 2, [f"data.path={path}"], timeout=120, fresh=True)
     assert_clean_failure(result, needle, str(path))
 
 
@@ -117,7 +117,8 @@ def test_bad_snapshot(tmp_path, good_snapshot, how, overrides, needle):
     shutil.copytree(good_snapshot, snap)
     broken = damage(snap, how)
     before = tree_bytes(snap)
-    result = run_job(tmp_path / "job", 2, [f"trainer.snapshot_path={snap}", *overrides], timeout=120)
+    result = run_job(tmp_path / "job", 2, [f"trainer.snapshot_path={snap}", *overrides], timeout=120,
+                     fresh=True)
     assert_clean_failure(result, needle, str(broken))
     assert tree_bytes(snap) == before  # nothing overwritten, nothing lost
 
@@ -154,7 +155,7 @@ def test_snapshot_of_another_model_shape_is_refused(good_snapshot):
 
 
 def test_bad_config_under_torchrun(tmp_path):
-    result = run_job(tmp_path / "job", 2, ["trainer.batch_size=7"], timeout=120)
+    result = run_job(tmp_path / "job", 2, ["trainer.batch_size=7"], timeout=120, fresh=True)
     assert_clean_failure(result, "trainer.batch_size=7")
 
 

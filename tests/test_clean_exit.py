@@ -15,7 +15,8 @@ RUNS = 3
 def test_short_jobs_all_exit_zero(tmp_path):
     codes = []
     for i in range(RUNS):
-        result = run_job(tmp_path / f"run{i}", 2, ["trainer.max_steps=1"], timeout=120)
+        result = run_job(tmp_path / f"run{i}", 2, ["trainer.max_steps=1"], timeout=120,
+                         fresh=True)
         codes.append(result.returncode)
         assert result.returncode == 0, f"run {i} exited {result.returncode}:\n{result.stderr[-3000:]}"
         assert os.path.exists(tmp_path / f"run{i}" / "runs" / "default" / "snapshot" / "latest.json")

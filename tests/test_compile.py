@@ -1,7 +1,7 @@
 """trainer.compile (issue 23): each transformer block compiled, under every own strategy.
 
 - tests/compile_worker.py on 2 ranks (one torchrun job for all layouts): compiled
-  against eager under the same layout, 20 steps and two evaluations: losses and
+  against eager under the same layout, 4 steps and two evaluations: losses and
   pre-clip gradient norms within rtol 1e-4, the same collectives every step,
   compilations per code object bounded by the signatures it sees, and only the
   graph breaks the collectives are marked for (backend aot_eager: dynamo's capture

@@ -55,7 +55,9 @@ def test_snapshot_on_s3_resumes(tmp_path, s3_server):
     s3_server.invalidate_cache()
     assert s3_server.exists(url + "/latest.json")
     assert not os.path.exists(workdir / "runs" / "default" / "snapshot")
-    second = run_job(workdir, 2, ARGS + ["trainer.max_steps=6", f"trainer.snapshot_path={url}"])
+    # a process of its own: s3fs caches listings per process, and a user resumes in a new one
+    second = run_job(workdir, 2, ARGS + ["trainer.max_steps=6", f"trainer.snapshot_path={url}"],
+                     fresh=True)
     assert second.returncode == 0, second.stderr[-3000:]
     assert "resuming from snapshot s3://" in second.stdout
     losses = [r["loss"] for r in read_metrics(workdir / "runs" / "default")]

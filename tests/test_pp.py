@@ -422,4 +422,4 @@ def test_bad_pipeline_layout_stops_every_rank_with_one_line(tmp_path):
     strategy's refusal: parallel/layout.py asks fsdp)."""
     from test_bad_input import assert_clean_failure
     nproc, overrides, needle = BAD_PP[1]
-    assert_clean_failure(run_job(tmp_path, nproc, overrides, timeout=120), needle)
+    assert_clean_failure(run_job(tmp_path, nproc, overrides, timeout=120, fresh=True), needle)

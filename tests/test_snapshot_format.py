@@ -56,7 +56,8 @@ def test_a_failure_on_the_main_rank_alone_stops_every_rank(tmp_path):
     training and wait for it forever: both exit non-zero, quickly."""
     blocker = tmp_path / "not-a-directory"
     blocker.write_text("")
-    result = run_job(tmp_path / "job", 2, [f"trainer.run_dir={blocker}/run"], timeout=120)
+    result = run_job(tmp_path / "job", 2, [f"trainer.run_dir={blocker}/run"], timeout=120,
+                     fresh=True)
     assert result.returncode != 0
     rank0 = [ln for ln in result.stderr.splitlines() if "error on rank 0:" in ln]
     assert len(rank0) == 1 and str(blocker) in rank0[0], result.stderr[-3000:]

@@ -78,7 +78,7 @@ def test_a_shard_damaged_mid_run_stops_every_rank_with_one_line(tmp_path, shards
     before = tree_bytes(tmp_path / "snapshot")
     result = run_job(tmp_path / "job", 2, COMMON + [
         f"data.tokens_path={tmp_path / 'tokens'}", f"trainer.snapshot_path={tmp_path / 'snapshot'}",
-        "trainer.max_steps=12"], timeout=120)
+        "trainer.max_steps=12"], timeout=120, fresh=True)
     assert "at step 6" in result.stdout and "step 7/12" in result.stdout, result.stdout
     assert result.returncode != 0 and not our_frames(result.stderr), result.stderr
     lines = [ln for ln in result.stderr.splitlines() if ln.startswith("error on rank")]

@@ -30,5 +30,5 @@ def test_sample_mode_prints_generated_text(tmp_path):
 
 
 def test_sample_mode_without_snapshot_is_a_clear_error(tmp_path):
-    result = run_job(tmp_path, 1, ["mode=sample"])
+    result = run_job(tmp_path, 1, ["mode=sample"], fresh=True)
     assert result.returncode == 2 and "no snapshot at" in result.stderr

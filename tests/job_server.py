@@ -1,0 +1,72 @@
+"""Test-only: main.py's jobs, many in one torchrun launch (harness.run_job's fast path).
+
+    python -m torch.distributed.run --standalone --nproc_per_node=N tests/job_server.py CONTROL
+
+A 2-rank main.py job costs about 8 s of CPU, nearly all of it starting interpreters:
+torchrun's and each rank's `import torch` (with dynamo, which torch.optim imports on the
+first step). The training itself takes a fraction of a second. So the harness keeps one
+launch of this server per process count and hands it jobs: each rank reads the job (its
+argv and working directory) from its own FIFO in CONTROL, runs `main.run` there with
+its output going to files of the job, and writes the exit status to its result FIFO.
+Everything a job does is main.py's own code on real processes, gloo and torchrun's
+rendezvous; what it does not exercise is starting and leaving an interpreter, which the
+tests of exit statuses, signals, kills and restarts check with jobs of their own
+(run_job(..., fresh=True), and every test that starts torchrun itself).
+
+A job that does not end with status 0 on every rank may leave a rank inside a
+collective, so the harness then stops the server and the next job starts a new one.
+"""
+
+import json
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import main as entry  # noqa: E402  (every import a job needs, once)
+from harness import LAUNCHER_ENV  # noqa: E402  (this directory is the script's: on sys.path)
+
+
+def run_one(job, rank, world_size, local_rank):
+    """Run one job in its directory and environment (the harness's job_env() at the time,
+    torchrun's variables kept), stdout and stderr into its files; returns the status."""
+    os.chdir(job["cwd"])
+    environ = dict(os.environ)
+    os.environ.clear()
+    os.environ.update({k: v for k, v in environ.items() if LAUNCHER_ENV.match(k)}, **job["env"])
+    saved = os.dup(1), os.dup(2)
+    with open(f"{job['out']}-rank{rank}.out", "wb") as out, \
+            open(f"{job['out']}-rank{rank}.err", "wb") as err:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os.dup2(out.fileno(), 1)
+        os.dup2(err.fileno(), 2)
+        try:
+            return entry.run(job["argv"], rank, world_size, local_rank)
+        finally:
+            sys.stdout.flush()
+            sys.stderr.flush()
+            os.dup2(saved[0], 1)
+            os.dup2(saved[1], 2)
+            os.close(saved[0])
+            os.close(saved[1])
+            os.environ.clear()
+            os.environ.update(environ)
+
+
+def serve(control):
+    rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    local_rank = int(os.environ.get("LOCAL_RANK", 0))
+    with open(os.path.join(control, f"jobs-{rank}.fifo")) as jobs, \
+            open(os.path.join(control, f"done-{rank}.fifo"), "w") as done:
+        for line in jobs:  # blocks until the harness sends a job; ends when it closes
+            code = run_one(json.loads(line), rank, world_size, local_rank)
+            done.write(f"{code}\n")
+            done.flush()
+            if code != 0:
+                break  # a rank may be left in a collective: the harness starts a new server
+
+
+if __name__ == "__main__":
+    serve(sys.argv[1])
+    entry.flush_and_exit(0)

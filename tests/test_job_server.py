@@ -1,0 +1,50 @@
+"""The job server (harness.run_job's default, tests/job_server.py) runs main.py's jobs in
+long-lived torchrun workers. What a test sees from it must be what a fresh job gives:
+
+- the same job, fresh and in the server (after another job there), writes the same
+  metrics.jsonl to the bit and the same snapshot;
+- a job that fails in the server returns its status and its one line, and the next job
+  runs in a new server; a job past its timeout fails the test and ends its server.
+"""
+
+import json
+
+from harness import job_server, read_metrics, run_job, snapshot_state
+
+JOB = ["parallel.dp=fsdp", "parallel.zero_stage=3", "model.dropout=0.1", "trainer.eval_every=3",
+       "trainer.save_every=3"]
+
+
+def test_a_job_in_the_server_equals_the_same_job_fresh(tmp_path):
+    run_job(tmp_path / "before", 2, ["parallel.dp=ddp_bucket"])  # the server has run a job
+    runs = {}
+    for how in ("fresh", "server"):
+        result = run_job(tmp_path / how, 2, JOB, fresh=how == "fresh")
+        assert result.returncode == 0 and "step 6/6" in result.stdout, result.stderr[-3000:]
+        run_dir = tmp_path / how / "runs" / "default"
+        runs[how] = ([json.dumps({k: r[k] for k in ("step", "loss", "grad_norm", "val_loss") if k in r})
+                      for r in read_metrics(run_dir)], snapshot_state(run_dir / "snapshot"))
+    (fresh, fresh_state), (served, served_state) = runs["fresh"], runs["server"]
+    assert served == fresh
+    for name, t in fresh_state["model"].items():
+        assert served_state["model"][name].equal(t), name
+
+
+def test_a_failed_job_returns_its_status_and_the_next_job_gets_a_new_server(tmp_path):
+    first = job_server(2)
+    bad = run_job(tmp_path / "bad", 2, ["trainer.batch_size=7"])  # 7 is not divisible by dp 2
+    assert bad.returncode == 2, bad.stderr
+    assert sorted(ln[:15] for ln in bad.stderr.splitlines() if ln.startswith("error on rank")) \
+        == ["error on rank 0", "error on rank 1"], bad.stderr
+    assert not first.alive()
+    good = run_job(tmp_path / "good", 2, [])
+    assert good.returncode == 0, good.stderr[-3000:]
+    assert job_server(2) is not first
+
+
+def test_a_job_past_its_timeout_fails_the_test_and_ends_its_server(tmp_path):
+    import pytest
+    server = job_server(2)
+    with pytest.raises(AssertionError, match="hung in the 2-rank job server"):
+        run_job(tmp_path / "long", 2, ["trainer.max_steps=100000"], timeout=3)
+    assert not server.alive()
