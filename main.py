@@ -20,6 +20,7 @@ import datetime
 import os
 import sys
 import traceback
+from contextlib import contextmanager
 from dataclasses import asdict
 
 import torch
@@ -101,6 +102,30 @@ def cuda_index(local_rank, visible, local_world=1, world_size=1):
 
 
 _groups_started = 0  # process groups this process has started (init_process_group)
+
+
+@contextmanager
+def determinism(enabled):
+    """trainer.deterministic: deterministic kernels (torch.use_deterministic_algorithms, in
+    warn-only mode: an op without one warns and runs), cuDNN without autotuning, and
+    cuBLAS's fixed workspace (CUBLAS_WORKSPACE_CONFIG, read when its first handle is made:
+    before any matmul of the run), so that a rerun on a GPU is bitwise the first run
+    (scripts/gpu_smoke.sh's rerun column). Restored afterwards: a process may run more
+    jobs (tests/job_server.py)."""
+    if not enabled:
+        yield
+        return
+    before = (torch.are_deterministic_algorithms_enabled(),
+              torch.is_deterministic_algorithms_warn_only_enabled(),
+              torch.backends.cudnn.benchmark, torch.backends.cudnn.deterministic)
+    os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+    torch.use_deterministic_algorithms(True, warn_only=True)
+    torch.backends.cudnn.benchmark, torch.backends.cudnn.deterministic = False, True
+    try:
+        yield
+    finally:
+        torch.use_deterministic_algorithms(before[0], warn_only=before[1])
+        torch.backends.cudnn.benchmark, torch.backends.cudnn.deterministic = before[2:]
 
 
 def init_process_group(device, timeout_s, rank, world_size):
@@ -268,7 +293,8 @@ def main(argv, rank, world_size, local_rank):
     init_process_group(device, cfg.parallel.timeout_s, rank, world_size)
     try:
         grid = ProcessGrid(grid_sizes(cfg.parallel, world_size), device, cfg.parallel.timeout_s)
-        trained = train(cfg, grid)
+        with determinism(cfg.trainer.deterministic):
+            trained = train(cfg, grid)
         dist.barrier()  # nobody leaves while another rank may still need it
     except Exception as e:  # a collective that timed out or lost its peer: one line, not a traceback
         failure = collective_failure(e, cfg.parallel.timeout_s)

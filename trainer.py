@@ -74,6 +74,7 @@ class TrainerConfig:
     compile: bool = False       # torch.compile each transformer block after parallelizing (parallel/compile.py)
     compile_backend: str = "inductor"  # inductor | aot_eager (no code generation: the tests) | eager
     compile_scope: str = "block"  # block | model (the whole GPT in one graph: one process, no checkpointing)
+    deterministic: bool = False  # deterministic kernels (torch.use_deterministic_algorithms): bitwise-repeatable GPU runs, slower
     profile_from: int = 0       # first optimizer step torch.profiler records (0 = off); traces in <run_dir>/profile/
     profile_steps: int = 2      # how many steps from profile_from it records: one Chrome trace per rank
     memory_snapshot: bool = False  # CUDA only: a torch.cuda.memory snapshot per rank of the profiled steps

@@ -398,3 +398,19 @@ def test_two_ranks_profile_steps_2_and_3_into_one_trace_each(tmp_path):
         print(f"rank {rank}: {len(events)} events, {steps}, {matmuls}, {collectives}")
         assert steps == ["train step 2", "train step 3"], steps
         assert matmuls and collectives, sorted(names)[:80]
+
+
+def test_deterministic_runs_set_and_restore_deterministic_kernels(monkeypatch):
+    """trainer.deterministic (gpu_smoke.sh's rerun column asks for bitwise reruns, which
+    kernels with atomics do not give on a GPU): deterministic algorithms on, cuDNN without
+    autotuning, cuBLAS's fixed workspace, for the run only (a process may run more jobs)."""
+    import main
+    monkeypatch.delenv("CUBLAS_WORKSPACE_CONFIG", raising=False)
+    before = torch.are_deterministic_algorithms_enabled()
+    with main.determinism(True):
+        assert torch.are_deterministic_algorithms_enabled()
+        assert torch.backends.cudnn.deterministic and not torch.backends.cudnn.benchmark
+        assert os.environ["CUBLAS_WORKSPACE_CONFIG"] == ":4096:8"
+    assert torch.are_deterministic_algorithms_enabled() == before
+    with main.determinism(False):
+        assert torch.are_deterministic_algorithms_enabled() == before
