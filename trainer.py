@@ -28,7 +28,7 @@ from parallel.compile import compile_events
 from parallel.grid import together
 from telemetry import mfu
 from telemetry.activation_meter import ActivationMeter
-from telemetry.metrics import MetricsLog, peak_memory
+from telemetry.metrics import MetricsLog, peak_memory, peak_rss_kib
 
 AGREED_READ_FAILURE = "stopping: another rank failed while reading the data (see its error)"
 
@@ -91,6 +91,9 @@ class Trainer:
         self.resumed_record = None  # the snapshot step's metrics record (restore())
         strategy.configure_compute(self.t)
         strategy.configure_optimizer(self.t)
+        # the strategy is built (this rank's parameters materialized) and nothing trained
+        # yet: the fullest rank's peak host memory so far, for the first record written
+        self.setup_record = {"setup_peak_rss_mb": grid.max_over_ranks([peak_rss_kib()])[0] / 1024}
         # trainer.compile: time compiling and compilations per code object (parallel/compile.py)
         self.compiles = compile_events() if self.t.compile else None
         if self.compiles is not None:
@@ -174,6 +177,8 @@ class Trainer:
             if saved:
                 record.update(self.save(final=last, record=record if written else None))
             if written:
+                record.update(self.setup_record)  # the first record only
+                self.setup_record = {}
                 self.metrics.write(record, t.max_steps, console=bool(logged) or last)
             else:
                 self.metrics.progress(self.step, t.max_steps)

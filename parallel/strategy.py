@@ -59,6 +59,8 @@ class LocalModel:
     pipeline: object = None  # the Pipeline (parallel/pipeline_parallel/pipeline.py), if pp > 1
     split: object = None     # (x, y) -> what this rank keeps of a micro-batch (cp > 1: its
                              # chunks of every sequence); None: all of it
+    init: object = None      # the initial weights, read by canonical box (parallel/initial.py):
+                             # the module is on the meta device until the strategy fills it
 
 
 class Strategy:
@@ -82,7 +84,10 @@ class Strategy:
         self.tp, self.pipeline = local.tp, local.pipeline
         self.split = local.split or (lambda x, y: (x, y))
         self.gpt = local.module  # this rank's (TP-local, stage-cut) GPT, for configure_compute
-        self.module = local.module.to(self.device)  # the strategy's model (wrapped or not)
+        # the strategy's model (wrapped or not): on the meta device until the strategy
+        # allocates what this rank holds and calls materialize()
+        self.module = local.module
+        self.init = local.init
         self.model = self.module  # what forward runs through: the GPT, or a wrapper of it
         self.precision = Precision("fp32", self.device)
         self.optimizer = None     # configure_optimizer
@@ -295,6 +300,13 @@ class Strategy:
     def load_shards(self, reader):
         """Take what this rank holds from a snapshot_reader.SnapshotReader, whatever layout wrote it."""
         load_regions(self.regions(), self.optimizer, reader)
+
+    def materialize(self):
+        """Fill the parameters this rank holds (allocated by the strategy) with the initial
+        weights (parallel/initial.py), through the snapshot path: each rank reads only
+        its regions, one canonical parameter at a time. Then let the initializer go."""
+        load_regions(self.regions(), None, self.init)
+        self.init = None
 
     @torch.no_grad()
     def state_dict(self) -> dict:

@@ -73,7 +73,7 @@ class FSDP(Strategy):
         own = [[plan.TIED]] if self.pipeline and plan.TIED in root else []
         root = [n for n in root if [n] not in own]
         self.units = [FlatUnit([(n, self.canonical[n]) for n in names], group_of, r, N,
-                               self.stage, grid.grad_group)
+                               self.stage, grid.grad_group, self.device)
                       for names in names_per_block + own + [root] if names]
         self.blocks, self.root = self.units[:len(names_per_block)], self.units[-1]
         for unit in self.units:  # one dp rank sends nothing: no rounding to bf16 either
@@ -85,6 +85,7 @@ class FSDP(Strategy):
         self._register_grad_hooks()
         if self.stage == 3:
             self._register_unit_hooks()
+        self.materialize()  # this rank's shard of the initial weights (stages 1-2: all of them)
 
     # ------------------------------------------------ hooks: gradients ready -> reduce
 
@@ -200,6 +201,8 @@ class FSDP(Strategy):
         """Count gradient hooks per unit during one backward; units whose hooks did not
         all fire are reduced after it (a parameter without gradient counts as zeros)."""
         units = self._chunk_units[chunk]
+        for u in self.units:  # every unit at once: a chunk's backward may reach a unit
+            u.allocate_grads()  # another chunk's scope reduces (stage 1 under zbv)
         self._ready = {u: 0 for u in units}
         self._last_micro = last
         yield
@@ -258,6 +261,16 @@ class FSDP(Strategy):
         """Read only this rank's ranges; stages 1-2 then all-gather the replicated
         parameters from everyone's shard (not training traffic: uncounted)."""
         super().load_shards(reader)
+        self._gather_after_load()
+
+    @torch.no_grad()
+    def materialize(self):
+        """The initial weights as a snapshot is loaded: this rank's shard, then (stages
+        1-2) everyone's gathered."""
+        super().materialize()
+        self._gather_after_load()
+
+    def _gather_after_load(self):
         if self.stage < 3:
             with self.comm.uncounted():
                 for work in [u.refresh_full(self.comm) for u in self.units]:

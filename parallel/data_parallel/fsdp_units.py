@@ -22,13 +22,17 @@ math as one process, and padding is never part of any piece.
 
 import torch
 
+from parallel.initial import swap_in
+
 FREED, GATHERING, GATHERED = "freed", "gathering", "gathered"
 
 
 class FlatUnit:
-    def __init__(self, named_params, group_of, rank, world, stage, dp_group):
-        """named_params: [(canonical name, nn.Parameter)]; group_of: name -> optimizer
-        group index (from GPT.optim_groups)."""
+    def __init__(self, named_params, group_of, rank, world, stage, dp_group, device):
+        """named_params: [(canonical name, nn.Parameter)], on the meta device (or with
+        values, which are not read); group_of: name -> optimizer group index (from
+        GPT.optim_groups). Allocates zeros for what this rank holds; the strategy fills
+        them (FSDP.materialize: its shard, then stages 1-2 gather the rest)."""
         order = sorted(named_params, key=lambda np_: group_of[np_[0]])  # stable within a group
         self.names = [n for n, _ in order]
         self.params = [p for _, p in order]
@@ -38,25 +42,20 @@ class FlatUnit:
         self.numel, self.world, self.stage, self.group = self.offsets[-1], world, stage, dp_group
         self.shard_size = -(-self.numel // world)  # ceil: pad, never truncate
         self.lo, self.hi = rank * self.shard_size, (rank + 1) * self.shard_size
-        ref = self.params[0]
+        dtype = self.params[0].dtype
 
-        with torch.no_grad():
-            self.full = self.flatten({n: p for n, p in zip(self.names, self.params)}, ref.device)
+        # stage 3 holds a shard only: `full` is the storage the parameters view, freed
+        # below before anything touches it (torch.empty: no page of it becomes resident)
+        alloc = torch.zeros if stage < 3 else torch.empty
+        self.full = alloc(world * self.shard_size, dtype=dtype, device=device)
         for p, off, shape in zip(self.params, self.offsets, self.shapes):
-            p.data = self.full[off:off + p.numel()].view(shape)  # tied weights: one param, one view
+            swap_in(p, self.full[off:off + p.numel()].view(shape))  # tied weights: one param, one view
 
         if stage < 3:
             self.shard = self.full[self.lo:self.hi]
         else:
-            self.shard = self.full[self.lo:self.hi].clone()
-        if stage == 1:  # full gradients stay resident; autograd accumulates into these views
-            self.full_grad = torch.zeros_like(self.full)
-            for p, off, shape in zip(self.params, self.offsets, self.shapes):
-                p.grad = self.full_grad[off:off + p.numel()].view(shape)
-            self.grad_shard = self.full_grad[self.lo:self.hi]
-        else:
-            self.full_grad = None
-            self.grad_shard = torch.zeros_like(self.shard)
+            self.shard = torch.zeros(self.shard_size, dtype=dtype, device=device)
+        self.full_grad = self.grad_shard = None  # allocate_grads, at the first backward
         self.state, self.work = GATHERED, None
         self.reduce_dtype = self.full.dtype  # parallel.reduce_dtype=bf16: reduce-scatter in bf16
         if stage == 3:
@@ -69,9 +68,23 @@ class FlatUnit:
             a = max(self.offsets[idx[0]], self.lo) - self.lo
             b = min(self.offsets[idx[-1] + 1], self.hi) - self.lo
             if a < b:
-                piece = self.shard[a:b]
-                piece.grad = self.grad_shard[a:b]  # clipping and AdamW read it here
-                self.pieces.append((g, a, b, piece))
+                self.pieces.append((g, a, b, self.shard[a:b]))
+
+    def allocate_grads(self):
+        """Gradient memory, once, when the first backward needs it (a replica's autograd
+        allocates its gradients then too: no strategy holds any at setup). Stage 1 keeps
+        the full gradient, into whose views autograd accumulates; stages 2-3 the shard."""
+        if self.grad_shard is not None:
+            return
+        if self.stage == 1:
+            self.full_grad = torch.zeros_like(self.full)
+            for p, off, shape in zip(self.params, self.offsets, self.shapes):
+                p.grad = self.full_grad[off:off + p.numel()].view(shape)
+            self.grad_shard = self.full_grad[self.lo:self.hi]
+        else:
+            self.grad_shard = torch.zeros_like(self.shard)
+        for _, a, b, piece in self.pieces:
+            piece.grad = self.grad_shard[a:b]  # clipping and AdamW read it here
 
     # ------------------------------------------------ canonical <-> flat
 
@@ -149,7 +162,8 @@ class FlatUnit:
         return work, finish
 
     def zero_grads(self):
-        (self.full_grad if self.stage == 1 else self.grad_shard).zero_()
+        if self.grad_shard is not None:
+            (self.full_grad if self.stage == 1 else self.grad_shard).zero_()
 
     def resident_bytes(self):
         """Parameters (full or shard + whatever is gathered now) and gradients on this rank."""
@@ -157,7 +171,7 @@ class FlatUnit:
         if self.stage == 3:
             total += self.shard.numel() * self.shard.element_size()
         grad = self.full_grad if self.stage == 1 else self.grad_shard
-        total += grad.numel() * grad.element_size()
+        total += 0 if grad is None else grad.numel() * grad.element_size()
         if self.stage > 1:  # stray full gradients (there should be none at the end of a step)
             total += sum(p.grad.numel() * p.grad.element_size() for p in self.params
                          if p.grad is not None)
