@@ -155,7 +155,7 @@ class Trainer:
                       "tokens_per_s": t.batch_size * self.train_set.block_size / elapsed,
                       "step_ms": 1000 * elapsed, "data_ms": data_ms,
                       **peak_memory(g.device),
-                      "state_bytes": self.strategy.state_bytes(),
+                      **self.strategy.state_figures(),  # state_bytes (and host_state_bytes)
                       **self.strategy.comm_stats(), **stats, **self.strategy.precision.metrics()}
             if self.peak_flops:
                 record["mfu"] = mfu.mfu(self.flops_per_token, record["tokens_per_s"],
@@ -203,8 +203,8 @@ class Trainer:
         next collective, instead of leaving the others waiting in it."""
         started = time.perf_counter()
         try:
-            micro = self.batches.local_micro_batches(self.train_set, step, self.grid.dp_rank,
-                                                     self.grid.dp_size, self.t.grad_accum)
+            micro = self.batches.local_micro_batches(self.train_set, step, self.grid.data_rank,
+                                                     self.grid.data_size, self.t.grad_accum)
         except UserError as e:
             return None, 0.0, e
         except Exception as e:  # s3 errors, a vanished file, ...
@@ -231,7 +231,7 @@ class Trainer:
         """Mean val loss over fixed windows, in micro-batches of the training size."""
         g, t = self.grid, self.t
         starts = eval_starts(len(self.val_set), t.batch_size, t.eval_batches)
-        mine = [row.view(g.dp_size, -1)[g.dp_rank] for row in starts]
+        mine = [row.view(g.data_size, -1)[g.data_rank] for row in starts]
         read = lambda: [self.val_set.batch(part) for share in mine  # noqa: E731
                         for part in share.view(t.grad_accum, -1)]
         # prepared shards can turn out damaged on one rank: agree first (text cannot)

@@ -15,6 +15,8 @@ class ParallelConfig:
     cp: int = 1                 # context-parallel degree: each sequence split over cp ranks
     cp_impl: str = "ring"       # ring (ours) | allgather (gather all keys/values: the reference)
     zero_stage: int = 3         # 1, 2 or 3, for dp=fsdp
+    dp_replicate: int = 1       # fsdp / torch_fsdp: R replica groups of dp/R ranks, sharded inside, gradients all-reduced across (HSDP)
+    offload: bool = False       # fsdp / torch_fsdp: fp32 shard, its gradient and AdamW state in host memory, the optimizer step on the host
     prefetch: bool = True       # fsdp stage 3 / torch_fsdp: all-gather the next unit while this one computes
     reshard_after_forward: bool = True  # fsdp stage 3 / torch_fsdp: free a unit after its forward
     pp_schedule: str = "1f1b"   # gpipe | 1f1b | interleaved | zb1p | zbv, for pp > 1

@@ -70,6 +70,9 @@ class Strategy:
     own_tensor_parallel = True  # False: a reference that parallelizes the model itself
     compiles_whole_model = False  # True: it adds no hooks inside the model, so
                                   # trainer.compile_scope=model may compile its whole forward
+    hybrid_shards = False       # True: it shards inside parallel.dp_replicate replica groups and
+                                # averages across them (HSDP; data_parallel/hybrid.py)
+    offloads = False            # True: parallel.offload puts its optimizer's shard in host memory
 
     @classmethod
     def refuse(cls, cfg, sizes) -> str:
@@ -91,7 +94,8 @@ class Strategy:
         self.model = self.module  # what forward runs through: the GPT, or a wrapper of it
         self.precision = Precision("fp32", self.device)
         self.optimizer = None     # configure_optimizer
-        self.last_state_bytes = 0  # set by optimizer_step, see state_bytes()
+        self.last_state_bytes = 0  # set by optimizer_step, see state_figures()
+        self.last_host_state_bytes = 0  # of it, what is offloaded to host memory (parallel.offload)
 
     def configure_compute(self, tcfg):
         """trainer.precision, trainer.compile and trainer.activation_checkpointing, for every
@@ -183,7 +187,7 @@ class Strategy:
         batches do), and so do pipeline stages (their layers do: the same stream on
         two stages would give layer 0 and layer L/P the same masks); TP ranks share
         the stream where their activations are the same."""
-        base = seed + self.grid.dp_rank
+        base = seed + self.grid.data_rank  # the data-parallel rank: dp_replicate x dp
         if self.grid.cp_size > 1:  # cp ranks hold other tokens: other masks
             base = derive_seed(base, "context shard", self.grid.cp_rank)
         if self.grid.pp_size > 1:
@@ -206,7 +210,7 @@ class Strategy:
         if not self.precision.skip_step:
             coef = (max_norm / (norm + 1e-6)).clamp(max=1.0)  # as torch.nn.utils.clip_grad_norm_
             for g in self.grads():
-                g.mul_(coef)
+                g.mul_(coef.to(g.device))  # offloaded gradients live in host memory
         return norm.item()
 
     def step_optimizer(self):
@@ -332,17 +336,24 @@ class Strategy:
         """Collective calls/bytes since the last call (see parallel/comm.py)."""
         return self.comm.pop()
 
-    def state_bytes(self) -> int:
-        """Bytes of parameters + gradients + optimizer state resident on the fullest rank,
-        measured at the end of the last optimizer step (before grads are freed). The max
-        over every rank: shards, pipeline stages and TP ranks hold different amounts, and
-        the trainer logs rank 0's value, which should be the worst rank's. Not training
-        traffic: uncounted."""
-        value = torch.tensor([self.last_state_bytes], dtype=torch.int64, device=self.device)
+    def state_figures(self) -> dict:
+        """{"state_bytes": bytes of parameters + gradients + optimizer state resident on the
+        device of the fullest rank, "host_state_bytes": those of them in host memory
+        (parallel.offload; only where some are)}, measured at the end of the last
+        optimizer step (before grads are freed). Each the max over every rank: shards,
+        pipeline stages and TP ranks hold different amounts, and the trainer logs rank
+        0's value, which should be the worst rank's. Not training traffic: uncounted."""
+        value = torch.tensor([self.last_state_bytes, self.last_host_state_bytes],
+                             dtype=torch.int64, device=self.device)
         if self.grid.world_size > 1:
             with self.comm.uncounted():
                 self.comm.all_reduce(value, op=dist.ReduceOp.MAX)
-        return int(value.item())
+        device, host = (int(v) for v in value.tolist())
+        return {"state_bytes": device, **({"host_state_bytes": host} if host else {})}
+
+    def state_bytes(self) -> int:
+        """state_figures()'s device bytes."""
+        return self.state_figures()["state_bytes"]
 
     def dp_mean(self, value: torch.Tensor) -> float:
         """Average a scalar over the ranks that see different data, grid.grad_group

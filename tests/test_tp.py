@@ -32,7 +32,7 @@ from checkpoint.snapshot_reader import open_snapshot
 # ---------------------------------------------------------------- torchrun workers
 
 TP_CASES = [(world, case.name) for world in CASES for case in CASES[world]
-            if case.pp == 1 and case.cp == 1]
+            if case.pp == 1 and case.cp == 1 and not case.hybrid]
 
 
 @pytest.mark.parametrize("world,name", TP_CASES, ids=[n for _, n in TP_CASES])
@@ -69,7 +69,7 @@ def replicated_floats(layers, n_embd, block):
 
 
 PURE_TP = [(world, case.name) for world in CASES for case in CASES[world]
-           if case.dp == case.pp == case.cp == 1 and case.tp > 1]
+           if case.dp == case.pp == case.cp == 1 and case.tp > 1 and not case.hybrid]
 
 
 @pytest.mark.parametrize("world,name", PURE_TP, ids=[n for _, n in PURE_TP])
