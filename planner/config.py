@@ -13,6 +13,8 @@ class PlanConfig:
     peak_fp32_tflops: float = 0.0
     intra_node_gbps: float = 0.0   # GB/s (bytes) one GPU sends to another of its node
     inter_node_gbps: float = 0.0   # GB/s (bytes) one GPU sends to another node
+    pcie_gbps: float = 0.0      # GB/s (bytes) one GPU copies to or from its host (parallel.offload)
+    host_gbps: float = 0.0      # GB/s of host memory traffic a rank's host-side AdamW gets (parallel.offload)
     mfu: float = 0.4            # assumed fraction of peak the matrix products reach
     vocab_size: int = 0         # 0 = the tokenizer's (gpt2: 50257; char: from data.path)
     top: int = 10               # rows of the printed table
