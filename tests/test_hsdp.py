@@ -89,6 +89,33 @@ def test_offload_moves_the_shard_state_to_the_host():
     assert "host_state_bytes" not in plain["state"]
 
 
+@pytest.mark.parametrize("dp,stage", [("single", 3), ("fsdp", 1), ("fsdp", 3)],
+                         ids=["single", "fsdp1", "fsdp3"])
+def test_materialized_initial_weights_are_the_models_own(one_rank_grid, dp, stage):
+    """In process: a GPT built on the meta device and materialized by a strategy from
+    InitialWeights (each parameter from its (seed, name) stream, each rank only its
+    regions, as main.py builds every layout) holds exactly GPT(seed)'s values; another
+    seed draws other ones. (Every layout's parity with single from step 1, through
+    main.py, shows the same across ranks.)"""
+    import torch
+    from model import GPT
+    from parallel.config import ParallelConfig
+    from parallel.initial import InitialWeights
+    from parallel.parallelize import parallelize
+    config = gpt_config(65, 2)
+    with torch.device("meta"):
+        meta = GPT(config)
+    strategy = parallelize(meta, one_rank_grid, ParallelConfig(dp=dp, zero_stage=stage),
+                           InitialWeights(meta, seed=7))
+    want = dict(GPT(config, seed=7).named_parameters())
+    got = strategy.state_dict()
+    assert sorted(got) == sorted(want)
+    for name, p in want.items():
+        assert torch.equal(got[name], p.detach()), name
+    assert not torch.equal(want["transformer.h.0.attn.c_attn.weight"],
+                           dict(GPT(config, seed=8).named_parameters())["transformer.h.0.attn.c_attn.weight"])
+
+
 # ---------------------------------------------------------------- through main.py
 
 ACCUM3 = ["trainer.grad_accum=3", "trainer.eval_every=3"]
