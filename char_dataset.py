@@ -6,7 +6,7 @@
   data/prepare.py) is read in place instead: data/token_shards.py.
 - Tokenizers (data/tokenizer.py): `char` (vocabulary = the sorted characters of
   the text, saved in snapshots) or `gpt2` (GPT-2's BPE through tiktoken, which
-  needs its two files locally when offline: see TIKTOKEN_CACHE_DIR in the README).
+  needs its two files locally when offline: see TIKTOKEN_CACHE_DIR in docs/data.md).
 - Train/val split: the first (1 - val_fraction) of the tokens train, the rest
   validate. Contiguous, so no window straddles both, and identical on every
   rank because it involves no randomness at all.
@@ -37,24 +37,31 @@ from data.tokenizer import build_tokenizer, describe_state, same_tokenizer  # no
 @dataclass
 class DataConfig:
     """The `data:` section of gpt2_train_cfg.yaml."""
-    path: str = ""           # fsspec path or URL; "" = embedded default corpus
-    tokens_path: str = ""    # a corpus prepared by mode=prepare; when set, training reads it
+    path: str = ""           # UTF-8 text, any fsspec path or URL ("" = the embedded corpus);
+                             # mode=prepare also takes a directory or a glob
+    tokens_path: str = ""    # token shards made by mode=prepare (any fsspec URL); when set,
+                             # training reads them in place instead of data.path
     block_size: int = 128    # context length in tokens
-    tokenizer: str = "char"  # char | gpt2
-    val_fraction: float = 0.1
-    sampler: str = "feistel"  # feistel | randperm (the old order, to finish old snapshots)
+    tokenizer: str = "char"  # char (the text's characters, saved in snapshots) | gpt2 (tiktoken BPE)
+    val_fraction: float = 0.1  # the last fraction of the tokens validates (tokens_path: fixed at prepare)
+    sampler: str = "feistel"  # window order per epoch: feistel (keyed permutation, O(batch) a step)
+                              # | randperm (the older order, only to finish snapshots written with it)
 
 
-def open_data(cfg: DataConfig, saved_tokenizer=None, saved_by="the snapshot"):
+def open_data(cfg: DataConfig, saved_tokenizer=None, saved_by="the snapshot", config_file=""):
     """(tokenizer, train set, val set) of the run: prepared tokens if data.tokens_path is
     set, else the text of data.path. saved_tokenizer: the one the model was trained with
-    (`saved_by`: the snapshot's when resuming, or a model.init_from folder's)."""
+    (`saved_by`: the snapshot's when resuming, or a model.init_from folder's).
+    config_file: the run's config=FILE, quoted in the command that prepares missing tokens."""
     if not cfg.tokens_path:
         text = load_text(cfg.path)
-        tokenizer = build_tokenizer(cfg.tokenizer, text, saved=saved_tokenizer)
+        tokenizer = build_tokenizer(cfg.tokenizer, text, saved=saved_tokenizer, source=saved_by)
         return (tokenizer, *split_tokens(text, tokenizer, cfg, cfg.path))
     from data.token_shards import TokenCorpus
-    corpus = TokenCorpus(cfg.tokens_path)
+    corpus = TokenCorpus(cfg.tokens_path, " ".join(
+        ["python main.py"] + ([f"config={config_file}"] if config_file else [])
+        + ["mode=prepare", "data.path=<text>", f"data.tokens_path={cfg.tokens_path}"]
+        + ([f"data.tokenizer={cfg.tokenizer}"] if cfg.tokenizer != DataConfig.tokenizer else [])))
     state = corpus.tokenizer_state
     if state["kind"] != cfg.tokenizer:
         raise UserError(f"data.tokens_path {cfg.tokens_path} was prepared with the "
@@ -65,8 +72,8 @@ def open_data(cfg: DataConfig, saved_tokenizer=None, saved_by="the snapshot"):
                         f"{describe_state(state)} tokenizer, {saved_by} was trained with "
                         f"{describe_state(saved_tokenizer)}: its token ids mean other text. Use "
                         f"tokens prepared with the tokenizer of {saved_by}"
-                        + (", or a new trainer.snapshot_path" if saved_by == "the snapshot" else ""))
-    tokenizer = build_tokenizer(None, saved=state)
+                        + (", or a new trainer.snapshot_path" if saved_by.startswith("the snapshot") else ""))
+    tokenizer = build_tokenizer(None, saved=state, source=f"the tokens at {cfg.tokens_path}")
     return (tokenizer, *corpus.splits(cfg.block_size, tokenizer.vocab_size))
 
 

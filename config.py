@@ -8,7 +8,15 @@ exists, so a bad config makes every rank exit with the same one-line error
 and no rank is left waiting in a collective.
 """
 
+import ast
+import dataclasses
+import inspect
+import io
+import json
 import os
+import textwrap
+import tokenize
+import typing
 from dataclasses import dataclass, field
 
 from omegaconf import OmegaConf
@@ -26,20 +34,30 @@ from trainer import TrainerConfig
 DEFAULT_YAML = os.path.join(os.path.dirname(os.path.abspath(__file__)), "gpt2_train_cfg.yaml")
 
 
+# mode=...: what main.py does with the config
+MODES = {
+    "train": "train, resuming from the run's snapshot when there is one (the default)",
+    "sample": "print text generated from the newest snapshot (sample:)",
+    "export": "write the newest snapshot as a Hugging Face GPT-2 folder to export.path",
+    "prepare": "tokenize data.path into token shards at data.tokens_path (prepare:)",
+    "plan": "predict memory, traffic and step time of every layout on the cluster of plan:",
+}
+
+
 @dataclass
 class WandbConfig:
-    mode: str = "offline"   # offline | online | disabled
-    project: str = "mingpt-parallel"
-    name: str = ""          # "" = the run directory's name
+    mode: str = "offline"   # offline (no account needed; wandb sync uploads later) | online | disabled
+    project: str = "mingpt-parallel"  # the wandb project
+    name: str = ""          # the wandb run name; "" = the run directory's name
 
 
 @dataclass
 class SampleConfig:
-    prompt: str = "\n"
-    length: int = 300
-    temperature: float = 0.8
-    top_k: int = 20
-    seed: int = 0
+    prompt: str = "\n"      # text the sample starts from
+    length: int = 300       # tokens to generate; 0 = no sample after training
+    temperature: float = 0.8  # softmax temperature (lower: more predictable text)
+    top_k: int = 20         # sample among the k most likely tokens; 0 = all
+    seed: int = 0           # the sampling generator's seed
 
 
 @dataclass
@@ -49,25 +67,27 @@ class ExportConfig:
 
 @dataclass
 class Config:
-    mode: str = "train"     # train | sample | export | prepare | plan
-    model: ModelConfig = field(default_factory=ModelConfig)
-    data: DataConfig = field(default_factory=DataConfig)
-    trainer: TrainerConfig = field(default_factory=TrainerConfig)
-    parallel: ParallelConfig = field(default_factory=ParallelConfig)
-    wandb: WandbConfig = field(default_factory=WandbConfig)
-    sample: SampleConfig = field(default_factory=SampleConfig)
-    export: ExportConfig = field(default_factory=ExportConfig)
-    prepare: PrepareConfig = field(default_factory=PrepareConfig)
-    plan: PlanConfig = field(default_factory=PlanConfig)
+    config: str = ""        # the YAML file read instead of gpt2_train_cfg.yaml (command line only)
+    mode: str = "train"     # train | sample | export | prepare | plan (see the modes above)
+    model: ModelConfig = field(default_factory=ModelConfig)  # the GPT's shape (model.py)
+    data: DataConfig = field(default_factory=DataConfig)  # text, tokens, tokenizer (char_dataset.py)
+    trainer: TrainerConfig = field(default_factory=TrainerConfig)  # the training loop (trainer.py)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)  # the layout (parallel/config.py)
+    wandb: WandbConfig = field(default_factory=WandbConfig)  # curves in wandb
+    sample: SampleConfig = field(default_factory=SampleConfig)  # mode=sample and the sample after training
+    export: ExportConfig = field(default_factory=ExportConfig)  # mode=export
+    prepare: PrepareConfig = field(default_factory=PrepareConfig)  # mode=prepare (data/prepare.py)
+    plan: PlanConfig = field(default_factory=PlanConfig)  # mode=plan: the target cluster (planner/config.py)
 
 
 def load_config(overrides, world_size: int, yaml_path: str = DEFAULT_YAML) -> Config:
     """Schema <- YAML <- command-line dot-list, then validate. Raises UserError."""
     # `config=path` picks another YAML file (handy for tests and experiments)
     rest = [o for o in overrides if not o.startswith("config=")]
+    given = ""
     for o in overrides:
         if o.startswith("config="):
-            yaml_path = o.split("=", 1)[1]
+            yaml_path = given = o.split("=", 1)[1]
     for o in rest:
         if "=" not in o:
             raise UserError(f"command-line argument {o!r} is not key=value "
@@ -76,6 +96,7 @@ def load_config(overrides, world_size: int, yaml_path: str = DEFAULT_YAML) -> Co
         schema = OmegaConf.structured(Config)
         cfg = OmegaConf.merge(schema, OmegaConf.load(yaml_path), _parse_overrides(schema, rest))
         cfg = OmegaConf.to_object(cfg)
+        cfg.config = given  # as the user named it: hints quote it back
     except FileNotFoundError:
         raise UserError(f"config file not found: {yaml_path}") from None
     except OmegaConfBaseException as e:
@@ -109,8 +130,8 @@ def _first_line(e):
 def validate(cfg: Config, world_size: int):
     m, d, t, p = cfg.model, cfg.data, cfg.trainer, cfg.parallel
     checks = [
-        (cfg.mode in ("train", "sample", "export", "prepare", "plan"),
-         f"mode must be train, sample, export, prepare or plan, got {cfg.mode!r}"),
+        (cfg.mode in MODES,
+         f"mode must be {', '.join(list(MODES)[:-1])} or {list(MODES)[-1]}, got {cfg.mode!r}"),
         (cfg.mode != "export" or bool(cfg.export.path),
          "mode=export needs export.path=DIR: the Hugging Face GPT-2 folder to write"),
         (t.precision in ("fp32", "bf16", "fp16"),
@@ -170,3 +191,115 @@ def resolved_yaml(cfg: Config) -> str:
 
 def to_dict(cfg: Config) -> dict:
     return OmegaConf.to_container(OmegaConf.structured(cfg))
+
+
+# ---------------------------------------------------------------- the keys, described
+# Every key's meaning is the comment on its field's line in its dataclass (continued on
+# comment-only lines right below it): one place, read by `main.py --help` and by
+# scripts/config_reference.py, which writes docs/configuration.md.
+
+@dataclass
+class Key:
+    name: str       # dotted: trainer.max_steps
+    type: str       # int | float | bool | str | list[int]
+    default: str    # as YAML writes it
+    meaning: str    # one line
+
+
+def describe_keys(cls=Config, prefix=""):
+    """Every key of the schema, in the order of the dataclasses' fields."""
+    meanings, hints = field_comments(cls), typing.get_type_hints(cls)
+    keys = []
+    for f in dataclasses.fields(cls):
+        kind = hints[f.name]
+        if dataclasses.is_dataclass(kind):
+            keys += describe_keys(kind, f"{prefix}{f.name}.")
+            continue
+        default = f.default if f.default is not dataclasses.MISSING else f.default_factory()
+        keys.append(Key(prefix + f.name, _type_name(kind), _yaml_value(default),
+                        meanings.get(f.name, "")))
+    return keys
+
+
+def describe_sections(cls=Config):
+    """[(section, one line on it)]: the nested dataclasses of the schema."""
+    meanings, hints = field_comments(cls), typing.get_type_hints(cls)
+    return [(f.name, meanings.get(f.name, "")) for f in dataclasses.fields(cls)
+            if dataclasses.is_dataclass(hints[f.name])]
+
+
+def field_comments(cls) -> dict:
+    """{field name: its comment}: the comment on the field's line, continued by the
+    comment-only lines right below it."""
+    source = textwrap.dedent(inspect.getsource(cls))
+    comments = {}  # line -> (text, whether the line holds nothing else)
+    for tok in tokenize.generate_tokens(io.StringIO(source).readline):
+        if tok.type == tokenize.COMMENT:
+            comments[tok.start[0]] = (tok.string.lstrip("#").strip(),
+                                      tok.line.lstrip().startswith("#"))
+    body = ast.parse(source).body[0].body
+    found = {}
+    for node, following in zip(body, body[1:] + [None]):
+        if not (isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name)):
+            continue
+        parts = [comments[n][0] for n in range(node.lineno, node.end_lineno + 1)
+                 if n in comments and not comments[n][1]]
+        line, stop = node.end_lineno + 1, following.lineno if following else float("inf")
+        while line < stop and line in comments and comments[line][1]:
+            parts.append(comments[line][0])
+            line += 1
+        found[node.target.id] = " ".join(p for p in parts if p)
+    return found
+
+
+def _type_name(kind) -> str:
+    if typing.get_origin(kind) in (list, typing.List):
+        return f"list[{_type_name(typing.get_args(kind)[0])}]"
+    return getattr(kind, "__name__", str(kind))
+
+
+def _yaml_value(value) -> str:
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, (str, list)):
+        return json.dumps(value)
+    return repr(value)
+
+
+def _typed(default: str) -> str:
+    """A default as typed on the command line: mode=train, not mode="train"."""
+    plain = default[1:-1] if default.startswith('"') else None
+    return plain if plain and plain.replace("-", "").replace("_", "").replace("/", "").isalnum() \
+        else default
+
+
+def help_text() -> str:
+    """What `python main.py --help` prints."""
+    width = max(len(f"{k.name}={_typed(k.default)}") for k in describe_keys()) + 2
+    lines = [
+        "usage: python main.py [config=FILE] [key=value ...]             (one process)",
+        "       torchrun --standalone --nproc_per_node=N main.py [key=value ...]",
+        "",
+        "The configuration is gpt2_train_cfg.yaml (or config=FILE, same schema), then each",
+        "key=value on the command line (omegaconf dot-list). Unknown keys, wrong types and",
+        "impossible layouts stop every rank with one line (exit status 2).",
+        "",
+        "modes (mode=...):",
+        *[f"  {name:<9} {meaning}" for name, meaning in MODES.items()],
+        "",
+        "keys (key=default  meaning):",
+    ]
+    sections = dict(describe_sections())
+    current = None
+    for k in describe_keys():
+        section = k.name.split(".")[0] if "." in k.name else None
+        if section != current and section is not None:
+            lines.append(f"  {section}: {sections[section]}")
+            current = section
+        lines.append(f"    {f'{k.name}={_typed(k.default)}':<{width}}{k.meaning}")
+    lines += [
+        "",
+        "docs: README.md; every key with its type: docs/configuration.md; strategies and",
+        "layouts: docs/parallelism.md; resume and snapshots: docs/checkpointing.md",
+    ]
+    return "\n".join(lines) + "\n"

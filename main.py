@@ -6,6 +6,7 @@
     python main.py mode=export export.path=DIR     # a Hugging Face GPT-2 folder (checkpoint/export.py)
     python main.py mode=prepare data.path=SRC data.tokens_path=DST   # token shards
     python main.py mode=plan plan.nodes=8 plan.gpus_per_node=8 plan.gpu=H100-80GB  # layouts
+    python main.py --help                          # the modes and every key with its default
 
 Every failure a user can fix is a UserError: printed as one line on every
 rank, exit status 2. SIGTERM or SIGUSR1 (a cluster preempting the job) stops
@@ -30,7 +31,7 @@ from checkpoint.canonical import check_state_names, load_named_parameters
 from checkpoint.export import export
 from checkpoint.resume import check_resumable, snapshot_location
 from checkpoint.snapshot_reader import check_model_shape, open_snapshot, step_to_resume
-from config import load_config, resolved_yaml, to_dict
+from config import help_text, load_config, resolved_yaml, to_dict
 from data.prepare import prepare
 from errors import UserError
 from launch import preemption
@@ -104,11 +105,12 @@ def read_inputs(cfg, is_main):
     init = None
     if cfg.model.init_from and not snapshot:
         init = hf_gpt2.read_folder(cfg.model.init_from)
-    saved_tokenizer, saved_by = (snapshot.meta["tokenizer"] if snapshot else None), "the snapshot"
+    saved_tokenizer = snapshot.meta["tokenizer"] if snapshot else None
+    saved_by = f"the snapshot at {path}"
     if init is not None:  # the data must be read with the folder's tokenizer
         saved_tokenizer = init_tokenizer(cfg, *init)
         saved_by = f"model.init_from={cfg.model.init_from}"
-    tokenizer, train_set, val_set = open_data(cfg.data, saved_tokenizer, saved_by)
+    tokenizer, train_set, val_set = open_data(cfg.data, saved_tokenizer, saved_by, cfg.config)
     notes = ([note] if note else []) + (check_resumable(path, snapshot.meta, cfg,
                                                         data_identity(train_set))
                                         if snapshot else [])
@@ -146,8 +148,31 @@ def init_tokenizer(cfg, hf, tensors, chars):
     return saved
 
 
+def finished(cfg):
+    """The lines to print when the snapshot this run would resume from is at or past
+    trainer.max_steps (the command of a finished run, run again), else None."""
+    t = cfg.trainer
+    path = snapshot_location(t)
+    step, note = step_to_resume(path, t.resume_step)
+    snapshot = open_snapshot(path, step)
+    if snapshot is None or snapshot.meta["step"] < t.max_steps:
+        return None
+    run, fresh = (f"snapshot {path}", "trainer.snapshot_path") if t.snapshot_path else \
+        (f"run {t.run_dir}", "trainer.run_dir")
+    return ([note] if note else []) + [
+        f"{run} already finished at step {snapshot.meta['step']} (trainer.max_steps="
+        f"{t.max_steps}): raise trainer.max_steps to continue, or set a new {fresh} for a "
+        "fresh run"]
+
+
 def train(cfg, grid):
-    """Returns what the main rank needs to print a sample once the group is gone."""
+    """Returns what the main rank needs to print a sample once the group is gone, or None
+    when the run had finished already (nothing trained, nothing written)."""
+    done = together(grid, "reading the snapshot", lambda: finished(cfg))
+    if not grid.all_ok(done is None):
+        if grid.is_main and done:
+            print("\n".join(done), flush=True)
+        return None
     snapshot, tokenizer, train_set, val_set, gpt_config, init_state = together(
         grid, "reading the config, data and snapshot", lambda: read_inputs(cfg, grid.is_main))
     with torch.device("meta"):  # shapes only: each rank materializes what it holds
@@ -180,7 +205,7 @@ def sample(cfg):
     snap = open_snapshot(path, cfg.trainer.resume_step)
     if snap is None:
         raise UserError(f"no snapshot at {path}: train first, or set trainer.snapshot_path")
-    tokenizer = build_tokenizer(None, saved=snap.meta["tokenizer"])
+    tokenizer = build_tokenizer(None, saved=snap.meta["tokenizer"], source=f"the snapshot at {path}")
     model = GPT(GPTConfig(**snap.meta["gpt_config"]))
     load_named_parameters(model, {n: snap.read_full(f"model/{n}") for n, _ in model.named_parameters()},
                           f"snapshot {path}")
@@ -215,9 +240,12 @@ def main(argv, rank, world_size, local_rank):
     device = pick_device(cfg.trainer.device, local_rank)
     init_process_group(device, cfg.parallel.timeout_s, rank, world_size)
     grid = ProcessGrid(grid_sizes(cfg.parallel, world_size), device)
-    state, tokenizer, gpt_config = train(cfg, grid)
+    trained = train(cfg, grid)
     dist.barrier()  # nobody leaves while another rank may still need it
     dist.destroy_process_group()
+    if trained is None:  # the run had finished: said so, nothing to sample
+        return
+    state, tokenizer, gpt_config = trained
     # alone now: a failure here blocks nobody; skipped when a stop signal came in the last step
     if grid.is_main and cfg.sample.length > 0 and not preemption.received():
         model = GPT(gpt_config)
@@ -227,6 +255,10 @@ def main(argv, rank, world_size, local_rank):
 
 def run_and_exit():
     """main(), then one exit status for every way it can end (launch/exit.py)."""
+    if any(arg in ("-h", "--help") for arg in sys.argv[1:]):
+        sys.stdout.write(help_text())  # before any config, device or process group
+        sys.stdout.flush()
+        flush_and_exit(0)
     rank = int(os.environ.get("RANK", 0))
     world_size = int(os.environ.get("WORLD_SIZE", 1))
     code = 0

@@ -36,12 +36,13 @@ import torch.nn.functional as F
 @dataclass
 class ModelConfig:
     """The `model:` section of gpt2_train_cfg.yaml."""
-    n_layer: int = 4
-    n_head: int = 4
-    n_embd: int = 128
-    dropout: float = 0.0
-    bias: bool = True  # biases in Linear and LayerNorm, as in GPT-2
-    init_from: str = ""  # a Hugging Face GPT-2 folder to start from (main.py loads it; checkpoint/hf_gpt2.py)
+    n_layer: int = 4           # transformer blocks
+    n_head: int = 4            # attention heads; must divide n_embd (and parallel.tp must divide it)
+    n_embd: int = 128          # width of the residual stream
+    dropout: float = 0.0       # dropout probability; 0 keeps runs bit-comparable across layouts
+    bias: bool = True          # biases in Linear and LayerNorm, as in GPT-2
+    init_from: str = ""        # a Hugging Face GPT-2 folder (config.json + model.safetensors) to
+                               # start from; its shape must match; ignored when resuming
 
 
 @dataclass

@@ -14,6 +14,7 @@ with another.
 
 import math
 import os
+import sys
 import time
 import uuid
 from dataclasses import dataclass
@@ -36,36 +37,39 @@ AGREED_READ_FAILURE = "stopping: another rank failed while reading the data (see
 @dataclass
 class TrainerConfig:
     """The `trainer:` section of gpt2_train_cfg.yaml."""
-    max_steps: int = 300
-    batch_size: int = 32        # GLOBAL sequences per optimizer step, whatever the layout
-    grad_accum: int = 1         # micro-steps per optimizer step on each dp rank
-    lr: float = 2e-3
-    min_lr: float = 2e-4
-    warmup_steps: int = 20
-    weight_decay: float = 0.1
-    beta1: float = 0.9
-    beta2: float = 0.95
-    grad_clip: float = 1.0      # 0 = no clipping
-    eval_every: int = 50        # optimizer steps; 0 = never
-    eval_batches: int = 4       # global batches of val data per eval
-    log_every: int = 10
-    save_every: int = 50        # 0 = only at the end
-    seed: int = 1337
-    run_dir: str = "runs/default"
-    snapshot_path: str = ""     # a directory, any fsspec URL; "" = <run_dir>/snapshot
+    max_steps: int = 300        # optimizer steps to train (raise it to continue a finished run)
+    batch_size: int = 32        # GLOBAL sequences per optimizer step, fixed whatever the layout
+    grad_accum: int = 1         # micro-steps per optimizer step on each data-parallel rank
+    lr: float = 2e-3            # peak learning rate (AdamW)
+    min_lr: float = 2e-4        # the cosine decay ends here, at max_steps
+    warmup_steps: int = 20      # linear warm-up steps
+    weight_decay: float = 0.1   # AdamW weight decay, on matrices only (not biases or norms)
+    beta1: float = 0.9          # AdamW beta1
+    beta2: float = 0.95         # AdamW beta2
+    grad_clip: float = 1.0      # max global gradient norm; 0 = no clipping
+    eval_every: int = 50        # val loss every N optimizer steps and at the end; 0 = never
+    eval_batches: int = 4       # global batches of val data per evaluation
+    log_every: int = 10         # a metrics.jsonl record and a console line every N steps
+    save_every: int = 50        # snapshot every N steps (and always at the end); 0 = only at the end
+    seed: int = 1337            # initial weights, data order, dropout
+    run_dir: str = "runs/default"  # metrics.jsonl, config.yaml, wandb files, the snapshot by default
+    snapshot_path: str = ""     # snapshot directory, any fsspec URL ("" = <run_dir>/snapshot);
+                                # resumed from when present
     keep_snapshots: int = 1     # the newest K snapshots survive each write
-    resume_step: int = -1       # -1 = resume from the newest snapshot; S = from kept step S
-    device: str = "auto"        # auto (cuda if available) | cpu | cuda
-    measure_activations: bool = False  # log activation_peak_mb (telemetry/activation_meter.py); small overhead
-    precision: str = "fp32"     # fp32 | bf16 | fp16: autocast compute, fp32 weights and AdamW state
-    fp16_init_scale: float = 65536.0  # fp16: the loss scaler's first scale
+    resume_step: int = -1       # -1 = resume from the newest snapshot; S = go back to kept step S
+    device: str = "auto"        # auto (cuda if available) | cpu | cuda; a rank's GPU is its LOCAL_RANK
+    measure_activations: bool = False  # log activation_peak_mb, the bytes autograd saves for
+                                       # backward (a hook per saved tensor: small overhead)
+    precision: str = "fp32"     # fp32 | bf16 | fp16: autocast compute; weights, gradients and
+                                # AdamW state stay fp32; fp16 adds a dynamic loss scaler
+    fp16_init_scale: float = 65536.0  # fp16: the loss scaler's first scale (halved on overflow)
     fp16_growth_interval: int = 2000  # fp16: steps without overflow before the scale doubles
     activation_checkpointing: bool = False  # recompute each block in backward: less memory, ~1/3 more compute
-    snapshot_async: bool = False  # write snapshots in the background (checkpoint/async_snapshot.py)
-    compile: bool = False       # torch.compile each transformer block (parallel/compile.py)
-    compile_backend: str = "inductor"  # inductor | aot_eager (no code generation: tests) | eager
-    compile_scope: str = "block"  # block | model (the whole GPT in one graph: single only)
-
+    snapshot_async: bool = False  # write snapshots in the background from a host copy of each
+                                  # rank's state (false: every rank waits for its write)
+    compile: bool = False       # torch.compile each transformer block after parallelizing (parallel/compile.py)
+    compile_backend: str = "inductor"  # inductor | aot_eager (no code generation: the tests) | eager
+    compile_scope: str = "block"  # block | model (the whole GPT in one graph: one process, no checkpointing)
 
 def lr_at(step: int, t: TrainerConfig) -> float:
     """Linear warm-up to t.lr, then cosine decay to t.min_lr at t.max_steps."""
@@ -288,4 +292,8 @@ class Trainer:
         if self.metrics is not None:
             self.metrics.close()
         if self.async_snapshots is not None:
-            self.async_snapshots.close()
+            lost = self.async_snapshots.close()  # a save the run stopped in the middle of
+            if lost:
+                where = f" on rank {self.grid.rank}" if self.grid.world_size > 1 else ""
+                sys.stderr.flush()  # one write of the whole line, as main.py's error line
+                os.write(2, f"warning{where}: {lost}\n".encode())

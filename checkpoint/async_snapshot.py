@@ -29,11 +29,25 @@ reports the wait in metrics (`snapshot_wait_ms`). The end of training and a
 preemption drain the save in flight and then save the step reached
 synchronously. A failed write or commit stops every rank with one line; the
 commit point never names a snapshot some rank did not finish.
+
+What the writer thread reads is fixed when its save begins: a `Save` (frozen:
+step, path, rank and world, keep, a copy of the manifest's facts, the staged
+pieces, and once agreed the snapshot id) is handed to `write_own_part` and
+`commit_save` as their argument. They read nothing of AsyncSnapshots, whose fields
+the main thread changes (the next begin, a failure): a write still running when
+its save failed on another rank goes on writing its own step, and the next save
+stages into buffers of its own. No error of the thread is dropped: a failed write
+or commit reaches every rank through the flags; one the run could not agree on
+any more (it stopped for another reason with a save in flight) is the line
+`close` returns, which the trainer prints on the way out.
 """
 
+import copy
 import time
 import uuid
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor, wait
+from dataclasses import dataclass, replace
+from types import MappingProxyType
 
 import torch
 
@@ -46,19 +60,56 @@ IDLE, STAGED, WRITING, COMMITTING = "idle", "staged", "writing", "committing"
 # positions in the flag vector each rank adds to the step's all-reduce (MAX)
 ID, PREP_FAILED, NOT_WRITTEN, WRITE_FAILED, NOT_COMMITTED, COMMIT_FAILED = range(6)
 N_FLAGS = 6
+KEEP_NOTE = "the previous snapshot stays the one to resume from"
 
 
 def index_name(rank):
     return f"index-{rank:05d}.json"
 
 
+@dataclass(frozen=True)
+class Save:
+    """One save, as its background write and commit see it: fixed at begin (the id once
+    every rank agreed on it), whatever the main thread does afterwards."""
+    path: str
+    step: int
+    rank: int
+    world_size: int
+    keep: int
+    meta: MappingProxyType  # a deep copy of the manifest's facts
+    staged: tuple  # ((key, full shape, box, host tensor), ...): this save's own buffers
+    snapshot_id: str = ""
+
+
+def write_own_part(save):
+    """Writer thread, every rank: this rank's part file of `save` and its index."""
+    index = write_part(save.path, save.step, save.rank, save.snapshot_id, save.staged)
+    fs, root = fs_and_root(save.path)
+    write_json(fs, join(join(root, step_dir_name(save.step)), index_name(save.rank)), index)
+
+
+def commit_save(save):
+    """Writer thread, main rank, once every rank reported its part written: the manifest,
+    latest.json (the commit point), then retention (raises on failure but retention's)."""
+    fs, root = fs_and_root(save.path)
+    step_dir = join(root, step_dir_name(save.step))
+    indexes = [read_json(fs, join(step_dir, index_name(r))) for r in range(save.world_size)]
+    commit(save.path, save.step, save.snapshot_id, dict(save.meta), indexes)
+    remove_stale(fs, root, save.step, save.keep)  # best effort: never raises
+
+
+def _error_of(task):
+    """The exception a finished task raised, or None (None too while it runs)."""
+    return task.exception() if task is not None and task.done() else None
+
+
 class AsyncSnapshots:
     def __init__(self, path, grid, keep):
         self.path, self.grid, self.keep = path, grid, keep
         self.pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="snapshot-writer")
-        self.state, self.step, self.meta = IDLE, None, None
-        self.staged, self.buffers = None, {}
-        self.snapshot_id, self.write, self.commit, self.error = None, None, None, None
+        self.state, self.save, self.error = IDLE, None, None
+        self.buffers = {}
+        self.write, self.commit = None, None  # the futures of the save in flight
         self.last_wait_ms = 0.0
 
     # ------------------------------------------------ phase 1, on the save step
@@ -69,12 +120,18 @@ class AsyncSnapshots:
         if self.state != IDLE:
             self.drain()
         self.last_wait_ms = 1000 * (time.perf_counter() - started)
-        self.staged = [(key, shape, box, self._stage(i, t)) for i, (key, shape, box, t)
-                       in enumerate(pieces)]
-        self.step, self.meta, self.error = step, meta, None
-        self.snapshot_id = 0
+        if self.write is not None and not self.write.done():
+            # the write of a save that failed on another rank (_fail) still runs: it
+            # reads the buffers it was given, so this save stages into new ones
+            self.buffers = {}
+        staged = tuple((key, tuple(shape), box, self._stage(i, t))
+                       for i, (key, shape, box, t) in enumerate(pieces))
+        self.save = Save(self.path, step, self.grid.rank, self.grid.world_size, self.keep,
+                         MappingProxyType(copy.deepcopy(dict(meta))), staged)
+        self.write, self.commit, self.error = None, None, None
+        self.drawn_id = 0  # the main rank's, agreed through the step's all-reduce
         if self.grid.is_main:
-            self.snapshot_id = uuid.uuid4().int >> 66  # 62 bits; not the training's random streams
+            self.drawn_id = uuid.uuid4().int >> 66  # 62 bits; not the training's random streams
             try:
                 prepare_step_dir(self.path, step)
             except Exception as e:
@@ -99,78 +156,84 @@ class AsyncSnapshots:
         """This rank's contribution to the end-of-step all-reduce (ints, MAX-reduced)."""
         f = [0] * N_FLAGS
         if self.state == STAGED:
-            f[ID] = self.snapshot_id
+            f[ID] = self.drawn_id
             f[PREP_FAILED] = int(self.error is not None)
         elif self.state == WRITING:
-            f[NOT_WRITTEN] = int(not self.write.done())
-            f[WRITE_FAILED] = int(self.write.done() and self.write.exception() is not None)
+            done = self.write.done()  # read once: "written" and "failed" agree
+            f[NOT_WRITTEN] = int(not done)
+            f[WRITE_FAILED] = int(done and self.write.exception() is not None)
         elif self.state == COMMITTING and self.commit is not None:  # the main rank's
-            f[NOT_COMMITTED] = int(not self.commit.done())
-            f[COMMIT_FAILED] = int(self.commit.done() and self.commit.exception() is not None)
+            done = self.commit.done()
+            f[NOT_COMMITTED] = int(not done)
+            f[COMMIT_FAILED] = int(done and self.commit.exception() is not None)
         return f
 
     def advance(self, agreed):
         """Move on by what every rank said (the all-reduced flags); raises on a failure."""
         if self.state == STAGED:
             if agreed[PREP_FAILED]:
-                self._fail(f"could not prepare snapshot step {self.step}")
+                self._fail("prepare")
             if torch.cuda.is_available():
                 torch.cuda.synchronize()  # the staging copies are complete before the thread reads
-            self.snapshot_id = f"{agreed[ID]:016x}"
-            self.write = self.pool.submit(self._write_own_part)
+            self.save = replace(self.save, snapshot_id=f"{agreed[ID]:016x}")
+            self.write = self.pool.submit(write_own_part, self.save)
             self.state = WRITING
         elif self.state == WRITING:
             if agreed[WRITE_FAILED]:
-                self._fail(f"could not write snapshot step {self.step}")
-            if not agreed[NOT_WRITTEN]:
-                self.commit = self.pool.submit(self._commit) if self.grid.is_main else None
+                self._fail("write")
+            if not agreed[NOT_WRITTEN]:  # every rank's part and index are written
+                self.commit = self.pool.submit(commit_save, self.save) if self.grid.is_main else None
                 self.state = COMMITTING
         elif self.state == COMMITTING:
             if agreed[COMMIT_FAILED]:
-                self._fail(f"could not commit snapshot step {self.step}")
+                self._fail("commit")
             if not agreed[NOT_COMMITTED]:
                 self.state = IDLE
 
-    # ------------------------------------------------ the work
-
-    def _write_own_part(self):
-        index = write_part(self.path, self.step, self.grid.rank, self.snapshot_id, self.staged)
-        fs, root = fs_and_root(self.path)
-        write_json(fs, join(join(root, step_dir_name(self.step)), index_name(self.grid.rank)),
-                   index)
-
-    def _commit(self):
-        """Main rank, writer thread, once every part is written (raises on failure)."""
-        fs, root = fs_and_root(self.path)
-        step_dir = join(root, step_dir_name(self.step))
-        indexes = [read_json(fs, join(step_dir, index_name(r))) for r in range(self.grid.world_size)]
-        commit(self.path, self.step, self.snapshot_id, self.meta, indexes)
-        remove_stale(fs, root, self.step, self.keep)  # best effort: never raises
-
     def _fail(self, what):
-        task = self.commit if self.state == COMMITTING else self.write
-        own = self.error or (task.exception() if task is not None and task.done() else None)
+        """Every rank, at the same advance: one line (this rank's own error, if it has one).
+        A write of this rank may still run (another rank failed first): it writes its own
+        Save, and `begin` gives the next save new buffers."""
+        task = {"write": self.write, "commit": self.commit}.get(what)
+        own = self.error if what == "prepare" else _error_of(task)
         self.state = IDLE
-        detail = f": {type(own).__name__}: {own}" if own else " (on another rank: see its error)"
-        raise UserError(f"{what} at {self.path}{detail}; the previous snapshot stays the one to "
-                        "resume from")
+        raise UserError(_failure_line(what, self.save, own))
 
     # ------------------------------------------------ waiting for the save in flight
 
     def drain(self):
         """Finish the save in flight, agreeing with blocking all-reduces (every rank calls
-        it at the same step: a save step, the end of training, a preemption)."""
+        it at the same step: a save step, the end of training, a preemption). A failure
+        raises here, on every rank, from advance."""
         while self.state != IDLE:
             task = {WRITING: self.write, COMMITTING: self.commit}.get(self.state)
             if task is not None:
-                try:
-                    task.result()
-                except Exception:
-                    pass  # reported through the flags: every rank raises together
+                wait([task])  # its error stays in it: the flags carry it to every rank
             self.advance(self.grid_all_reduce(self.flags()))
 
     def grid_all_reduce(self, values):
         return self.grid.max_over_ranks(values)
 
     def close(self):
+        """Wait for the writer thread. Returns one line if a save was still in flight (the
+        run stopped for another reason, so the ranks could not agree on it any more) and
+        this rank knows it did not commit, else None: never a silent missing snapshot."""
         self.pool.shutdown(wait=True)
+        if self.state == IDLE:
+            return None
+        save, state = self.save, self.state
+        self.state = IDLE
+        task = {WRITING: self.write, COMMITTING: self.commit}.get(state)
+        own = self.error if state == STAGED else _error_of(task)
+        if own is not None:
+            what = {STAGED: "prepare", WRITING: "write", COMMITTING: "commit"}[state]
+            return _failure_line(what, save, own)
+        if not self.grid.is_main or state == COMMITTING:  # the main rank's commit went through
+            return None
+        return (f"snapshot step {save.step} at {save.path} was not committed: the run stopped "
+                f"while it was {state}; {KEEP_NOTE}")
+
+
+def _failure_line(what, save, own):
+    detail = f": {type(own).__name__}: {own}" if own else " (on another rank: see its error)"
+    return f"could not {what} snapshot step {save.step} at {save.path}{detail}; {KEEP_NOTE}"

@@ -91,7 +91,7 @@ def copy_gpt2_tokenizer(out, expected_sha256):
     (the same files). False if they are not cached here (nothing is downloaded), or are
     not the BPE the snapshot was trained with (a snapshot from before the digest was
     recorded takes what is cached)."""
-    # tiktoken's cache names each file by the sha1 of its download URL (README, "GPT-2 tokenizer offline")
+    # tiktoken's cache names each file by the sha1 of its download URL (docs/data.md, "GPT-2's BPE offline")
     cache = os.environ.get("TIKTOKEN_CACHE_DIR") or os.environ.get("DATA_GYM_CACHE_DIR") or \
         os.path.join(tempfile.gettempdir(), "data-gym-cache")
     sources = {name: os.path.join(cache, hashlib.sha1(url.encode()).hexdigest())

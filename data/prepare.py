@@ -44,7 +44,7 @@ from data.tokenizer import build_tokenizer, describe_state
 class PrepareConfig:
     """The `prepare:` section of gpt2_train_cfg.yaml (mode=prepare)."""
     workers: int = 0         # tokenizing processes; 0 = one per CPU core
-    chunk_mb: float = 64.0   # text per shard, MB; a worker holds one chunk's text and tokens
+    chunk_mb: float = 64.0   # MB of text per shard; a worker holds one chunk's text and tokens
 
 
 def prepare(cfg):

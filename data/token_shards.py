@@ -61,8 +61,12 @@ def join(root, name):
 
 
 class TokenCorpus:
-    def __init__(self, path):
+    def __init__(self, path, prepare_command=None):
+        """prepare_command: the mode=prepare command that makes this corpus, for the error
+        when it is missing (the run's config file and tokenizer in it)."""
         self.path = path
+        self.prepare_command = prepare_command or \
+            f"python main.py mode=prepare data.path=<text> data.tokens_path={path}"
         self.fs, self.root = fsspec.core.url_to_fs(path)
         self.local = isinstance(self.fs, LocalFileSystem)
         index = self._read_index()
@@ -116,8 +120,7 @@ class TokenCorpus:
                                 "but no index.json: mode=prepare was interrupted): run the same "
                                 "mode=prepare command again to finish it") from None
             raise UserError(f"data.tokens_path {self.path} has no {INDEX}: prepare it first, "
-                            f"python main.py mode=prepare data.path=<text> "
-                            f"data.tokens_path={self.path}") from None
+                            f"{self.prepare_command}") from None
         except (ValueError, UnicodeDecodeError) as e:
             raise UserError(f"{self._where(INDEX)} is corrupt or truncated ({e})") from None
         if not isinstance(index, dict) or index.get("format") != FORMAT:

@@ -37,8 +37,9 @@ SLICE = 1 << 20  # characters CharTokenizer.encode_array converts at a time
 class CharTokenizer:
     kind = "char"
 
-    def __init__(self, chars):
+    def __init__(self, chars, source="the training text"):
         self.chars = list(chars)  # id i is chars[i]: sorted when fitted to a text
+        self.source = source  # where the vocabulary came from, for the error below
         self.stoi = {c: i for i, c in enumerate(self.chars)}
         self.vocab_size = len(self.chars)
         codes = np.array([ord(c) for c in self.chars], dtype=np.uint32)
@@ -60,8 +61,9 @@ class CharTokenizer:
             unknown = np.flatnonzero(self.codes[where] != points) if self.vocab_size else \
                 np.arange(len(points))
             if unknown.size:
-                raise UserError(f"character {piece[unknown[0]]!r} is not in the vocabulary "
-                                f"({self.vocab_size} characters)")
+                raise UserError(f"character {piece[unknown[0]]!r} is not in the vocabulary of "
+                                f"{self.source} ({self.vocab_size} characters: a char vocabulary "
+                                "is the characters of the text it was made from)")
             out[at:at + len(piece)] = self.order[where]
         return out
 
@@ -89,7 +91,7 @@ class GPT2Tokenizer:
                 "tiktoken's gpt2 encoding files are not available offline "
                 f"({type(e).__name__}). Copy vocab.bpe and encoder.json into a directory, "
                 "named by the sha1 of their download URL, and set TIKTOKEN_CACHE_DIR to it "
-                "(see README, 'GPT-2 tokenizer offline').") from None
+                "(see docs/data.md, 'GPT-2\'s BPE offline').") from None
         self.sha256 = files_sha256(files)
         if expected_sha256 and expected_sha256 != self.sha256:
             raise UserError(
@@ -171,14 +173,17 @@ def cache_gpt2_files(directory, files):
     return str(directory)
 
 
-def build_tokenizer(kind, text=None, saved=None):
-    """A tokenizer from a saved state (snapshot or token index), or else fitted to `text`."""
+def build_tokenizer(kind, text=None, saved=None, source=None):
+    """A tokenizer from a saved state (snapshot or token index), or else fitted to `text`.
+    source: where a saved state came from ("the snapshot at ..."), for errors."""
     if saved is not None:
         kind = saved["kind"]
     if kind == "gpt2":
         return GPT2Tokenizer(expected_sha256=(saved or {}).get("sha256"))
     if kind == "char":
-        return CharTokenizer(saved["chars"] if saved else sorted(set(text)))
+        if saved:
+            return CharTokenizer(saved["chars"], source or "the saved tokenizer")
+        return CharTokenizer(sorted(set(text)))
     raise UserError(f"data.tokenizer must be 'char' or 'gpt2', got {kind!r}")
 
 

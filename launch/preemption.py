@@ -23,7 +23,7 @@ EXIT_STATUS is 75 (EX_TEMPFAIL in sysexits.h: "temporary failure, retry"):
 distinct from 0 (finished), 1 (a crash), 2 (bad input, errors.UserError) and
 130 (Ctrl-C). Run the same command again and it resumes from that snapshot
 with the losses of an uninterrupted run. What torchrun and Slurm report
-around it is in the README ("Preemption").
+around it is in docs/checkpointing.md and docs/clusters.md.
 """
 
 import signal

@@ -15,7 +15,8 @@ so start-up pays for one block, not for n_layer of them.
 
 Inside a block, tensor parallelism's f / g and sequence gather / scatter, context
 parallelism's attention and TP's switches of random stream are marked
-`torch.compiler.disable` where they are defined: dynamo cannot trace a generator's
+`eager_under_compile` where they are defined (torch.compiler.disable, applied when
+compilation starts): dynamo cannot trace a generator's
 state, and a collective traced into a graph would be counted by parallel/comm.py
 once at trace time, never per step. The block then compiles into the pieces between
 them, and those run eagerly through the counted comm, in the same order on every rank.
@@ -64,9 +65,39 @@ def refuse(cfg, sizes, strategy):
     return ""
 
 
+_EAGER = []  # (module, qualified name) of every function marked eager_under_compile
+
+
+def eager_under_compile(fn):
+    """Mark `fn` (a module's function or a class's method) to run eagerly between compiled
+    pieces: compile_model replaces it by torch.compiler.disable(fn) before compiling.
+
+    Not at import: torch.compiler.disable imports dynamo, about 1.5 s of CPU in every
+    process (half a small job's start-up), which a run without trainer.compile never
+    needs. So callers reach `fn` through its module or class at call time
+    (`ops.copy_to_tp(...)`, `self.random.enter_own()`, a global of its own module), never
+    through a name imported before compilation started."""
+    _EAGER.append((fn.__module__, fn.__qualname__))
+    return fn
+
+
+def _disable_marked():
+    """torch.compiler.disable every function marked so far, where it is defined."""
+    import importlib
+    for module, qualname in _EAGER:
+        *path, name = qualname.split(".")
+        owner = importlib.import_module(module)
+        for part in path:
+            owner = getattr(owner, part)
+        fn = getattr(owner, name)
+        if not getattr(fn, "_torchdynamo_disable", False):
+            setattr(owner, name, torch.compiler.disable(fn))
+
+
 def compile_model(gpt, backend, scope="block"):
     """Compile every block of `gpt` this rank holds (a pipeline stage's too), or, with
     scope "model", its whole forward. Idempotent. Returns the process's CompileEvents."""
+    _disable_marked()
     events = compile_events()
     torch._dynamo.config.fail_on_recompile_limit_hit = True  # a storm fails, never runs eager
     targets = [gpt] if scope == "model" else [block for _, block in plan.blocks(gpt)]

@@ -7,15 +7,15 @@ from dataclasses import dataclass
 class PlanConfig:
     nodes: int = 1              # machines in the target cluster
     gpus_per_node: int = 8      # GPUs per machine (ranks of one node share its fast links)
-    gpu: str = "H100-80GB"      # a preset of planner/machines.py
-    gpu_memory_gb: float = 0.0  # each override: 0 = the preset's value
-    peak_bf16_tflops: float = 0.0
-    peak_fp32_tflops: float = 0.0
-    intra_node_gbps: float = 0.0   # GB/s (bytes) one GPU sends to another of its node
-    inter_node_gbps: float = 0.0   # GB/s (bytes) one GPU sends to another node
-    pcie_gbps: float = 0.0      # GB/s (bytes) one GPU copies to or from its host (parallel.offload)
-    host_gbps: float = 0.0      # GB/s of host memory traffic a rank's host-side AdamW gets (parallel.offload)
-    mfu: float = 0.4            # assumed fraction of peak the matrix products reach
-    vocab_size: int = 0         # 0 = the tokenizer's (gpt2: 50257; char: from data.path)
+    gpu: str = "H100-80GB"      # a preset of planner/machines.py, e.g. A100-80GB (an unknown name lists them)
+    gpu_memory_gb: float = 0.0  # memory per GPU in GB; 0 = the preset's
+    peak_bf16_tflops: float = 0.0  # peak dense bf16 TFLOP/s; 0 = the preset's
+    peak_fp32_tflops: float = 0.0  # peak dense fp32 TFLOP/s; 0 = the preset's
+    intra_node_gbps: float = 0.0   # GB/s one GPU sends another of its node, each way; 0 = the preset's
+    inter_node_gbps: float = 0.0   # GB/s one GPU sends to another node, each way; 0 = the preset's
+    pcie_gbps: float = 0.0      # GB/s one GPU copies to or from its host, each way (offload); 0 = the preset's
+    host_gbps: float = 0.0      # GB/s of host memory a rank's host-side AdamW gets (offload); 0 = the preset's
+    mfu: float = 0.4            # assumed fraction of peak FLOP/s the matrix products reach
+    vocab_size: int = 0         # vocabulary planned for; 0 = the tokenizer's (gpt2: 50257; char: data.path's)
     top: int = 10               # rows of the printed table
-    out: str = ""               # a JSON file with every layout and its predictions
+    out: str = ""               # a JSON file: every layout that runs, its keys and predictions

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The first command to run on a GPU node (README, "Running on GPUs"): trains a short
+# The first command to run on a GPU node (docs/gpus.md): trains a short
 # matrix of layouts through main.py, each against `single` on the same global batch,
 # seed and weights, and prints one table: layout, max relative loss and pre-clip
 # grad-norm difference, median step time, peak memory, pass/fail. Exit status 1 if

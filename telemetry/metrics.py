@@ -42,10 +42,14 @@ class MetricsLog:
         restored = self._keep_steps_up_to(resumed_step, resumed_record)  # a fresh run starts empty
         if cfg.wandb.mode != "disabled":
             import wandb
+            # silent: wandb's own banner, hints and end-of-run summary (some 30 lines) would
+            # bury the program's; what a user needs from it is one line of ours
             self.run = wandb.init(
                 project=cfg.wandb.project, id=wandb_id, resume="allow", mode=cfg.wandb.mode,
                 name=cfg.wandb.name or os.path.basename(os.path.normpath(cfg.trainer.run_dir)),
-                dir=cfg.trainer.run_dir, config=config_dict)
+                dir=cfg.trainer.run_dir, config=config_dict, settings=wandb.Settings(silent=True))
+            if cfg.wandb.mode == "online":
+                print(f"wandb: {self.run.url}", flush=True)
             if restored is not None:
                 self.run.log(restored, step=restored["step"])
 
@@ -109,4 +113,9 @@ class MetricsLog:
 
     def close(self):
         if self.run is not None:
+            offline = self.run.settings.mode == "offline"
             self.run.finish()
+            if offline:
+                where = self.run.settings.sync_dir
+                print(f"wandb: offline run in {where}; upload it with `wandb sync {where}`",
+                      flush=True)

@@ -114,7 +114,7 @@ def test_sigterm_during_a_background_write_waits_for_it_then_snapshots_the_step_
     (gate / "release").touch()
     out, err = finish(proc)
 
-    assert proc.returncode == 1, err[-3000:]  # torchrun, signalled, exits 1 (README "Preemption")
+    assert proc.returncode == 1, err[-3000:]  # torchrun, signalled, exits 1 (docs/clusters.md)
     stopped = re.findall(r"^preempted: SIGTERM received, stopped after step (\d+) of 12 .*"
                          r"\(exit status 75\)$", out, re.M)
     assert len(stopped) == 1, out[-3000:] + err[-3000:]

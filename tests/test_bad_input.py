@@ -161,4 +161,4 @@ def test_bad_config_under_torchrun(tmp_path):
 def test_prompt_outside_vocabulary(tmp_path, good_snapshot):
     result = run_job(tmp_path, 1, ["mode=sample", f"trainer.snapshot_path={good_snapshot}",
                                    "sample.prompt=\u2603"], timeout=60)
-    assert result.returncode == 2 and "not in the vocabulary" in result.stderr
+    assert result.returncode == 2 and "not in the vocabulary of the snapshot at" in result.stderr

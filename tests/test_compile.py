@@ -174,3 +174,34 @@ def test_no_block_runs_its_eager_forward_after_warm_up():
     counts = [eager.get(b, 0) for b in blocks]
     print(f"eager forwards per block after warm-up: {counts}")
     assert counts == [0, 0, 0], f"blocks ran their eager forward after warm-up: {counts}"
+
+
+def test_eager_functions_are_disabled_once_compilation_starts_and_dynamo_is_not_imported_before():
+    """`@eager_under_compile` (parallel/compile.py): torch.compiler.disable applied when
+    compile_model starts, not at import, where it would import dynamo (about 1.5 s of CPU)
+    in every process. A fresh interpreter importing config, the model and every dimension
+    has no torch._dynamo; after compile_model, every marked function is the disabled one."""
+    import subprocess
+    import sys
+    from harness import REPO, job_env
+    code = ("import sys; import config, model, parallel.parallelize, parallel.tensor_parallel.layers, "
+            "parallel.context_parallel.apply; "
+            "print('torch._dynamo' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", code], cwd=REPO, env=job_env(), capture_output=True,
+                         text=True, timeout=120)
+    assert out.stdout.strip() == "False", out.stdout + out.stderr[-2000:]
+
+    import importlib
+    import torch
+    from model import GPT, GPTConfig
+    from parallel.compile import _EAGER, compile_model
+    from parallel.tensor_parallel import layers  # noqa: F401  (registers its marks)
+    from parallel.context_parallel import apply  # noqa: F401
+    assert len(_EAGER) >= 8, _EAGER
+    compile_model(GPT(GPTConfig(n_layer=1, n_head=2, n_embd=16, vocab_size=8, block_size=8)), "eager")
+    for module, qualname in _EAGER:
+        owner = importlib.import_module(module)
+        for part in qualname.split("."):
+            owner = getattr(owner, part)
+        assert getattr(owner, "_torchdynamo_disable", False), f"{module}.{qualname} not disabled"
+    torch._dynamo.reset()

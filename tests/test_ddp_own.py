@@ -1,6 +1,6 @@
 """Our own data parallelism: ddp_naive, ddp_bucket and the ring all-reduce.
 
-Three layers of evidence (the parity rule, README "Switching strategy"):
+Three layers of evidence (the parity rule, docs/parallelism.md):
 - end to end through main.py (tests/harness.py): per-step losses equal to
   `single` for 1, 2, 3 and 4 ranks, native and ring all-reduce, with
   gradient accumulation and with a tiny bucket cap that forces ~20 buckets;

@@ -2,7 +2,7 @@
 the same matrix of layouts through main.py on gloo at tiny sizes, each against
 `single`; it must print its table with every layout passing and exit 0 (and it
 exits 1 on any difference, crash or hang: seen by breaking a strategy on purpose,
-tests/README.md)."""
+docs/testing-layouts.md)."""
 
 import importlib.util
 import json

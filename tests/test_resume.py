@@ -1,5 +1,5 @@
 """Stop a run, start it again, and get exactly the run that was never interrupted
-(README, "Stopping and resuming"): same steps, losses and gradient norms after the snapshot.
+(docs/checkpointing.md): same steps, losses and gradient norms after the snapshot.
 
 - A real 2-rank job is SIGKILLed, launcher and workers (the whole tree), and the
   same command resumes it: it must say which step it resumed from, train every

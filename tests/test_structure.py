@@ -95,3 +95,36 @@ def test_root_shared_files_import_no_subfolder():
                 if len(parts) > 1 and parts[0] == "parallel" and parts[1] in subfolders:
                     found.append(f"parallel/{name}:{node.lineno} imports {module}")
     assert not found, "root shared files importing a dimension:\n" + "\n".join(sorted(set(found)))
+
+
+def eager_marked():
+    """(module, function) of every function marked `@eager_under_compile` in parallel/."""
+    marked = []
+    for path in python_files("parallel"):
+        module = os.path.relpath(path, REPO)[:-3].replace(os.sep, ".")
+        with open(path) as f:
+            for node in ast.walk(ast.parse(f.read())):
+                if isinstance(node, ast.FunctionDef) and any(
+                        isinstance(d, ast.Name) and d.id == "eager_under_compile"
+                        for d in node.decorator_list):
+                    marked.append((module, node.name))
+    return marked
+
+
+def test_functions_run_eagerly_under_compile_are_never_imported_by_name():
+    """parallel/compile.py replaces each `@eager_under_compile` function by its
+    torch.compiler.disable form where it is defined, when compilation starts; a name
+    imported before that (`from ops import copy_to_tp`) would keep the plain one, and
+    dynamo would trace the collective into the graph. Callers go through the module."""
+    marked = eager_marked()
+    assert ("parallel.tensor_parallel.ops", "copy_to_tp") in marked, marked
+    found = []
+    for path in python_files("parallel", "bench", "tests"):
+        with open(path) as f:
+            tree = ast.parse(f.read())
+        for node in ast.walk(tree):
+            if isinstance(node, ast.ImportFrom):
+                names = {a.name for a in node.names}
+                found += [f"{os.path.relpath(path, REPO)}:{node.lineno} imports {name} from {module}"
+                          for module, name in marked if node.module == module and name in names]
+    assert not found, "\n".join(found)

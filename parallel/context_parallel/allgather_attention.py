@@ -3,7 +3,7 @@ all-gathers the keys and values of the whole sequence, then attends its own quer
 them with a causal mask on the true positions (Llama 3's context parallelism).
 
 PyTorch's own (torch.distributed.tensor.experimental.context_parallel) does not run on
-CPU in torch 2.13: its ring handles only the CUDA attention kernels (bench/README.md).
+CPU in torch 2.13: its ring handles only the CUDA attention kernels (docs/benchmarks.md).
 Simpler than the ring and with fewer, larger messages, but every rank holds the whole
 sequence's keys and values and a (T/N) x T score matrix: what the ring avoids. Per
 layer and micro-batch: one all-gather of K and V forward, one reduce-scatter of their
@@ -13,6 +13,8 @@ gradients backward, through the counted comm.
 import torch
 import torch.nn.functional as F
 from torch.autograd import Function
+
+from parallel.compile import eager_under_compile
 
 
 class _GatherKV(Function):
@@ -35,7 +37,7 @@ class _GatherKV(Function):
         return mine, None
 
 
-@torch.compiler.disable  # a collective: eager under trainer.compile (parallel/compile.py)
+@eager_under_compile  # a collective: eager under trainer.compile (parallel/compile.py)
 def gather_kv(kv, cp):
     return _GatherKV.apply(kv, cp)
 

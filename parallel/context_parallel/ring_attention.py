@@ -28,6 +28,7 @@ import math
 import torch
 from torch.autograd import Function
 
+from parallel.compile import eager_under_compile
 from parallel.grid import derive_seed
 
 
@@ -145,7 +146,11 @@ class _RingAttention(Function):
         return (torch.cat(dq, dim=2).to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None)
 
 
-@torch.compiler.disable  # exchanges between ranks: eager under trainer.compile (parallel/compile.py)
 def ring_attention(q, k, v, dropout_p, cp):
     """Causal attention of this rank's zigzag chunks; q, k, v: (B, heads, 2c, d)."""
+    return _ring(q, k, v, dropout_p, cp)  # a global: under trainer.compile, the disabled one
+
+
+@eager_under_compile  # exchanges between ranks: eager under trainer.compile (parallel/compile.py)
+def _ring(q, k, v, dropout_p, cp):
     return _RingAttention.apply(q, k, v, cp, dropout_p)

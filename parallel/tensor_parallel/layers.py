@@ -28,8 +28,10 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from parallel.tensor_parallel.ops import (copy_to_tp, gather_seq, reduce_from_tp, scatter_seq,
-                             vocab_parallel_cross_entropy)
+from parallel.compile import eager_under_compile
+# the operators through their module: under trainer.compile they are replaced there
+from parallel.tensor_parallel import ops
+from parallel.tensor_parallel.ops import vocab_parallel_cross_entropy
 
 
 class TPRandom:
@@ -50,13 +52,13 @@ class TPRandom:
 
     # generator states cannot be traced: under trainer.compile these run eagerly
     # between compiled pieces (parallel/compile.py)
-    @torch.compiler.disable
+    @eager_under_compile
     def enter_own(self):
         if self.own_state is not None and self.saved is None:
             self.saved, state = self.gen.get_state(), self.own_state
             self.gen.set_state(state)
 
-    @torch.compiler.disable
+    @eager_under_compile
     def leave_own(self):
         if self.saved is not None:
             self.own_state = self.gen.get_state()
@@ -78,7 +80,7 @@ class ColumnParallelLinear(nn.Module):
             _rows(linear.bias.detach(), rows).clone())
 
     def forward(self, x):
-        x = gather_seq(x, self.tp) if self.tp.sequence_parallel else copy_to_tp(x, self.tp)
+        x = ops.gather_seq(x, self.tp) if self.tp.sequence_parallel else ops.copy_to_tp(x, self.tp)
         y = F.linear(x, self.weight, self.bias)
         self.tp.random.enter_own()  # activations are split from here to the row layer
         return y
@@ -94,7 +96,7 @@ class RowParallelLinear(nn.Module):
     def forward(self, x):
         self.tp.random.leave_own()
         y = F.linear(x, self.weight)
-        y = scatter_seq(y, self.tp) if self.tp.sequence_parallel else reduce_from_tp(y, self.tp)
+        y = ops.scatter_seq(y, self.tp) if self.tp.sequence_parallel else ops.reduce_from_tp(y, self.tp)
         return y if self.bias is None else y + self.bias
 
 
@@ -111,7 +113,7 @@ class VocabParallelEmbedding(nn.Module):
         other = (idx < self.start) | (idx >= self.start + self.n_real)
         out = F.embedding((idx - self.start).masked_fill(other, 0), self.weight)
         out = out.masked_fill(other.unsqueeze(-1), 0.0)
-        return scatter_seq(out, self.tp) if self.tp.sequence_parallel else reduce_from_tp(out, self.tp)
+        return ops.scatter_seq(out, self.tp) if self.tp.sequence_parallel else ops.reduce_from_tp(out, self.tp)
 
 
 class VocabParallelLMHead(nn.Module):
@@ -123,7 +125,7 @@ class VocabParallelLMHead(nn.Module):
         self.weight = embedding.weight  # tied: the same Parameter
 
     def forward(self, x):
-        x = gather_seq(x, self.tp) if self.tp.sequence_parallel else copy_to_tp(x, self.tp)
+        x = ops.gather_seq(x, self.tp) if self.tp.sequence_parallel else ops.copy_to_tp(x, self.tp)
         return F.linear(x, self.weight)
 
 

@@ -22,12 +22,14 @@ of both sums stacked).
 
 Every collective goes through the TP context's counted `comm` (parallel/comm.py).
 Under `trainer.compile` the four operators run eagerly between compiled pieces of a
-block (`torch.compiler.disable`, parallel/compile.py says why).
+block (`eager_under_compile`, parallel/compile.py says why).
 """
 
 import torch
 import torch.distributed as dist
 from torch.autograd import Function
+
+from parallel.compile import eager_under_compile
 
 
 class _CopyToTP(Function):
@@ -93,22 +95,22 @@ class _ScatterSeq(Function):
         return _all_gather_seq(grad, ctx.tp), None
 
 
-@torch.compiler.disable  # a collective: compiled regions stop here (parallel/compile.py)
+@eager_under_compile  # a collective: compiled regions stop here (parallel/compile.py)
 def copy_to_tp(x, tp):
     return _CopyToTP.apply(x, tp)
 
 
-@torch.compiler.disable  # a collective: compiled regions stop here (parallel/compile.py)
+@eager_under_compile  # a collective: compiled regions stop here (parallel/compile.py)
 def reduce_from_tp(x, tp):
     return _ReduceFromTP.apply(x, tp)
 
 
-@torch.compiler.disable  # a collective: compiled regions stop here (parallel/compile.py)
+@eager_under_compile  # a collective: compiled regions stop here (parallel/compile.py)
 def gather_seq(x, tp):
     return _GatherSeq.apply(x, tp)
 
 
-@torch.compiler.disable  # a collective: compiled regions stop here (parallel/compile.py)
+@eager_under_compile  # a collective: compiled regions stop here (parallel/compile.py)
 def scatter_seq(x, tp):
     return _ScatterSeq.apply(x, tp)
 

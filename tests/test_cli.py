@@ -1,0 +1,158 @@
+"""What a user sees at the command line: `--help`, a finished run run again, the console of
+a default run (the program's lines, not a library's), and the hints of common mistakes."""
+
+import ast
+import os
+import re
+import sys
+
+import pytest
+
+import config
+from harness import MAIN, REPO, command, job_env, read_metrics, run_job, run_tree
+
+
+def test_help_lists_the_modes_and_every_key_with_its_default_and_exits_0():
+    for flag in ("--help", "-h"):
+        result = run_tree([sys.executable, MAIN, flag, "trainer.max_steps=bad"], 120, flag,
+                          cwd=REPO, env=job_env())
+        assert result.returncode == 0 and not result.stderr, result.stderr[-3000:]
+        out = result.stdout
+        assert out.startswith("usage: python main.py") and "gpt2_train_cfg.yaml" in out
+        assert all(f"  {mode} " in out for mode in config.MODES)
+        missing = [k.name for k in config.describe_keys()
+                   if f"    {k.name}={config._typed(k.default)} " not in out]
+        assert not missing, missing
+        assert "docs/configuration.md" in out
+
+
+def files_of(directory):
+    """{relative path: (bytes, mtime)} of everything under `directory`."""
+    found = {}
+    for root, _, files in os.walk(directory):
+        for name in files:
+            path = os.path.join(root, name)
+            with open(path, "rb") as f:
+                found[os.path.relpath(path, directory)] = (f.read(), os.stat(path).st_mtime_ns)
+    return found
+
+
+def test_the_command_of_a_finished_run_run_again_says_so_and_changes_nothing(tmp_path):
+    """Rerunning a run that reached trainer.max_steps (same command, same run directory)
+    is one line saying how to go on, exit 0: no training, no metrics, the snapshot and
+    the run directory untouched (it used to resume silently, print a sample and end)."""
+    args = ["parallel.dp=single", "trainer.max_steps=2", "sample.length=5"]
+    first = run_job(tmp_path, 1, args)
+    assert first.returncode == 0 and "---- sample ----" in first.stdout, first.stderr[-3000:]
+    run_dir = tmp_path / "runs" / "default"
+    before = files_of(run_dir)
+    again = run_job(tmp_path, 1, args)
+    assert again.returncode == 0, again.stderr[-3000:]
+    assert again.stdout.splitlines() == [
+        "run runs/default already finished at step 2 (trainer.max_steps=2): raise "
+        "trainer.max_steps to continue, or set a new trainer.run_dir for a fresh run"], again.stdout
+    assert files_of(run_dir) == before
+
+
+@pytest.fixture(scope="module")
+def default_run(tmp_path_factory):
+    """The README's first command, shortened: 2 ranks, the default config, wandb offline,
+    in an environment without WANDB_SILENT (what a user has)."""
+    workdir = tmp_path_factory.mktemp("default")
+    env = job_env()
+    env.pop("WANDB_SILENT", None)
+    result = run_tree(command(2, ["trainer.max_steps=2", "trainer.eval_every=2", "sample.length=20"]),
+                      240, "the default run", cwd=workdir, env=env)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    return workdir, result
+
+
+def test_default_run_console_shows_the_programs_lines_not_wandbs(default_run):
+    """wandb's banner, sync hints and run summary (some 30 lines) are quieted; one line of
+    ours says where the offline run is and how to upload it."""
+    workdir, result = default_run
+    lines = (result.stdout + result.stderr).splitlines()
+    ours = [ln for ln in lines if ln.startswith("wandb: offline run in")]
+    from_wandb = [ln for ln in lines if "wandb" in ln.lower() and ln not in ours]
+    assert not from_wandb, "\n".join(from_wandb)
+    assert len(ours) == 1 and "upload it with `wandb sync runs/default/wandb/offline-run-" in ours[0]
+    run = ours[0].split("`wandb sync ")[1].rstrip("`")
+    assert os.path.isdir(workdir / run)
+    program = [ln for ln in result.stdout.splitlines()
+               if ln.startswith(("ProcessGrid(", "step ", "wandb: ", "---- sample ----"))]
+    assert len(program) == 4, result.stdout
+
+
+def test_missing_tokens_of_the_gpt2_preset_hint_the_prepare_command_with_its_config(tmp_path,
+                                                                                   monkeypatch):
+    """The preset trains on prepared tokens; before they exist, the error gives the command
+    that makes them, config=... included (without it, prepare would read the default YAML:
+    another tokenizer and split)."""
+    from char_dataset import open_data
+    from errors import UserError
+    monkeypatch.chdir(REPO)
+    tokens = tmp_path / "tokens"
+    cfg = config.load_config(["config=configs/gpt2-124m.yaml", f"data.tokens_path={tokens}"], 1)
+    with pytest.raises(UserError) as e:
+        open_data(cfg.data, config_file=cfg.config)
+    assert str(e.value).endswith(
+        f"prepare it first, python main.py config=configs/gpt2-124m.yaml mode=prepare "
+        f"data.path=<text> data.tokens_path={tokens} data.tokenizer=gpt2")
+
+
+def documented_metrics():
+    """The names in the first column of docs/metrics.md's metrics.jsonl table, as
+    patterns (`comm_<kind>_calls` matches comm_all_reduce_calls)."""
+    with open(os.path.join(REPO, "docs", "metrics.md")) as f:
+        text = f.read().split("## metrics.jsonl", 1)[1].split("\n## ", 1)[0]
+    names = [name for line in text.splitlines() if line.startswith("| `")
+             for name in re.findall(r"`([^`]+)`", line.split("|")[1])]
+    return [re.compile(re.sub(r"<\w+>", r"\\w+", re.escape(n).replace(r"\<", "<").replace(r"\>", ">"))
+                       + "$") for n in names]
+
+
+def written_statically():
+    """Keys the code writes into a step's record by name (AST: dict literals of the
+    trainer's step and save and of telemetry's peak_memory, record["x"] = ...,
+    record.update(x=...)): some appear only on CUDA, which no test here has."""
+    found = set()
+    for path, functions in (("trainer.py", {"train", "save"}),
+                            ("telemetry/metrics.py", {"peak_memory"})):
+        with open(os.path.join(REPO, path)) as f:
+            tree = ast.parse(f.read())
+        for fn in ast.walk(tree):
+            if not (isinstance(fn, ast.FunctionDef) and fn.name in functions):
+                continue
+            for node in ast.walk(fn):
+                if isinstance(node, ast.Dict):
+                    found |= {k.value for k in node.keys if isinstance(k, ast.Constant)}
+                elif isinstance(node, ast.Subscript) and isinstance(node.ctx, ast.Store) \
+                        and getattr(node.value, "id", "") == "record" \
+                        and isinstance(node.slice, ast.Constant):
+                    found.add(node.slice.value)
+                elif isinstance(node, ast.Call) and getattr(node.func, "attr", "") == "update" \
+                        and getattr(node.func.value, "id", "") == "record":
+                    found |= {k.arg for k in node.keywords if k.arg}
+    return found
+
+
+def test_every_metrics_field_is_documented(default_run, tmp_path):
+    """Every key of metrics.jsonl has a row in docs/metrics.md: the default run's, a
+    2-rank pipeline job's with fp16, asynchronous snapshots, the activation meter and
+    compilation (eager backend: no code generation), and the keys the code writes by
+    name (CUDA-only ones included)."""
+    workdir, _ = default_run
+    seen = {k for r in read_metrics(workdir / "runs" / "default") for k in r}
+    features = ["parallel.dp=single", "parallel.pp=2", "parallel.microbatches=2",
+                "trainer.precision=fp16", "trainer.snapshot_async=true", "trainer.save_every=2",
+                "trainer.eval_every=2", "trainer.max_steps=4", "trainer.measure_activations=true",
+                "trainer.compile=true", "trainer.compile_backend=eager"]
+    result = run_job(tmp_path, 2, features)
+    assert result.returncode == 0, result.stderr[-3000:]
+    seen |= {k for r in read_metrics(tmp_path / "runs" / "default") for k in r}
+    assert {"pp_bubble", "snapshot_wait_ms", "loss_scale", "compile_ms", "activation_peak_mb",
+            "comm_send_bytes"} <= seen, seen
+    documented = documented_metrics()
+    missing = sorted(k for k in seen | written_statically()
+                     if not any(p.match(k) for p in documented))
+    assert not missing, f"metrics.jsonl fields without a row in docs/metrics.md: {missing}"
