@@ -126,7 +126,8 @@ def plan(cfg):
         raise UserError(f"no layout runs this model on {world} GPUs: "
                         f"{next(why for _, why in layouts)}")
     rows = [evaluate(cfg, w, L, gpu, world) for L in valid]
-    rows += hybrid_and_offloaded(cfg, w, rows, gpu, world)
+    variants = hybrid_and_offloaded(cfg, w, rows, gpu, world)
+    rows += variants
     fits = sorted((r for r in rows if "time" in r), key=lambda r: (r["time"]["step_ms"], sum(r["fig"]["comm"].values()), r["need"]))
     if not fits:
         small = min(rows, key=lambda r: r["need"])
@@ -139,8 +140,9 @@ def plan(cfg):
           f"{cfg.plan.gpus_per_node} {gpu.name} ({gpu.memory_gb:g} GB, "
           f"{gpu.peak[w.precision] / 1e12:g} TFLOP/s {w.precision} at mfu {cfg.plan.mfu:g}, "
           f"{gpu.intra_node_gbps:g} GB/s in a node, {gpu.inter_node_gbps:g} across)")
-    print(f"{len(layouts)} combinations, {len(valid)} run (parallel/layout.py's rules), "
-          f"{len(fits)} fit in memory")
+    print(f"{len(layouts)} combinations, {len(valid)} run (parallel/layout.py's rules)"
+          + (f" + {len(variants)} hybrid-sharded or offloaded where that wins" if variants else "")
+          + f", {len(fits)} fit in memory")
     header = ("rank", "layout", "step ms", "state GB", "activ. GB", "need GB", "comm GB",
               "vs the first")
     table = [header]

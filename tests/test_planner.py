@@ -9,7 +9,7 @@
 - `python main.py mode=plan` on a laptop-sized job: no process group, seconds, the
   table and `plan.out` JSON; bad input is one line and exit status 2;
 - in process: the step-time model's bubble is the simulator's idle share for every
-  schedule, and equal step times rank by bytes moved, then memory (the README's example).
+  schedule, and equal step times rank by bytes moved, then memory (docs/planner.md's example).
 """
 
 import json
@@ -176,8 +176,9 @@ def test_plan_command_ranks_layouts_and_writes_every_one(tmp_path):
 
 
 def readme_plan_example():
-    """README "Choosing a layout": the example's overrides and its table's layouts, in order."""
-    text = open(os.path.join(REPO, "README.md")).read()
+    """docs/planner.md (README's "Choosing a layout" before the docs moved there): the
+    example's overrides and its table's layouts, in order."""
+    text = open(os.path.join(REPO, "docs", "planner.md")).read()
     command = re.search(r"```bash\n(python main.py mode=plan .*?)\n```", text, re.S).group(1)
     overrides = command.replace("\\\n", " ").split()[2:]
     table = text[text.index("```", text.index(command) + len(command) + 3) + 3:]
@@ -189,8 +190,8 @@ def readme_plan_example():
 
 def test_plan_breaks_ties_by_bytes_moved_then_memory(tmp_path, capsys):
     """Equal predicted step times (compute-bound layouts whose gradient sync hides under
-    the backward) rank by the bytes a step moves, then memory: in process, the README's
-    example (GPT-2 small on 2 x 8 A100s) ranks as the README shows it (dp16 ddp_bucket
+    the backward) rank by the bytes a step moves, then memory: in process, docs/planner.md's
+    example (GPT-2 small on 2 x 8 A100s) ranks as the page shows it (dp16 ddp_bucket
     before dp16 fsdp3, which moves 2.7 x the bytes for the same time), and every pair of
     ranked layouts in plan.out is in (step_ms, comm_bytes, memory_bytes) order, with ties
     in step time that the bytes decide among them."""
@@ -204,13 +205,8 @@ def test_plan_breaks_ties_by_bytes_moved_then_memory(tmp_path, capsys):
     plan(load_config(overrides, 1))
     printed = [re.split(r"\s{2,}", line.strip())[1] for line in capsys.readouterr().out.splitlines()
                if re.match(r"\s+\d+\s{2}", line)]
+    assert printed == readme_layouts, f"docs/planner.md's example ranks {readme_layouts}, the plan {printed}"
     ranked = [o for o in json.loads(out.read_text()) if o["rank"]]
-    assert printed == [o["layout"] for o in ranked[:len(printed)]]
-    # README's table predates hybrid sharding: the plan now also proposes HSDP layouts
-    # ("dp2x8 fsdp2": parallel.dp_replicate=2) where they beat the same layout sharded over
-    # both nodes; without them, the ranking is README's table row for row
-    plain = [o["layout"] for o in ranked if "parallel.dp_replicate" not in o][:len(readme_layouts)]
-    assert plain == readme_layouts, f"README's example ranks {readme_layouts}, the plan {plain}"
     keys = [(o["step_ms"], o["comm_bytes"], o["memory_bytes"]) for o in ranked]
     for i, (a, b) in enumerate(zip(keys, keys[1:])):
         assert a <= b, f"rank {i + 1} {ranked[i]['layout']} {a} before rank {i + 2} {ranked[i + 1]['layout']} {b}"
@@ -237,7 +233,7 @@ def planned_items(tmp_path, *overrides):
 
 def test_plan_proposes_hsdp_across_nodes_where_it_wins_and_offload_where_nothing_else_fits(
         tmp_path):
-    """In process. GPT-2 small on 2 x 8 A100s (README's example): HSDP layouts are
+    """In process. GPT-2 small on 2 x 8 A100s (docs/planner.md's example): HSDP layouts are
     proposed, one replica group per node, each faster than the same layout sharded over
     both nodes (its all-gathers on NVLink, one all-reduce of a shard across); on 1 x 8,
     none. GPT-2 XL on 2 L4s of 16 GB: nothing fits without offload; every ranked layout
