@@ -123,8 +123,9 @@ class ProcessGrid:
         return bool(flag.item())
 
     def __repr__(self):
-        sizes = ", ".join(f"{d}={n}" for d, n in self.sizes.items())
-        at = " ".join(f"{d}={c}" for d, c in self.coords.items())
+        shown = [d for d in DIMS if d != "dp_replicate" or self.sizes[d] > 1]  # HSDP only
+        sizes = ", ".join(f"{d}={self.sizes[d]}" for d in shown)
+        at = " ".join(f"{d}={self.coords[d]}" for d in shown)
         return f"ProcessGrid({sizes}; rank {self.rank} at {at})"
 
 
