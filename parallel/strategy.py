@@ -276,7 +276,7 @@ class Strategy:
                  if which(r.placement) and r.opt_param.grad is not None]
         if not views:
             return
-        flat = torch.cat(views)
+        flat = torch.cat(views).to(self.device)  # offloaded gradients: from the host and back
         self.comm.all_reduce(flat, group=group)
         at = 0
         for v in views:

@@ -12,8 +12,12 @@ that backward: `land`), so accumulation sums on the host and clipping, the norm 
 AdamW read the whole step's gradient there (DeepSpeed #7967 was a norm of the last
 micro-step's part only). Under hybrid sharding the cross-replica mean runs once per
 step on a device copy of the host gradient (data_parallel/hybrid.py). After the step
-the updated shard goes back by a non-blocking copy per unit (`push`), overlapping the
-optimizer's work on the next units; the next write to the master waits for it.
+the updated shard goes back by a non-blocking copy per unit (`push`): on CUDA they run
+while the host goes on (the step's bookkeeping, the next batch) until the stages 1-2
+all-gathers or stage 3's first gather of the next forward need them; the next write to
+the master waits for them. (The step itself is one fused AdamW over every unit's pieces,
+so a unit's copy does not start before the last unit is stepped.) Gradients other code
+sums over TP or the pipeline's tied ends travel through a device copy (Strategy._sum_grads).
 
 On CPU the same path runs with separate host tensors and real copies (a CPU device
 needs no pinning and has no events), so the parity tests prove the code CUDA runs.
