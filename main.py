@@ -28,7 +28,7 @@ import torch.distributed as dist
 
 from char_dataset import build_tokenizer, data_identity, open_data
 from checkpoint import hf_gpt2
-from checkpoint.canonical import load_named_parameters
+from checkpoint.canonical import check_state_names, load_named_parameters
 from checkpoint.export import export
 from checkpoint.resume import check_resumable, snapshot_location
 from checkpoint.snapshot_reader import check_model_shape, open_snapshot, step_to_resume
@@ -41,6 +41,7 @@ from model import GPT, GPTConfig
 from parallel.comm import collective_failure
 from parallel.parallelize import parallelize
 from parallel.grid import ProcessGrid, together, uses_cuda
+from parallel.initial import GivenWeights, InitialWeights
 from parallel.layout import grid_sizes
 from planner.report import plan
 from telemetry.ranks import write_ranks
@@ -230,14 +231,18 @@ def train(cfg, grid):
         return None
     snapshot, tokenizer, train_set, val_set, gpt_config, init_state = together(
         grid, "reading the config, data and snapshot", lambda: read_inputs(cfg, grid.is_main))
-    torch.manual_seed(cfg.trainer.seed)  # identical initial weights on every rank
-    model = GPT(gpt_config)
-    if init_state is not None:  # into the full model, before any strategy shards it
-        load_named_parameters(model, init_state, f"model.init_from={cfg.model.init_from}")
+    with torch.device("meta"):  # shapes only: each rank materializes what it holds
+        model = GPT(gpt_config)
+    if init_state is not None:  # model.init_from: checked against the model, read by box
+        check_state_names(dict(model.named_parameters()), init_state,
+                          f"model.init_from={cfg.model.init_from}")
+        init = GivenWeights(init_state)
+    else:  # the same values whatever the layout: each parameter from (seed, its name)
+        init = InitialWeights(model, cfg.trainer.seed)
     if grid.is_main:
         print(f"{grid}; {model.num_params() / 1e6:.2f}M parameters, vocab {gpt_config.vocab_size}, "
               f"{len(train_set)} train windows", flush=True)
-    strategy = parallelize(model, grid, cfg.parallel)
+    strategy = parallelize(model, grid, cfg.parallel, init)
     meta = {"config": to_dict(cfg), "gpt_config": asdict(gpt_config), "tokenizer": tokenizer.state()}
     trainer = Trainer(cfg, strategy, grid, train_set, val_set, meta)
     try:

@@ -17,9 +17,14 @@ A few details matter to the parallel code:
   pipeline stages run those pieces on different ranks;
 - attention's softmax(q k^T) v is one function, `causal_attention`, held by
   each attention layer (`attend`), so context parallelism can hand it its
-  ring attention over a sequence split across ranks.
+  ring attention over a sequence split across ranks;
+- every parameter's initial value is drawn from a stream of its own, keyed by
+  (seed, canonical name) (`initial_value`), so a rank that holds a slice or a
+  shard of a parameter can make exactly that part's values with the model built
+  on the meta device (no rank builds the whole model: parallel/initial.py).
 """
 
+import hashlib
 import math
 from dataclasses import dataclass
 
@@ -104,7 +109,10 @@ class Block(nn.Module):
 
 
 class GPT(nn.Module):
-    def __init__(self, config: GPTConfig):
+    def __init__(self, config: GPTConfig, seed=None):
+        """seed: of the initial weights (initial_value); None: drawn from torch's default
+        generator (torch.manual_seed(s) then GPT(...) is reproducible). Built under
+        `torch.device("meta")` it holds shapes only, no values."""
         super().__init__()
         assert config.vocab_size > 0 and config.block_size > 0
         self.config = config
@@ -119,20 +127,40 @@ class GPT(nn.Module):
         self.lm_head.weight = self.transformer.wte.weight  # weight tying
         self.cross_entropy = nn.CrossEntropyLoss()  # mean over tokens
 
-        # GPT-2 init: N(0, 0.02), residual projections scaled by 1/sqrt(2 * n_layer)
-        self.apply(self._init_weights)
-        for name, p in self.named_parameters():
-            if name.endswith("c_proj.weight"):
-                nn.init.normal_(p, mean=0.0, std=0.02 / math.sqrt(2 * config.n_layer))
+        if self.lm_head.weight.device.type != "meta":  # on the meta device: nothing to draw
+            self.init_weights(int(torch.randint(2**62, (), device="cpu")) if seed is None else seed)
+
+    # ------------------------------------------------ initial weights, one parameter at a time
+
+    def init_rule(self, name):
+        """How parameter `name` starts (GPT-2's init): ("normal", std), or ("fill", value).
+        N(0, 0.02) for linear and embedding weights, residual projections (c_proj)
+        scaled by 1/sqrt(2 * n_layer); biases 0; LayerNorm weights 1."""
+        path, _, kind = name.rpartition(".")
+        module = self.get_submodule(path)
+        if isinstance(module, nn.LayerNorm):
+            return ("fill", 1.0 if kind == "weight" else 0.0)
+        if kind == "bias":
+            return ("fill", 0.0)
+        std = 0.02 / math.sqrt(2 * self.config.n_layer) if path.endswith("c_proj") else 0.02
+        return ("normal", std)
 
     @staticmethod
-    def _init_weights(module):
-        if isinstance(module, nn.Linear):
-            nn.init.normal_(module.weight, mean=0.0, std=0.02)
-            if module.bias is not None:
-                nn.init.zeros_(module.bias)
-        elif isinstance(module, nn.Embedding):
-            nn.init.normal_(module.weight, mean=0.0, std=0.02)
+    def initial_value(name, shape, rule, seed):
+        """The whole canonical tensor `name` at the start, on the CPU, from its own stream:
+        a generator seeded by (seed, name), so its values do not depend on which other
+        parameters exist or in which order anyone draws them."""
+        if rule[0] == "fill":  # drawn on the host whatever the device: the same values everywhere
+            return torch.full(tuple(shape), float(rule[1]), device="cpu")
+        digest = hashlib.blake2b(f"{seed}/{name}".encode(), digest_size=8).digest()
+        gen = torch.Generator().manual_seed(int.from_bytes(digest, "little") >> 1)
+        return torch.empty(tuple(shape), device="cpu").normal_(0.0, rule[1], generator=gen)
+
+    @torch.no_grad()
+    def init_weights(self, seed):
+        """Every parameter to initial_value(seed) (what a sharded run materializes too)."""
+        for name, p in self.named_parameters():
+            p.copy_(self.initial_value(name, p.shape, self.init_rule(name), seed))
 
     def num_params(self):
         return sum(p.numel() for p in self.parameters())

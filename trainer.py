@@ -33,7 +33,7 @@ from parallel.pipeline_parallel.clock import DeviceClock
 from telemetry import mfu
 from telemetry.profiling import StepProfiler
 from telemetry.activation_meter import ActivationMeter
-from telemetry.metrics import MetricsLog, peak_memory
+from telemetry.metrics import MetricsLog, peak_memory, peak_rss_kib
 
 AGREED_READ_FAILURE = "stopping: another rank failed while reading the data (see its error)"
 
@@ -129,6 +129,9 @@ class Trainer:
         self.resumed_record = None  # the snapshot step's metrics record (restore())
         strategy.configure_compute(self.t)
         strategy.configure_optimizer(self.t)
+        # the strategy is built (this rank's parameters materialized) and nothing trained
+        # yet: the fullest rank's peak host memory so far, for the first record written
+        self.setup_record = {"setup_peak_rss_mb": grid.max_over_ranks([peak_rss_kib()])[0] / 1024}
         # trainer.compile: time compiling and compilations per code object (parallel/compile.py)
         self.compiles = compile_events() if self.t.compile else None
         if self.compiles is not None:
@@ -207,7 +210,7 @@ class Trainer:
                           "tokens_per_s": t.batch_size * self.train_set.block_size / elapsed,
                           "step_ms": 1000 * elapsed, "data_ms": data_ms,
                           **peak_memory(g.device),
-                          **({"state_bytes": self.strategy.state_bytes()} if measured else {}),
+                          **(self.strategy.state_figures() if measured else {}),  # state_bytes (and host_state_bytes)
                           **comm, **stats, **self.strategy.precision.metrics()}
                 if self.peak_flops:
                     record["mfu"] = mfu.mfu(self.flops_per_token, record["tokens_per_s"],
@@ -226,6 +229,8 @@ class Trainer:
                 if written:
                     record.update(figures)
             if written:
+                record.update(self.setup_record)  # the first record only
+                self.setup_record = {}
                 self.metrics.write(record, t.max_steps, console=logged or last)
             else:
                 self.metrics.progress(self.step, t.max_steps)
@@ -251,8 +256,8 @@ class Trainer:
         next collective, instead of leaving the others waiting in it."""
         started = time.perf_counter()
         try:
-            micro = self.batches.local_micro_batches(self.train_set, step, self.grid.dp_rank,
-                                                     self.grid.dp_size, self.t.grad_accum)
+            micro = self.batches.local_micro_batches(self.train_set, step, self.grid.data_rank,
+                                                     self.grid.data_size, self.t.grad_accum)
         except UserError as e:
             return None, 0.0, e
         except Exception as e:  # s3 errors, a vanished file, ...
@@ -279,7 +284,7 @@ class Trainer:
         """Mean val loss over fixed windows, in micro-batches of the training size."""
         g, t = self.grid, self.t
         starts = eval_starts(len(self.val_set), t.batch_size, t.eval_batches)
-        mine = [row.view(g.dp_size, -1)[g.dp_rank] for row in starts]
+        mine = [row.view(g.data_size, -1)[g.data_rank] for row in starts]
         read = lambda: [self.val_set.batch(part) for share in mine  # noqa: E731
                         for part in share.view(t.grad_accum, -1)]
         # prepared shards can turn out damaged on one rank: agree first (text cannot)

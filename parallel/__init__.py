@@ -7,8 +7,11 @@
     model_plan.py       the only file that names the GPT's modules
     strategy.py         the interface the trainer talks to (Strategy, LocalModel)
     placement.py        where each canonical tensor lives on this rank (snapshots, norms)
+    initial.py          the initial weights read by canonical box: the model is built on the
+                        meta device and each rank materializes only what it holds
     comm.py             counted collectives; precision.py; checkpointing.py; config.py
-    data_parallel/      single, ddp_naive, ddp_bucket (+ the ring), fsdp (ZeRO 1-3)
+    data_parallel/      single, ddp_naive, ddp_bucket (+ the ring), fsdp (ZeRO 1-3; hybrid
+                        sharding across replica groups, CPU offload)
     tensor_parallel/    Megatron TP and sequence parallelism
     context_parallel/   every sequence split over ranks: zigzag chunks, ring attention
     pipeline_parallel/  the pipeline executor and its schedules

@@ -17,6 +17,10 @@ class ParallelConfig:
                                 # attention); dp degree = world / (tp * cp * pp)
     cp_impl: str = "ring"       # ring (ours) | allgather (gather all keys/values: the reference)
     zero_stage: int = 3         # for dp=fsdp: 1 (optimizer state sharded) | 2 (+ gradients) | 3 (+ parameters)
+    dp_replicate: int = 1       # for dp=fsdp / torch_fsdp: the dp ranks in this many replica groups
+                                # (HSDP): sharded inside a group, gradients all-reduced across
+    offload: bool = False       # for dp=fsdp / torch_fsdp: this rank's fp32 shard, its gradient and
+                                # AdamW state in host memory, the optimizer step on the host
     prefetch: bool = True       # fsdp stage 3 / torch_fsdp: all-gather the next unit while this one computes
     reshard_after_forward: bool = True  # fsdp stage 3 / torch_fsdp: free a unit after its forward
     pp_schedule: str = "1f1b"   # for pp > 1: gpipe | 1f1b | interleaved | zb1p | zbv

@@ -1,4 +1,4 @@
-"""The process grid: world = dp x pp x cp x tp, named dimensions from one list.
+"""The process grid: world = dp_replicate x dp x pp x cp x tp, named dimensions from one list.
 
 Built once in main.py and passed to whoever needs it; nothing deep inside
 reads environment variables or global state. Rank r sits at the coordinates
@@ -12,6 +12,13 @@ GRAD_DIMS, the dimensions whose ranks hold the same parameters but see other
 tokens: `grad_group`, `grad_size`, `grad_rank`. Data-parallel strategies use
 only those, so a dimension that also splits data (context parallelism) joins
 GRAD_DIMS here instead of changing each strategy.
+
+The data-parallel ranks are dp_replicate x dp (DATA_DIMS: each reads its own rows of
+the global batch, `data_rank` of `data_size`). dp_replicate is 1 unless hybrid
+sharding (HSDP, `parallel.dp_replicate=R`) cuts them into R replica groups, slowest-
+varying so that a group's ranks are neighbours (a node): ZeRO shards over the rest of
+GRAD_DIMS (`shard_group`, `shard_size`, `shard_rank`), and the replicas of one shard
+average it across groups over `dp_replicate_group`.
 """
 
 import datetime
@@ -24,8 +31,10 @@ import torch.distributed as dist
 from errors import UserError
 from parallel.comm import checked_all_reduce
 
-DIMS = ("dp", "pp", "cp", "tp")  # the grid's axes, slowest- to fastest-varying
-GRAD_DIMS = ("dp", "cp")         # the axes gradients are averaged over (cp ranks see other tokens)
+DIMS = ("dp_replicate", "dp", "pp", "cp", "tp")  # the grid's axes, slowest- to fastest-varying
+DATA_DIMS = ("dp_replicate", "dp")  # the axes whose ranks read other rows of the global batch
+GRAD_DIMS = DATA_DIMS + ("cp",)     # the axes gradients are averaged over (cp ranks see other tokens)
+SHARD_DIMS = ("dp", "cp")           # the axes ZeRO shards over: GRAD_DIMS but the replicas
 
 
 class ProcessGrid:
@@ -51,21 +60,30 @@ class ProcessGrid:
             setattr(self, f"{d}_rank", self.coords[d])
             setattr(self, f"{d}_group", self.group_over(d))
         self.grad_group = self.group_over(*GRAD_DIMS)
+        self.shard_group = self.group_over(*SHARD_DIMS)
         # object collectives (snapshot manifests, the end-of-run state) pickle into tensors on
         # the group's device: over NCCL that stages world x the largest object on the GPU,
         # beside the model and optimizer state. They run on a gloo group, in host memory
         # (created under gloo too, so that CPU runs take the path GPU runs take).
         self.host_group = dist.new_group(backend="gloo", timeout=self.timeout)
-        self.grad_size = math.prod(self.sizes[d] for d in GRAD_DIMS)
-        self.grad_rank = 0
-        for d in GRAD_DIMS:  # row-major over GRAD_DIMS: this rank's place in grad_group
-            self.grad_rank = self.grad_rank * self.sizes[d] + self.coords[d]
+        self.data_size, self.data_rank = self.place_in(DATA_DIMS)
+        self.grad_size, self.grad_rank = self.place_in(GRAD_DIMS)
+        self.shard_size, self.shard_rank = self.place_in(SHARD_DIMS)
+
+    def place_in(self, dims):
+        """(size, this rank's index) of the group over `dims`, row-major: its place in
+        group_over(*dims)."""
+        index = 0
+        for d in dims:
+            index = index * self.sizes[d] + self.coords[d]
+        return math.prod(self.sizes[d] for d in dims), index
 
     def group_over(self, *dims):
         """The group of ranks that differ only in the coordinates `dims` (names among
         DIMS), holding this rank. Collective the first time: every rank must ask for
-        the same groups in the same order."""
-        axes = tuple(sorted(DIMS.index(d) for d in dims))
+        the same groups in the same order. Dimensions of size 1 change nothing: the
+        group over (dp_replicate, dp) with one replica group is the one over dp."""
+        axes = tuple(sorted(DIMS.index(d) for d in dims if self.sizes[d] > 1))
         if axes not in self._groups:
             rest = [a for a in range(len(DIMS)) if a not in axes]
             size = math.prod(self.ranks.size(a) for a in axes)
@@ -121,8 +139,9 @@ class ProcessGrid:
         return bool(flag.item())
 
     def __repr__(self):
-        sizes = ", ".join(f"{d}={n}" for d, n in self.sizes.items())
-        at = " ".join(f"{d}={c}" for d, c in self.coords.items())
+        shown = [d for d in DIMS if d != "dp_replicate" or self.sizes[d] > 1]  # HSDP only
+        sizes = ", ".join(f"{d}={self.sizes[d]}" for d in shown)
+        at = " ".join(f"{d}={self.coords[d]}" for d in shown)
         return f"ProcessGrid({sizes}; rank {self.rank} at {at})"
 
 

@@ -15,6 +15,9 @@ The dimensions are applied in one order, each to what the previous one left
      replicas, or as ZeRO shards -- and averages gradients over
      grid.grad_group (parallel/data_parallel/).
 
+The model arrives on the meta device: steps 1-3 cut shapes, and step 4 allocates and
+fills only what this rank holds, from the initial weights (parallel/initial.py).
+
 Compute options (precision, activation checkpointing) are set afterwards by
 the trainer through `Strategy.configure_compute`, on whatever step 3 built.
 
@@ -33,6 +36,7 @@ from parallel.data_parallel.single import Single
 from parallel.pipeline_parallel.pipeline import Pipeline
 import importlib
 
+from parallel.initial import to_meta
 from parallel.placement import Placement
 from parallel.strategy import LocalModel
 from parallel.tensor_parallel.apply import apply_tensor_parallel
@@ -72,14 +76,19 @@ def _load(entry):
     return getattr(importlib.import_module(module), name)
 
 
-def parallelize(model, grid, cfg):
-    """Apply tensor, context, pipeline and data parallelism to `model` (a full GPT, the
-    same on every rank), in that order; returns this rank's Strategy. cfg: the
-    `parallel:` section (parallel/config.py)."""
+def parallelize(model, grid, cfg, init=None):
+    """Apply tensor, context, pipeline and data parallelism to `model` (a whole GPT), in
+    that order; returns this rank's Strategy. cfg: the `parallel:` section
+    (parallel/config.py). `model` is built on the meta device and `init` reads its
+    initial weights (parallel/initial.py): the strategy materializes only what this
+    rank holds. Without `init`, the model's own values are the initial weights (it is
+    moved to the meta device first, so the same path runs)."""
     cls = strategy_class(cfg)
+    if init is None:
+        init = to_meta(model)
     comm = CommCounter(grid.device)  # counts training traffic; checks every tensor's device
     local = LocalModel(model, {n: Placement.whole(n, p.shape) for n, p in model.named_parameters()},
-                       comm)
+                       comm, init=init)
     if grid.tp_size > 1 and cls.own_tensor_parallel:  # 1. tensor
         local.placements, local.tp = apply_tensor_parallel(model, grid, cfg, comm)
     if grid.cp_size > 1:  # 2. context

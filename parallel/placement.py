@@ -141,9 +141,14 @@ def snapshot_pieces(regions, optimizer, with_optimizer=True):
 @torch.no_grad()
 def load_regions(regions, optimizer, reader):
     """Fill every region this rank holds (every replica reads) from a snapshot, AdamW
-    state included; a fresh optimizer gets its state tensors created here."""
+    state included; a fresh optimizer gets its state tensors created here. optimizer
+    None: the model only (the initial weights, parallel/initial.py)."""
     for r in regions:
         name = r.placement.name
+        if optimizer is None:
+            for box, idx in r.canonical_parts():
+                r.values()[idx] = reader.read_box(f"model/{name}", box).reshape(-1).to(r.opt_param)
+            continue
         state = optimizer.state[r.opt_param]
         if not state:
             state["step"] = reader.read_box(f"optim/{name}/step", ()).reshape(()).clone()

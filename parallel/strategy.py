@@ -63,6 +63,8 @@ class LocalModel:
     pipeline: object = None  # the Pipeline (parallel/pipeline_parallel/pipeline.py), if pp > 1
     split: object = None     # (x, y) -> what this rank keeps of a micro-batch (cp > 1: its
                              # chunks of every sequence); None: all of it
+    init: object = None      # the initial weights, read by canonical box (parallel/initial.py):
+                             # the module is on the meta device until the strategy fills it
 
 
 class Strategy:
@@ -72,6 +74,9 @@ class Strategy:
     own_tensor_parallel = True  # False: a reference that parallelizes the model itself
     compiles_whole_model = False  # True: it adds no hooks inside the model, so
                                   # trainer.compile_scope=model may compile its whole forward
+    hybrid_shards = False       # True: it shards inside parallel.dp_replicate replica groups and
+                                # averages across them (HSDP; data_parallel/hybrid.py)
+    offloads = False            # True: parallel.offload puts its optimizer's shard in host memory
 
     @classmethod
     def refuse(cls, cfg, sizes) -> str:
@@ -86,11 +91,15 @@ class Strategy:
         self.tp, self.pipeline = local.tp, local.pipeline
         self.split = local.split or (lambda x, y: (x, y))
         self.gpt = local.module  # this rank's (TP-local, stage-cut) GPT, for configure_compute
-        self.module = local.module.to(self.device)  # the strategy's model (wrapped or not)
+        # the strategy's model (wrapped or not): on the meta device until the strategy
+        # allocates what this rank holds and calls materialize()
+        self.module = local.module
+        self.init = local.init
         self.model = self.module  # what forward runs through: the GPT, or a wrapper of it
         self.precision = Precision("fp32", self.device)
         self.optimizer = None     # configure_optimizer
-        self.last_state_bytes = 0  # set by optimizer_step, see state_bytes()
+        self.last_state_bytes = 0  # set by optimizer_step, see state_figures()
+        self.last_host_state_bytes = 0  # of it, what is offloaded to host memory (parallel.offload)
 
     def configure_compute(self, tcfg):
         """trainer.precision, trainer.compile and trainer.activation_checkpointing, for every
@@ -187,7 +196,7 @@ class Strategy:
         batches do), and so do pipeline stages (their layers do: the same stream on
         two stages would give layer 0 and layer L/P the same masks); TP ranks share
         the stream where their activations are the same."""
-        base = seed + self.grid.dp_rank
+        base = seed + self.grid.data_rank  # the data-parallel rank: dp_replicate x dp
         if self.grid.cp_size > 1:  # cp ranks hold other tokens: other masks
             base = derive_seed(base, "context shard", self.grid.cp_rank)
         if self.grid.pp_size > 1:
@@ -216,8 +225,8 @@ class Strategy:
         if not self.precision.skip_step:
             coef = (max_norm / (norm + 1e-6)).clamp(max=1.0)  # as torch.nn.utils.clip_grad_norm_
             grads = self.grads()
-            if grads:
-                torch._foreach_mul_(grads, coef)
+            for device in {g.device for g in grads}:  # offloaded gradients live in host memory
+                torch._foreach_mul_([g for g in grads if g.device == device], coef.to(device))
         return norm
 
     def step_optimizer(self):
@@ -283,7 +292,7 @@ class Strategy:
                  if which(r.placement) and r.opt_param.grad is not None]
         if not views:
             return
-        flat = torch.cat(views)
+        flat = torch.cat(views).to(self.device)  # offloaded gradients: from the host and back
         self.comm.all_reduce(flat, group=group)
         at = 0
         for v in views:
@@ -316,6 +325,13 @@ class Strategy:
         """Take what this rank holds from a snapshot_reader.SnapshotReader, whatever layout wrote it."""
         load_regions(self.regions(), self.optimizer, reader)
 
+    def materialize(self):
+        """Fill the parameters this rank holds (allocated by the strategy) with the initial
+        weights (parallel/initial.py), through the snapshot path: each rank reads only
+        its regions, one canonical parameter at a time. Then let the initializer go."""
+        load_regions(self.regions(), None, self.init)
+        self.init = None
+
     @torch.no_grad()
     def state_dict(self) -> dict:
         """Canonical model parameters (CPU tensors, full shapes) on grid.is_main (empty
@@ -340,14 +356,22 @@ class Strategy:
         """Collective calls/bytes since the last call (see parallel/comm.py)."""
         return self.comm.pop()
 
+    def state_figures(self) -> dict:
+        """{"state_bytes": bytes of parameters + gradients + optimizer state resident on the
+        device of the fullest rank, "host_state_bytes": those of them in host memory
+        (parallel.offload; only where some are)}, measured at the end of the last
+        optimizer step (before grads are freed). Each the max over every rank: shards,
+        pipeline stages and TP ranks hold different amounts, and the trainer logs rank
+        0's value, which should be the worst rank's. Collective (the trainer asks at the
+        steps it logs); host integers over the host group: nothing read from the device,
+        not training traffic."""
+        device, host = (int(v) for v in self.grid.max_over_ranks(
+            [self.last_state_bytes, self.last_host_state_bytes]))
+        return {"state_bytes": device, **({"host_state_bytes": host} if host else {})}
+
     def state_bytes(self) -> int:
-        """Bytes of parameters + gradients + optimizer state resident on the fullest rank,
-        measured at the end of the last optimizer step (before grads are freed). The max
-        over every rank: shards, pipeline stages and TP ranks hold different amounts, and
-        the trainer logs rank 0's value, which should be the worst rank's. Collective (the
-        trainer asks at the steps it logs); a host integer over the host group: nothing
-        read from the device, not training traffic."""
-        return int(self.grid.max_over_ranks([self.last_state_bytes])[0])
+        """state_figures()'s device bytes."""
+        return self.state_figures()["state_bytes"]
 
     def dp_mean(self, value: torch.Tensor) -> torch.Tensor:
         """Average a scalar over the ranks that see different data, grid.grad_group

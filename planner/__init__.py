@@ -11,7 +11,8 @@ accounting the runs report in metrics.jsonl:
     census.py    the parameters each rank holds, from the real model and TP code on
                  the meta device
     layouts.py   every layout the product runs on a world size (parallel/layout.py's
-                 rules decide which are valid)
+                 rules decide which are valid); report.py adds, per fsdp layout, hybrid
+                 sharding across nodes where it is faster and offload where nothing fits
     shapes.py    Layout (the config keys a run takes), Workload (model, batch,
                  precision), the micro-batch and element sizes every count uses
     stages.py    what a rank holds: its pipeline stage's parameters, fsdp's flat units

@@ -13,6 +13,8 @@ class PlanConfig:
     peak_fp32_tflops: float = 0.0  # peak dense fp32 TFLOP/s; 0 = the preset's
     intra_node_gbps: float = 0.0   # GB/s one GPU sends another of its node, each way; 0 = the preset's
     inter_node_gbps: float = 0.0   # GB/s one GPU sends to another node, each way; 0 = the preset's
+    pcie_gbps: float = 0.0      # GB/s one GPU copies to or from its host, each way (offload); 0 = the preset's
+    host_gbps: float = 0.0      # GB/s of host memory a rank's host-side AdamW gets (offload); 0 = the preset's
     mfu: float = 0.4            # assumed fraction of peak FLOP/s the matrix products reach
     vocab_size: int = 0         # vocabulary planned for; 0 = the tokenizer's (gpt2: 50257; char: data.path's)
     top: int = 10               # rows of the printed table

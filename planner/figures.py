@@ -9,9 +9,9 @@ May import: planner.shapes, planner.memory, planner.traffic.
 """
 
 
-from planner.memory import activation_bytes, fsdp_candidate_ranks, state_bytes
+from planner.memory import activation_bytes, fsdp_candidate_ranks, state_split
 from planner.shapes import Layout, Workload
-from planner.traffic import comm_bytes
+from planner.traffic import comm_bytes, comm_by_dim
 
 
 def rank_figures(w: Workload, L: Layout) -> dict:
@@ -21,10 +21,12 @@ def rank_figures(w: Workload, L: Layout) -> dict:
     for p in range(L.pp):
         acts = activation_bytes(w, L, p)
         for r in fsdp_candidate_ranks(w, L, p):
-            state = state_bytes(w, L, p, r)
+            state, host = state_split(w, L, p, r)
             if best is None or state + acts > best["state_bytes"] + best["activation_bytes"]:
-                best = {"pp_rank": p, "dp_rank": r, "state_bytes": state, "activation_bytes": acts}
+                best = {"pp_rank": p, "dp_rank": r, "state_bytes": state, "activation_bytes": acts,
+                        "host_state_bytes": host}
     best["comm"] = comm_bytes(w, L, best["pp_rank"], best["dp_rank"])
+    best["by_dim"] = comm_by_dim(w, L, best["pp_rank"], best["dp_rank"])
     return {"fullest": best}
 
 
@@ -33,6 +35,8 @@ def metrics_names(fig) -> dict:
     comm = fig["comm"]
     out = {"state_bytes": fig["state_bytes"], "comm_bytes": sum(comm.values()),
            "activation_peak_mb": fig["activation_bytes"] / 2**20}
+    if fig["host_state_bytes"]:
+        out["host_state_bytes"] = fig["host_state_bytes"]
     out.update({f"comm_{k}_bytes": v for k, v in sorted(comm.items())})
     return out
 

@@ -28,6 +28,7 @@ def run_config(cfg, L: Layout):
     defaults that the predictions assume: fp32 reduction, the native all-reduce)."""
     p = dataclasses.replace(
         cfg.parallel, dp=L.dp_kind, tp=L.tp, pp=L.pp, cp=L.cp, sequence_parallel=L.sp,
+        dp_replicate=L.R, offload=L.offload,
         zero_stage=L.zero_stage or 3, pp_schedule=L.schedule if L.pp > 1 else "1f1b",
         microbatches=L.M, pp_virtual_stages=L.V if L.schedule == "interleaved" else 1,
         pp_layers=[], tp_impl="own", pp_impl="own", cp_impl="ring", allreduce="native",

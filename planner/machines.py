@@ -17,6 +17,12 @@ and links, per GPU:
   (150 each way); DGX-1 user guide: 4 x 100 Gb/s EDR InfiniBand for 8 GPUs =
   6.25 GB/s per GPU. No bf16 units (fp16 only).
 
+For parallel.offload, each GPU's link to its host (PCIe, each way, what a copy reaches:
+Gen3 x16 12, Gen4 25, Gen5 50 GB/s) and the host memory traffic its rank's AdamW gets
+(the node's memory bandwidth over its GPUs: DGX A100's two 8-channel DDR4-3200 sockets,
+~400 GB/s, / 8 = 50; DGX H100's DDR5, ~600 / 8 = 75; DGX-1's DDR4-2400, ~150 / 8 = 19;
+a g2 L4 host 40). Assumed figures: the fused CPU AdamW is taken as bound by memory.
+
 Every figure can be overridden by its own key (`plan.gpu_memory_gb`, ...): a cluster
 with another network is one override away.
 """
@@ -34,6 +40,8 @@ class Machine:
     peak: dict                  # precision -> FLOP/s (a precision missing: no units for it)
     intra_node_gbps: float      # GB/s each way, GPU to GPU in one node
     inter_node_gbps: float      # GB/s each way, GPU to another node
+    pcie_gbps: float            # GB/s each way, GPU to its host (parallel.offload's copies)
+    host_gbps: float            # GB/s of host memory traffic one GPU's rank gets for the host's AdamW
 
 
 def _peaks(model_name):
@@ -42,11 +50,11 @@ def _peaks(model_name):
 
 
 PRESETS = {m.name: m for m in [
-    Machine("A100-40GB", 40, _peaks("A100"), 300, 25),
-    Machine("A100-80GB", 80, _peaks("A100"), 300, 25),
-    Machine("H100-80GB", 80, _peaks("H100"), 450, 50),
-    Machine("L4", 24, _peaks("L4"), 32, 1.5625),
-    Machine("V100-32GB", 32, _peaks("V100"), 150, 6.25),
+    Machine("A100-40GB", 40, _peaks("A100"), 300, 25, 25, 50),
+    Machine("A100-80GB", 80, _peaks("A100"), 300, 25, 25, 50),
+    Machine("H100-80GB", 80, _peaks("H100"), 450, 50, 50, 75),
+    Machine("L4", 24, _peaks("L4"), 32, 1.5625, 25, 40),
+    Machine("V100-32GB", 32, _peaks("V100"), 150, 6.25, 12, 19),
 ]}
 
 
@@ -64,4 +72,5 @@ def machine(pcfg) -> Machine:
         peak["fp32"] = pcfg.peak_fp32_tflops * 1e12
     return Machine(m.name, pcfg.gpu_memory_gb or m.memory_gb, peak,
                    pcfg.intra_node_gbps or m.intra_node_gbps,
-                   pcfg.inter_node_gbps or m.inter_node_gbps)
+                   pcfg.inter_node_gbps or m.inter_node_gbps,
+                   pcfg.pcie_gbps or m.pcie_gbps, pcfg.host_gbps or m.host_gbps)

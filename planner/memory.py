@@ -5,10 +5,12 @@ Every count follows the code that a run measures, so that tests/test_planner.py 
 hold them equal to metrics.jsonl on real runs:
 
 - `state_bytes`: parameters + gradients + AdamW state resident at the end of a step
-  (Strategy.state_bytes): 4 bytes each for parameter, gradient, exp_avg, exp_avg_sq and
+  (Strategy.state_figures): 4 bytes each for parameter, gradient, exp_avg, exp_avg_sq and
   AdamW's 4-byte `step` per optimizer tensor; `fsdp` on flat units padded to a multiple
-  of the group (data_parallel/fsdp_units.py): stage 1 keeps the whole unit and its
-  gradient, stage 2 the unit and its gradient shard, stage 3 shards of both.
+  of the shard group (data_parallel/fsdp_units.py; under HSDP a replica group's):
+  stage 1 keeps the whole unit and its gradient, stage 2 the unit and its gradient
+  shard, stage 3 shards of both; `host_state_bytes`: what parallel.offload moves to host
+  memory (the shard's master weights, gradient and AdamW state).
 - `activation_bytes`: what autograd saves for backward (telemetry/activation_meter.py),
   per block 16 x tokens x width floats (LayerNorm inputs, the linears' inputs, q|k|v,
   attention's output, the MLP's 4x wide pair) plus LayerNorm statistics and
@@ -32,26 +34,43 @@ from planner.stages import shard_pieces, stage, units
 # ------------------------------------------------------------------ state bytes
 
 def state_bytes(w: Workload, L: Layout, p: int, r: int) -> int:
-    """Parameters + gradients + AdamW state on pipeline rank p, data-parallel rank r
-    (within the gradient group dp x cp)."""
+    """Parameters + gradients + AdamW state on the device of pipeline rank p, shard rank r
+    (within the shard group: dp x cp, or a replica group's dp x cp under HSDP)."""
+    return state_split(w, L, p, r)[0]
+
+
+def host_state_bytes(w: Workload, L: Layout, p: int, r: int) -> int:
+    """What parallel.offload keeps in host memory on that rank (0 without it)."""
+    return state_split(w, L, p, r)[1]
+
+
+def state_split(w: Workload, L: Layout, p: int, r: int):
+    """(device bytes, host bytes) of parameters + gradients + AdamW state. Offloaded, a
+    unit's shard of master weights, gradient and AdamW state is the host's; the device
+    keeps the parameters compute needs (stages 1-2 the unit, stage 3 its shard) and
+    stage 1's full gradient (data_parallel/offload.py)."""
     st = stage(w, L, p)
     if L.dp_kind != "fsdp":
         # parameter, gradient, exp_avg, exp_avg_sq, and AdamW's `step` (a 4-byte tensor)
-        return sum(4 * F32 * q.numel + F32 for q in st.params)
-    N = L.dp * L.cp
-    total = 0
+        return sum(4 * F32 * q.numel + F32 for q in st.params), 0
+    N = L.shards
+    device = host = 0
     for u in units(st, L, N):
         pieces = shard_pieces(u, r)
-        total += sum(2 * F32 * n + F32 for n in pieces.values())  # AdamW moments + step
-        full = N * u.shard * F32
-        total += {1: 2 * full, 2: full + u.shard * F32, 3: 2 * u.shard * F32}[L.zero_stage]
-    return total
+        adam = sum(2 * F32 * n + F32 for n in pieces.values())  # AdamW moments + step
+        full, shard = N * u.shard * F32, u.shard * F32
+        if L.offload:
+            host += adam + 2 * shard  # master weights and their gradient
+            device += {1: 2 * full, 2: full, 3: shard}[L.zero_stage]
+        else:
+            device += adam + {1: 2 * full, 2: full + shard, 3: 2 * shard}[L.zero_stage]
+    return device, host
 
 
 def fsdp_candidate_ranks(w, L, p):
     """The dp ranks that can hold the most (rank 0, the last, and each one whose shard
     meets an optimizer-group boundary of a unit): enough to take the max over all."""
-    N = L.dp * L.cp
+    N = L.shards
     if L.dp_kind != "fsdp" or N == 1:
         return [0]
     found = {0, N - 1}
@@ -141,6 +160,6 @@ def memory_need(w: Workload, L: Layout, fig: dict) -> int:
     if st.last:
         need += rows * (w.block // L.cp) * -(-w.vocab // L.tp) * F32
     if L.dp_kind == "fsdp" and L.zero_stage == 3:
-        full = sorted((L.dp * L.cp * u.shard * F32 for u in units(st, L, L.dp * L.cp)), reverse=True)
+        full = sorted((L.shards * u.shard * F32 for u in units(st, L, L.shards)), reverse=True)
         need += sum(full[:2])
     return need

@@ -3,6 +3,7 @@
 `plan(cfg)` is all main.py calls: no process group, no training, no GPU.
 """
 
+import dataclasses
 import json
 import time
 
@@ -12,11 +13,12 @@ from planner.layouts import valid_layouts, with_grad_accum, refusal
 from planner.machines import machine
 from planner.memory import memory_need
 from planner.shapes import Workload
-from planner.step_time import step_time
+from planner.step_time import bytes_by_link, spans_nodes, step_time
 
 GPT2_VOCAB = 50257  # tiktoken's "gpt2" encoding (data/tokenizer.py): no files needed to plan
 PARTS = {"compute": "compute", "bubble": "pipeline bubble", "tp": "TP collectives",
-         "cp": "cp ring", "pp": "pipeline sends", "dp": "exposed gradient sync"}
+         "cp": "cp ring", "pp": "pipeline sends", "dp": "exposed gradient sync",
+         "host": "offloaded optimizer step"}
 GB = 1e9
 
 
@@ -43,7 +45,7 @@ def check(cfg, gpu):
         raise UserError(f"plan.gpu={gpu.name} has no {cfg.trainer.precision} peak (it has "
                         f"{', '.join(gpu.peak)}): set trainer.precision or plan.peak_*_tflops")
     if min(p.gpu_memory_gb, p.peak_bf16_tflops, p.peak_fp32_tflops, p.intra_node_gbps,
-           p.inter_node_gbps) < 0 or p.top < 1:
+           p.inter_node_gbps, p.pcie_gbps, p.host_gbps) < 0 or p.top < 1:
         raise UserError("plan.gpu_memory_gb, plan.peak_*_tflops and plan.*_node_gbps must be >= 0 "
                         "(0 = the preset's), plan.top >= 1")
 
@@ -66,6 +68,35 @@ def evaluate(cfg, w, L, gpu, world):
                 return row
         ga *= 2
     return first
+
+
+def hybrid_and_offloaded(cfg, w, rows, gpu, world):
+    """Rows of two variants of fsdp layouts, each proposed only where it wins:
+    - HSDP (parallel.dp_replicate): a layout whose shard group spans nodes, sharded in
+      replica groups of one node's ranks instead (R the fewest groups that fit in a node;
+      all-gathers and reduce-scatters on the fast links, one all-reduce across nodes),
+      kept if its step is faster;
+    - offload (parallel.offload): a layout that does not fit, kept if offloaded it fits."""
+    G, out = cfg.plan.gpus_per_node, []
+    for row in rows:
+        L = row["layout"]
+        if L.dp_kind != "fsdp":
+            continue
+        if cfg.plan.nodes > 1 and spans_nodes(L, ("dp", "cp"), G):
+            R = next((r for r in range(2, L.dp + 1) if L.dp % r == 0 and world // r <= G), None)
+            variant = dataclasses.replace(L, R=R) if R else None
+            if variant and not refusal(cfg, variant, world):
+                hybrid = evaluate(cfg, w, variant, gpu, world)
+                if "time" in hybrid and ("time" not in row or
+                                         hybrid["time"]["step_ms"] < row["time"]["step_ms"]):
+                    out.append(hybrid)
+        if "time" not in row:
+            variant = dataclasses.replace(L, offload=True)
+            if not refusal(cfg, variant, world):
+                offloaded = evaluate(cfg, w, variant, gpu, world)
+                if "time" in offloaded:
+                    out.append(offloaded)
+    return out
 
 
 def reason(row, best):
@@ -95,6 +126,8 @@ def plan(cfg):
         raise UserError(f"no layout runs this model on {world} GPUs: "
                         f"{next(why for _, why in layouts)}")
     rows = [evaluate(cfg, w, L, gpu, world) for L in valid]
+    variants = hybrid_and_offloaded(cfg, w, rows, gpu, world)
+    rows += variants
     fits = sorted((r for r in rows if "time" in r), key=lambda r: (r["time"]["step_ms"], sum(r["fig"]["comm"].values()), r["need"]))
     if not fits:
         small = min(rows, key=lambda r: r["need"])
@@ -107,8 +140,9 @@ def plan(cfg):
           f"{cfg.plan.gpus_per_node} {gpu.name} ({gpu.memory_gb:g} GB, "
           f"{gpu.peak[w.precision] / 1e12:g} TFLOP/s {w.precision} at mfu {cfg.plan.mfu:g}, "
           f"{gpu.intra_node_gbps:g} GB/s in a node, {gpu.inter_node_gbps:g} across)")
-    print(f"{len(layouts)} combinations, {len(valid)} run (parallel/layout.py's rules), "
-          f"{len(fits)} fit in memory")
+    print(f"{len(layouts)} combinations, {len(valid)} run (parallel/layout.py's rules)"
+          + (f" + {len(variants)} hybrid-sharded or offloaded where that wins" if variants else "")
+          + f", {len(fits)} fit in memory")
     header = ("rank", "layout", "step ms", "state GB", "activ. GB", "need GB", "comm GB",
               "vs the first")
     table = [header]
@@ -124,7 +158,7 @@ def plan(cfg):
                         for c, cell in enumerate(row)).rstrip())
     print("run the first: " + " ".join(f"{k}={_value(v)}" for k, v in best["layout"].keys().items()))
     if cfg.plan.out:
-        write_json(cfg.plan.out, rows, fits, gpu, world)
+        write_json(cfg.plan.out, rows, fits, gpu, world, cfg.plan.gpus_per_node)
         print(f"all {len(rows)} layouts that run written to {cfg.plan.out}")
     print(f"planned in {time.perf_counter() - started:.1f} s")
 
@@ -133,7 +167,7 @@ def _value(v):
     return str(v).lower() if isinstance(v, bool) else str(v)
 
 
-def write_json(path, rows, fits, gpu, world):
+def write_json(path, rows, fits, gpu, world, gpu_per_node):
     rank = {id(r): i + 1 for i, r in enumerate(fits)}
     out = []
     for r in rows:
@@ -141,7 +175,8 @@ def write_json(path, rows, fits, gpu, world):
         item = {"layout": r["layout"].name(), **r["layout"].keys(), "world_size": world,
                 "rank": rank.get(id(r)), "fits": "time" in r, "memory_bytes": r["need"],
                 "fullest_rank": {"pp_rank": fig["pp_rank"], "dp_rank": fig["dp_rank"]},
-                **metrics_names(fig)}
+                **metrics_names(fig),
+                "comm_bytes_by_link": bytes_by_link(r["layout"], fig, gpu_per_node)}
         if "time" in r:
             item["step_ms"] = r["time"]["step_ms"]
             item["step_ms_parts"] = {k: r["time"][k] for k in PARTS}

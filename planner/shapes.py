@@ -29,12 +29,23 @@ class Layout:
     M: int = 1                # parallel.microbatches
     grad_accum: int = 1       # trainer.grad_accum
     ckpt: bool = False        # trainer.activation_checkpointing
+    R: int = 1                # parallel.dp_replicate: replica groups of dp / R ranks (HSDP)
+    offload: bool = False     # parallel.offload
+
+    @property
+    def shards(self) -> int:
+        """The ranks ZeRO shards over: a replica group's dp ranks x cp (grid.shard_size)."""
+        return self.dp // self.R * self.cp
 
     def keys(self) -> dict:
         out = {"parallel.dp": self.dp_kind, "parallel.tp": self.tp, "parallel.pp": self.pp,
                "parallel.cp": self.cp, "parallel.sequence_parallel": self.sp}
         if self.dp_kind == "fsdp":
             out["parallel.zero_stage"] = self.zero_stage
+        if self.R > 1:
+            out["parallel.dp_replicate"] = self.R
+        if self.offload:
+            out["parallel.offload"] = True
         if self.pp > 1:
             out.update({"parallel.pp_schedule": self.schedule, "parallel.microbatches": self.M})
             if self.schedule == "interleaved":
@@ -44,8 +55,10 @@ class Layout:
         return out
 
     def name(self) -> str:
-        dp = self.dp_kind + (str(self.zero_stage) if self.dp_kind == "fsdp" else "")
-        parts = [f"dp{self.dp}", f"tp{self.tp}" + ("sp" if self.sp else ""), f"pp{self.pp}",
+        dp = self.dp_kind + (str(self.zero_stage) if self.dp_kind == "fsdp" else "") \
+            + (" offload" if self.offload else "")
+        groups = f"{self.R}x{self.dp // self.R}" if self.R > 1 else str(self.dp)  # HSDP: R x shards
+        parts = [f"dp{groups}", f"tp{self.tp}" + ("sp" if self.sp else ""), f"pp{self.pp}",
                  f"cp{self.cp}"]
         text = " ".join(p for p in parts if not p.endswith("1") or p.startswith("dp")) + " " + dp
         if self.pp > 1:

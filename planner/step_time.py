@@ -15,16 +15,18 @@ from functools import lru_cache
 from parallel.pipeline_parallel.simulator import unit_time
 from planner.formulas import WIRE_PER_PAYLOAD
 from planner.shapes import F32, Layout, Workload, micro_rows
+from planner.stages import shard_pieces, stage, units
 from planner.traffic import comm_by_dim
 from telemetry.mfu import flops_per_token
 
-GRID = ("dp", "pp", "cp", "tp")  # parallel/grid.py's DIMS, slowest- to fastest-varying
+GRID = ("dp_replicate", "dp", "pp", "cp", "tp")  # parallel/grid.py's DIMS, slowest- to fastest-varying
 
 
 def spans_nodes(L: Layout, dims, gpus_per_node):
     """Whether the group over `dims` (rank 0's) has ranks on more than one node: rank r
-    sits at its coordinates of arange(world).view(dp, pp, cp, tp), node r // gpus_per_node."""
-    sizes = {"dp": L.dp, "pp": L.pp, "cp": L.cp, "tp": L.tp}
+    sits at its coordinates of arange(world).view(dp_replicate, dp, pp, cp, tp), node
+    r // gpus_per_node."""
+    sizes = {"dp_replicate": L.R, "dp": L.dp // L.R, "pp": L.pp, "cp": L.cp, "tp": L.tp}
     far = 0
     for d in dims:
         stride = 1
@@ -59,7 +61,9 @@ def step_time(w: Workload, L: Layout, fig: dict, machine, pcfg) -> dict:
       the pipeline's sends cost those on the fill and drain path, 2(P x V - 1) of its
       messages; data-parallel gradient collectives (and ZeRO-3's gathers) overlap the
       backward (the forward too, for gathers) and cost only what is longer than it;
-      ZeRO-1/2's all-gather after the optimizer step is exposed.
+      ZeRO-1/2's all-gather after the optimizer step is exposed, and so is HSDP's
+      all-reduce across replica groups (after the last backward);
+    - parallel.offload: the host's AdamW and the PCIe copies (host_seconds).
     """
     peak = machine.peak.get(w.precision)
     gpt = {"n_embd": w.n_embd, "n_layer": w.n_layer, "block_size": w.block, "vocab_size": w.vocab,
@@ -69,18 +73,21 @@ def step_time(w: Workload, L: Layout, fig: dict, machine, pcfg) -> dict:
     compute = flops / (peak * pcfg.mfu)
     b = bubble(L.schedule, L.pp, L.M, L.V)
     G = pcfg.gpus_per_node
-    size = {"tp": L.tp, "cp": L.cp, "pp": L.pp, "dp": L.dp * L.cp, "embed": 2, "norm": world}
-    span = {"tp": ("tp",), "cp": ("cp",), "pp": ("pp",), "dp": ("dp", "cp"), "embed": ("pp",),
-            "norm": GRID}
+    size = {"tp": L.tp, "cp": L.cp, "pp": L.pp, "dp": L.dp // L.R * L.cp, "dpr": L.R, "embed": 2,
+            "norm": world}
+    span = {"tp": ("tp",), "cp": ("cp",), "pp": ("pp",), "dp": ("dp", "cp"),
+            "dpr": ("dp_replicate",), "embed": ("pp",), "norm": GRID}
     parts = {"compute": compute, "bubble": compute * b / (1 - b), "tp": 0.0, "cp": 0.0, "pp": 0.0,
-             "dp": 0.0}
+             "dp": 0.0, "host": host_seconds(w, L, fig, machine)}
     dp_overlapped = 0.0
     for (dim, kind), payload in comm_by_dim(w, L, fig["pp_rank"], fig["dp_rank"]).items():
         if dim == "norm":
             continue
         link = machine.inter_node_gbps if spans_nodes(L, span[dim], G) else machine.intra_node_gbps
         seconds = payload * WIRE_PER_PAYLOAD[kind](size[dim]) / (link * 1e9)
-        if dim == "pp":  # per schedule pass, the fill and drain path's 2(P x V - 1) messages
+        if dim == "dpr":  # across the replica groups, after the step's last backward: exposed
+            parts["dp"] += seconds
+        elif dim == "pp":  # per schedule pass, the fill and drain path's 2(P x V - 1) messages
             one = micro_rows(w, L) * (w.block // L.cp // (L.tp if L.sp else 1)) * w.n_embd * F32
             seconds = L.grad_accum * 2 * (L.pp * L.V - 1) * one / (link * 1e9)
             parts["pp"] += seconds
@@ -95,3 +102,29 @@ def step_time(w: Workload, L: Layout, fig: dict, machine, pcfg) -> dict:
     ms = {k: 1000 * v for k, v in parts.items()}
     ms["step_ms"] = sum(ms.values())
     return ms
+
+
+def host_seconds(w: Workload, L: Layout, fig: dict, machine) -> float:
+    """parallel.offload's time on the critical path: AdamW on the host over this rank's
+    shard (fused: reads parameter, gradient and both moments, writes parameter and
+    moments, 28 bytes an element, at `host_gbps`), and the copies over PCIe at
+    `pcie_gbps` (each reduced gradient shard to the host, the updated shard back)."""
+    if not L.offload:
+        return 0.0
+    st = stage(w, L, fig["pp_rank"])
+    shard = sum(sum(shard_pieces(u, fig["dp_rank"]).values()) for u in units(st, L, L.shards))
+    padded = sum(u.shard for u in units(st, L, L.shards))
+    reduced = comm_by_dim(w, L, fig["pp_rank"], fig["dp_rank"]).get(("dp", "reduce_scatter"), 0)
+    copies = reduced / L.shards + padded * F32  # gradient shards down, the shard back up
+    return 28 * shard / (machine.host_gbps * 1e9) + copies / (machine.pcie_gbps * 1e9)
+
+
+def bytes_by_link(L: Layout, fig: dict, gpus_per_node) -> dict:
+    """The fullest rank's collective payload per step by the link its group crosses:
+    {"intra_node": bytes, "inter_node": bytes} (the norm's scalar spans the world)."""
+    span = {"tp": ("tp",), "cp": ("cp",), "pp": ("pp",), "dp": ("dp", "cp"),
+            "dpr": ("dp_replicate",), "embed": ("pp",), "norm": GRID}
+    out = {"intra_node": 0, "inter_node": 0}
+    for (dim, _), payload in fig["by_dim"].items():
+        out["inter_node" if spans_nodes(L, span[dim], gpus_per_node) else "intra_node"] += payload
+    return out

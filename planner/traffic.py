@@ -29,7 +29,9 @@ def comm_bytes(w: Workload, L: Layout, p: int, r: int) -> dict:
 
 def comm_by_dim(w: Workload, L: Layout, p: int, r: int) -> dict:
     """{(group, kind): payload bytes per step}; group: the grid dimension whose group
-    carries it ("tp", "cp", "pp", "dp": the gradient group dp x cp), or "norm"."""
+    carries it ("tp", "cp", "pp", "dp": the gradient group dp x cp, under HSDP the
+    shard group; "dpr": across the replica groups), or "norm". r: the rank in the
+    shard group."""
     st = stage(w, L, p)
     out = {}
 
@@ -65,11 +67,14 @@ def comm_by_dim(w: Workload, L: Layout, p: int, r: int) -> dict:
                         for dst, _ in messages((kind, c, 0), ranks)[1])
         shards = L.tp if L.sp else 1
         add("pp", "send", L.grad_accum * L.M * crossings * rows * (tokens // shards) * w.n_embd * F32)
-    # data parallelism over dp x cp
-    N = L.dp * L.cp
+    # data parallelism over dp x cp (fsdp: shards over a replica group's dp x cp, and under
+    # HSDP each unit's gradient shard is all-reduced once a step across the R groups)
+    N = L.shards if L.dp_kind == "fsdp" else L.dp * L.cp
     if L.dp_kind == "fsdp":
         for u in units(st, L, N):
             full = N * u.shard * F32
+            if L.R > 1:
+                add("dpr", "all_reduce", u.shard * F32)
             if L.zero_stage == 1:
                 add("dp", "reduce_scatter", full)
                 add("dp", "all_gather", full)
@@ -95,7 +100,7 @@ def comm_by_dim(w: Workload, L: Layout, p: int, r: int) -> dict:
         else:
             add("embed", "all_reduce", F32 * next(q.numel for q in st.params if q.name == plan.TIED))
     # the global gradient norm's scalar, over the ranks holding different gradient elements
-    sharded = (L.pp, L.tp) + ((L.dp, L.cp) if L.dp_kind == "fsdp" else ())
+    sharded = (L.pp, L.tp) + ((L.shards,) if L.dp_kind == "fsdp" else ())
     if max(sharded) > 1:
         add("norm", "all_reduce", F32)
     return out

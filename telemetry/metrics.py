@@ -18,8 +18,13 @@ def peak_memory(device) -> dict:
     if device.type == "cuda":
         return {"peak_mem_mb": torch.cuda.max_memory_allocated(device) / 2**20,
                 "peak_mem_reserved_mb": torch.cuda.max_memory_reserved(device) / 2**20}
+    return {"peak_mem_mb": peak_rss_kib() / 1024}
+
+
+def peak_rss_kib() -> int:
+    """This process's peak resident memory so far (host memory, on CUDA too), in KiB."""
     import resource
-    return {"peak_mem_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}  # Linux: KiB
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss  # Linux: KiB
 
 
 class MetricsLog:

@@ -100,8 +100,8 @@ class OneRank:
     """Just enough of a ProcessGrid for a single-process reference replica: every
     dimension of grid.DIMS of size 1 (`<dim>_size`, `<dim>_rank`), so a new dimension
     needs no line here."""
-    grad_size = world_size = 1
-    grad_rank = rank = 0
+    grad_size = data_size = shard_size = world_size = 1
+    grad_rank = data_rank = shard_rank = rank = 0
     sizes = {d: 1 for d in DIMS}
     is_main = True
     device = torch.device("cpu")

@@ -3,7 +3,8 @@
     python -m torch.distributed.run --standalone --nproc_per_node=W tests/layout_worker.py
 
 For each layout in CASES[W] (dp strategy, dp x pp x tp, schedule, micro-batches,
-sequence parallelism, vocabulary, accumulation, clipping) every rank builds
+sequence parallelism, vocabulary, accumulation, clipping; hybrid sharding and offload)
+every rank builds
 the strategy by hand, trains STEPS steps on fixed global batches and measures
 against a single-process replica of the same run (same initial weights, same
 global batch) that it trains itself:
@@ -47,7 +48,7 @@ N_HEAD, N_EMBD, BLOCK, BATCH, STEPS = 4, 32, 16, 16, 4
 class Case:
     name: str
     dp_kind: str = "single"
-    dp: int = 1
+    dp: int = 1     # per replica group (parallel.dp_replicate groups: HSDP); the grid's dp
     pp: int = 1
     tp: int = 1
     cp: int = 1
@@ -56,6 +57,19 @@ class Case:
     accum: int = 1
     clip: float = 1.0
     n_layer: int = 2
+
+    @property
+    def replicate(self):
+        return self.parallel.get("dp_replicate", 1)
+
+    @property
+    def hybrid(self):
+        """Hybrid sharding or offload (tests/test_hsdp.py's cases, not the TP/PP/CP tests')."""
+        return self.replicate > 1 or self.parallel.get("offload", False)
+
+
+def hsdp(stage, replicate=2, offload=False, **more):
+    return {"zero_stage": stage, "dp_replicate": replicate, "offload": offload, **more}
 
 
 def pp(schedule, m, v=1, **more):
@@ -95,6 +109,15 @@ CASES = {
         # PyTorch's data-parallel references average over dp x cp too (grid.grad_group)
         Case("cp2-torch_ddp", "torch_ddp", cp=2),
         Case("cp2-torch_fsdp-vocab65", "torch_fsdp", cp=2, vocab=65),
+        # offload (tests/test_hsdp.py): every stage, accumulation 3; plain fsdp3 over 2
+        # ranks, what hsdp2x2-fsdp3-accum2 on 4 ranks must gather and hold
+        Case("dp2-fsdp3-accum2", "fsdp", dp=2, parallel={"zero_stage": 3}, accum=2, vocab=65),
+        Case("dp2-fsdp1-offload-accum4-noclip", "fsdp", dp=2, parallel=hsdp(1, 1, True), accum=4,
+             clip=0.0),
+        Case("dp2-fsdp2-offload-accum4", "fsdp", dp=2, parallel=hsdp(2, 1, True), accum=4, vocab=65),
+        Case("dp2-fsdp3-offload-accum4-noclip", "fsdp", dp=2, parallel=hsdp(3, 1, True), accum=4,
+             clip=0.0, vocab=65),
+        Case("hsdp2x1-fsdp2-accum2", "fsdp", dp=1, parallel=hsdp(2), accum=2),
     ],
     4: [
         Case("tp4-vocab50", tp=4, vocab=50),
@@ -163,6 +186,19 @@ CASES = {
         Case("cp2pp2-ddp_bucket-zb1p-m2", "ddp_bucket", cp=2, pp=2, parallel=pp("zb1p", 2)),
         Case("cp2pp2-fsdp1-zbv-m2", "fsdp", cp=2, pp=2, parallel=pp("zbv", 2, zero_stage=1),
              n_layer=4),
+        # hybrid sharding (tests/test_hsdp.py): 2 replica groups of 2, every stage with
+        # accumulation, offload, and composed with tp, pp and cp
+        Case("hsdp2x2-fsdp1-accum2-noclip", "fsdp", dp=2, parallel=hsdp(1), accum=2, clip=0.0),
+        Case("hsdp2x2-fsdp2-accum4", "fsdp", dp=2, parallel=hsdp(2), accum=4, vocab=65),
+        Case("hsdp2x2-fsdp3-accum2", "fsdp", dp=2, parallel=hsdp(3), accum=2, vocab=65),
+        Case("hsdp2x2-fsdp3-offload-accum4-noclip", "fsdp", dp=2, parallel=hsdp(3, offload=True),
+             accum=4, clip=0.0),
+        Case("hsdp2x1tp2-fsdp2-sp", "fsdp", tp=2, parallel=hsdp(2, sequence_parallel=True), vocab=65),
+        Case("hsdp2x1pp2-fsdp1-1f1b-m2-offload", "fsdp", pp=2,
+             parallel=pp("1f1b", 2, **hsdp(1, offload=True))),
+        Case("hsdp2x1cp2-fsdp3-accum2", "fsdp", cp=2, parallel=hsdp(3), accum=2),
+        Case("hsdp2x2-torch_fsdp-offload-accum2", "torch_fsdp", dp=2,
+             parallel={"dp_replicate": 2, "offload": True}, accum=2),
     ],
     8: [
         Case("dp2pp2tp2-ddp_bucket-1f1b-m2-accum2", "ddp_bucket", dp=2, pp=2, tp=2,
@@ -179,6 +215,9 @@ CASES = {
              parallel={"sequence_parallel": True}, vocab=65, accum=2),
         Case("cp2pp2tp2-fsdp1-1f1b-m2", "fsdp", cp=2, pp=2, tp=2,
              parallel=pp("1f1b", 2, zero_stage=1)),
+        Case("hsdp2x2tp2-fsdp3-accum2", "fsdp", dp=2, tp=2, parallel=hsdp(3), vocab=65, accum=2),
+        Case("hsdp2x2tp2-fsdp2-sp-offload-noclip", "fsdp", dp=2, tp=2,
+             parallel=hsdp(2, offload=True, sequence_parallel=True), clip=0.0),
     ],
 }
 
@@ -227,8 +266,8 @@ def on_every_rank(flags):
 
 
 def check_case(case):
-    grid = ProcessGrid({"dp": case.dp, "pp": case.pp, "cp": case.cp, "tp": case.tp},
-                       torch.device("cpu"))
+    grid = ProcessGrid({"dp_replicate": case.replicate, "dp": case.dp, "pp": case.pp,
+                        "cp": case.cp, "tp": case.tp}, torch.device("cpu"))
     tcfg = TrainerConfig(lr=3e-3, weight_decay=0.1)
     torch.manual_seed(1234)
     model = GPT(gpt_config(case.vocab, case.n_layer))
@@ -242,10 +281,10 @@ def check_case(case):
     out = {"loss_rel_diff": 0.0, "norm_rel_diff": 0.0, "replicated_equal": [], "tied_equal": [],
            "comm": [], **asdict(case)}
     max_norm = case.clip if case.clip > 0 else float("inf")
-    per_rank = BATCH // case.dp
+    per_rank = BATCH // grid.data_size  # dp_replicate x dp ranks read other rows
     for step in range(STEPS):
         x, y = global_batch(step, case.vocab)
-        mine = slice(grid.dp_rank * per_rank, (grid.dp_rank + 1) * per_rank)
+        mine = slice(grid.data_rank * per_rank, (grid.data_rank + 1) * per_rank)
         micro = list(zip(x[mine].chunk(case.accum), y[mine].chunk(case.accum)))
         strategy.reseed(step * 1009)
         loss = strategy.forward_backward(micro)
@@ -262,10 +301,11 @@ def check_case(case):
         out["tied_equal"].append(tied_equal(strategy))
     out["replicated_equal"] = on_every_rank(out["replicated_equal"])
     out["tied_equal"] = on_every_rank(out["tied_equal"])
+    out["state"] = strategy.state_figures()  # state_bytes (host_state_bytes), the fullest rank's
     # the validation loss of the trained model on a batch it never saw (as the trainer
     # asks it: this rank's data-parallel share in, the global batch's mean out)
     x, y = global_batch(STEPS, case.vocab)
-    mine = slice(grid.dp_rank * per_rank, (grid.dp_rank + 1) * per_rank)
+    mine = slice(grid.data_rank * per_rank, (grid.data_rank + 1) * per_rank)
     val, ref_val = strategy.eval_loss(x[mine], y[mine]), ref.eval_loss(x, y)
     out["eval_rel_diff"] = abs(val - ref_val) / abs(ref_val)
     state = strategy.state_dict()

@@ -32,7 +32,8 @@ N_HEAD, N_EMBD, BLOCK, BATCH, STEPS = 4, 32, 16, 16, 2
 
 # name: (planner Layout fields, n_layer, vocab). The parity layouts of tests/layout_worker.py,
 # one of each kind: dp, fsdp stages, tp with and without sequence parallelism, every
-# pipeline schedule, cp, checkpointing, and compositions on 4 ranks.
+# pipeline schedule, cp, checkpointing, hybrid sharding (R replica groups; the planner's
+# dp counts all of them) and offload, and compositions on 4 ranks.
 CASES = {
     2: {
         "ddp_bucket": (dict(dp_kind="ddp_bucket", dp=2), 2, 65),
@@ -48,6 +49,9 @@ CASES = {
         "pp2-zb1p-m4": (dict(pp=2, schedule="zb1p", M=4), 2, 64),
         "pp2-zbv-m4": (dict(pp=2, schedule="zbv", V=2, M=4), 4, 64),
         "cp2-ddp_bucket": (dict(dp_kind="ddp_bucket", cp=2), 2, 64),
+        "fsdp2-offload-accum2": (dict(dp_kind="fsdp", zero_stage=2, dp=2, grad_accum=2, offload=True),
+                                 2, 65),
+        "hsdp2x1-fsdp1-offload": (dict(dp_kind="fsdp", zero_stage=1, dp=2, R=2, offload=True), 2, 65),
     },
     4: {
         "dp2tp2-fsdp2-sp": (dict(dp_kind="fsdp", zero_stage=2, dp=2, tp=2, sp=True), 2, 65),
@@ -55,6 +59,9 @@ CASES = {
                                       M=2), 2, 65),
         "tp2pp2-sp-ddp-zb1p-m2": (dict(tp=2, pp=2, sp=True, schedule="zb1p", M=2), 2, 65),
         "dp2cp2-fsdp3": (dict(dp_kind="fsdp", zero_stage=3, dp=2, cp=2), 2, 64),
+        "hsdp2x2-fsdp3": (dict(dp_kind="fsdp", zero_stage=3, dp=4, R=2), 2, 65),
+        "hsdp2x2-fsdp2-offload-accum2": (dict(dp_kind="fsdp", zero_stage=2, dp=4, R=2, offload=True,
+                                              grad_accum=2), 2, 64),
     },
 }
 
@@ -66,6 +73,7 @@ def parallel_config(f):
         if pp > 1 else {}
     return ParallelConfig(dp=f.get("dp_kind", "single"), tp=f.get("tp", 1), pp=pp, cp=f.get("cp", 1),
                           zero_stage=f.get("zero_stage", 3) or 3,
+                          dp_replicate=f.get("R", 1), offload=f.get("offload", False),
                           sequence_parallel=f.get("sp", False), **more)
 
 
@@ -77,6 +85,8 @@ def global_batch(step, vocab):
 
 def run_case(fields, n_layer, vocab):
     sizes = {d: fields.get(d, 1) for d in ("dp", "pp", "cp", "tp")}
+    sizes["dp_replicate"] = fields.get("R", 1)  # the planner's dp is all replica groups'
+    sizes["dp"] //= sizes["dp_replicate"]
     grid = ProcessGrid(sizes, torch.device("cpu"))
     tcfg = TrainerConfig(lr=3e-3, activation_checkpointing=fields.get("ckpt", False))
     torch.manual_seed(1234)
@@ -86,10 +96,10 @@ def run_case(fields, n_layer, vocab):
     strategy.configure_compute(tcfg)
     strategy.configure_optimizer(tcfg)
     strategy.comm_stats()  # start-up traffic (the dp broadcast) is not a step's
-    accum, per_rank = fields.get("grad_accum", 1), BATCH // sizes["dp"]
+    accum, per_rank = fields.get("grad_accum", 1), BATCH // grid.data_size
     for step in range(STEPS):
         x, y = global_batch(step, vocab)
-        mine = slice(grid.dp_rank * per_rank, (grid.dp_rank + 1) * per_rank)
+        mine = slice(grid.data_rank * per_rank, (grid.data_rank + 1) * per_rank)
         micro = list(zip(x[mine].chunk(accum), y[mine].chunk(accum)))
         strategy.reseed(step * 1009)
         meter = ActivationMeter()
@@ -99,9 +109,11 @@ def run_case(fields, n_layer, vocab):
         strategy.optimizer_step(tcfg.lr)
         comm = strategy.comm_stats()
         strategy.step_stats()
-        state = strategy.state_bytes()
-    mine = {"rank": grid.rank, "coords": grid.coords, "grad_rank": grid.grad_rank,
-            "comm": comm, "state_bytes": state, "activation_peak_bytes": meter.peak_bytes}
+        state = strategy.state_figures()
+    mine = {"rank": grid.rank, "coords": grid.coords, "shard_rank": grid.shard_rank,
+            "comm": comm, "state_bytes": state["state_bytes"],
+            "host_state_bytes": state.get("host_state_bytes", 0),
+            "activation_peak_bytes": meter.peak_bytes}
     everyone = [None] * grid.world_size
     dist.all_gather_object(everyone, mine)
     return everyone

@@ -59,7 +59,9 @@ LAYOUTS = {
     "tp2-sp": ("single", (1, 1, 2), {"sequence_parallel": True}),
     "pp2-1f1b-m2": ("single", (1, 2, 1), {"pp_schedule": "1f1b", "microbatches": 2}),
 }
-REDUCE = ["ddp_naive", "ddp_bucket-ring", "fsdp1", "fsdp2", "fsdp3"]
+REDUCE = {**{n: LAYOUTS[n] for n in ("ddp_naive", "ddp_bucket-ring", "fsdp1", "fsdp2", "fsdp3")},
+          # 2 replica groups of 1: the all-reduce across them carries the gradient
+          "hsdp2x1-fsdp2": ("fsdp", (2, 1, 1), {"zero_stage": 2, "dp_replicate": 2})}
 RECOMPUTE = {  # name: layout, dropout
     "single": ("single", (1, 1, 1), {}),
     "fsdp1": LAYOUTS["fsdp1"],
@@ -87,8 +89,10 @@ def build(layout, tcfg, dropout=0.0, **more):
     if dp * pp * tp == 1:  # the single-process replica, on every rank
         grid = OneRank()
         strategy = parallelize(model, grid, pcfg)
-    else:
-        grid = ProcessGrid({"dp": dp, "pp": pp, "tp": tp}, torch.device("cpu"))
+    else:  # dp: the data-parallel ranks, in parallel.dp_replicate groups
+        replicas = extra.get("dp_replicate", 1)
+        grid = ProcessGrid({"dp_replicate": replicas, "dp": dp // replicas, "pp": pp, "tp": tp},
+                           torch.device("cpu"))
         strategy = parallelize(model, grid, pcfg)
     strategy.configure_compute(tcfg)
     strategy.configure_optimizer(tcfg)
@@ -99,11 +103,11 @@ def build(layout, tcfg, dropout=0.0, **more):
 def train(layout, tcfg, steps, dropout=0.0, grads_at=None, **more):
     """Per-step (loss, grad norm, skipped, comm) and, at step grads_at, this rank's gradients."""
     strategy, grid = build(layout, tcfg, dropout, **more)
-    per_rank, accum = 16 // grid.dp_size, layout[2].get("accum", 1)
+    per_rank, accum = 16 // grid.data_size, layout[2].get("accum", 1)
     out, grads = [], None
     for step in range(steps):
         x, y = global_batch(step, VOCAB)
-        mine = slice(grid.dp_rank * per_rank, (grid.dp_rank + 1) * per_rank)
+        mine = slice(grid.data_rank * per_rank, (grid.data_rank + 1) * per_rank)
         strategy.reseed(step * 1009)
         loss = strategy.forward_backward(list(zip(x[mine].chunk(accum), y[mine].chunk(accum))))
         if step == grads_at:
@@ -172,9 +176,9 @@ def check_stage_dtypes(precision):
 def check_reduce():
     tcfg = TrainerConfig(lr=LR, weight_decay=0.1)
     result = {}
-    for name in REDUCE:
-        fp32, _ = train(LAYOUTS[name], tcfg, 10)
-        bf16, _ = train(LAYOUTS[name], tcfg, 10, reduce_dtype="bf16")
+    for name, layout in REDUCE.items():
+        fp32, _ = train(layout, tcfg, 10)
+        bf16, _ = train(layout, tcfg, 10, reduce_dtype="bf16")
         result[name] = {"comm_fp32": fp32[-1][3], "comm_bf16": bf16[-1][3],
                         "loss_rel_diff": max(rel(b[0], f[0]) for b, f in zip(bf16, fp32))}
     return result

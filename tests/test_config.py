@@ -96,6 +96,22 @@ def test_defaults_and_overrides():
     (["data.sampler=randperm", "data.tokens_path=tok"], 1, "does not read data.tokens_path"),
     (["prepare.workers=-1"], 1, "prepare.workers"),
     (["prepare.chunk_mb=0"], 1, "prepare.chunk_mb"),
+    # hybrid sharding and offload: the keys named, every strategy that cannot
+    (["parallel.dp=fsdp", "parallel.dp_replicate=3"], 4,
+     "parallel.dp_replicate=3 does not divide the data-parallel degree 4"),
+    (["parallel.dp=fsdp", "parallel.dp_replicate=2", "parallel.tp=2"], 2,
+     "parallel.dp_replicate=2 does not divide the data-parallel degree 1"),
+    (["parallel.dp=fsdp", "parallel.dp_replicate=0"], 2, "parallel.dp_replicate must be >= 1"),
+    (["parallel.dp=ddp_bucket", "parallel.dp_replicate=2"], 4,
+     "parallel.dp_replicate=2 with parallel.dp=ddp_bucket: .* nothing to shard"),
+    (["parallel.dp=torch_ddp", "parallel.dp_replicate=2"], 4,
+     "parallel.dp_replicate=2 with parallel.dp=torch_ddp: .* nothing to shard"),
+    (["parallel.dp=single", "parallel.dp_replicate=2"], 2,
+     "parallel.dp_replicate=2 with parallel.dp=single: one process has no replicas"),
+    (["parallel.dp=ddp_naive", "parallel.offload=true"], 2,
+     "parallel.offload=true with parallel.dp=ddp_naive: .* only parallel.dp=fsdp"),
+    (["parallel.dp=single", "parallel.offload=true"], 1,
+     "parallel.offload=true with parallel.dp=single"),
 ])
 def test_bad_config_is_one_clear_error(overrides, world, message):
     with pytest.raises(UserError, match=message):

@@ -26,8 +26,10 @@ def test_pieces_cover_each_element_once(world):
     original = {n: p.detach().clone() for n, p in named.items()}
     covered = []
     for rank in range(world):
-        unit = FlatUnit(list(named.items()), group_of, rank, world, stage=2, dp_group=None)
+        unit = FlatUnit(list(named.items()), group_of, rank, world, stage=2, dp_group=None,
+                        device=torch.device("cpu"))
         assert unit.shard_size * world >= unit.numel > unit.shard_size * (world - 1)
+        unit.allocate_grads()
         for g, a, b, piece in unit.pieces:
             start, end = unit.lo + a, unit.lo + b
             covered.append((start, end))
@@ -37,7 +39,10 @@ def test_pieces_cover_each_element_once(world):
             assert piece.grad.shape == piece.shape
         back = unit.unflatten(unit.flatten(original, "cpu"))
         assert all(torch.equal(back[n], original[n]) for n in named)
-        assert torch.equal(model.lm_head.weight, original["transformer.wte.weight"])
+        # the parameters are views of the unit (the tied one once), the same objects
+        assert model.lm_head.weight is named["transformer.wte.weight"]
+        assert all(p.untyped_storage().data_ptr() == unit.full.untyped_storage().data_ptr()
+                   for p in named.values())
     covered.sort()
     assert covered[0][0] == 0 and covered[-1][1] == unit.numel  # no padding in any piece
     assert all(a[1] == b[0] for a, b in zip(covered, covered[1:]))  # no gap, no overlap

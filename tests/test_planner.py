@@ -2,9 +2,10 @@
 
 - tests/planner_worker.py trains a matrix of real layouts under torchrun on 2 and 4
   ranks (ddp_bucket, fsdp stages 1-3, tp with and without sequence parallelism, every
-  pipeline schedule, cp, checkpointing, and compositions of dp, tp, pp and cp): for
-  every rank, the planner's state bytes and bytes per collective kind equal what the
-  run counts (exactly), and its activation bytes are within 10% of the meter's.
+  pipeline schedule, cp, checkpointing, hybrid sharding and offload, and compositions
+  of dp, tp, pp and cp): for every rank, the planner's state bytes (device and host)
+  and bytes per collective kind equal what the run counts (exactly), and its
+  activation bytes are within 10% of the meter's.
 - `python main.py mode=plan` on a laptop-sized job: no process group, seconds, the
   table and `plan.out` JSON; bad input is one line and exit status 2;
 - in process: the step-time model's bubble is the simulator's idle share for every
@@ -20,7 +21,7 @@ import pytest
 
 from harness import REPO, job_env, run_tree, worker_result
 from planner_worker import BATCH, BLOCK, CASES, N_EMBD, N_HEAD
-from planner.memory import activation_bytes, state_bytes
+from planner.memory import activation_bytes, host_state_bytes, state_bytes
 from planner.shapes import Layout, Workload
 from planner.traffic import comm_bytes
 
@@ -48,7 +49,7 @@ def test_planner_equals_what_the_run_counts(world, name):
     w, L = planned(world, name)
     ranks = planner_result(world)[name]
     for got in ranks:
-        p, r = got["coords"]["pp"], got["grad_rank"]
+        p, r = got["coords"]["pp"], got["shard_rank"]
         comm = {k[len("comm_"):-len("_bytes")]: v for k, v in got["comm"].items()
                 if k.endswith("_bytes") and k != "comm_bytes" and v}
         assert comm_bytes(w, L, p, r) == comm, f"rank {got['rank']}: planned vs counted"
@@ -57,9 +58,10 @@ def test_planner_equals_what_the_run_counts(world, name):
         print(f"{name} rank {got['rank']}: activations planned {act} measured {measured} "
               f"({act / measured:.3f}x)")
         assert abs(act / measured - 1) <= 0.10, (act, measured)
-    # state_bytes in metrics.jsonl is the max over ranks (Strategy.state_bytes)
-    planned_max = max(state_bytes(w, L, got["coords"]["pp"], got["grad_rank"]) for got in ranks)
-    assert {got["state_bytes"] for got in ranks} == {planned_max}
+    # state_bytes (host_state_bytes) in metrics.jsonl: the max over ranks (Strategy.state_figures)
+    for measured, planner in (("state_bytes", state_bytes), ("host_state_bytes", host_state_bytes)):
+        planned_max = max(planner(w, L, got["coords"]["pp"], got["shard_rank"]) for got in ranks)
+        assert {got[measured] for got in ranks} == {planned_max}, measured
 
 
 @pytest.mark.parametrize("ckpt", [False, True], ids=["plain", "checkpointed"])
@@ -210,6 +212,55 @@ def test_plan_breaks_ties_by_bytes_moved_then_memory(tmp_path, capsys):
     decided = sum(a[0] == b[0] and a[1] != b[1] for a, b in zip(keys, keys[1:]))
     assert decided > 0 and keys[0][0] == keys[1][0]
     print(f"{len(ranked)} layouts ranked, {decided} adjacent ties in step time decided by bytes moved")
+
+def counterpart_key(item):
+    """A plan.out layout's keys without hybrid sharding, offload and grad_accum (which the
+    planner picks per layout): what names the same layout sharded over all dp ranks."""
+    return tuple(sorted((k, v) for k, v in item.items() if k.startswith(("parallel.", "trainer."))
+                        and k not in ("parallel.dp_replicate", "parallel.offload",
+                                      "trainer.grad_accum")))
+
+
+def planned_items(tmp_path, *overrides):
+    from config import load_config
+    from planner.report import plan
+    out = tmp_path / f"plan-{len(list(tmp_path.iterdir()))}.json"
+    plan(load_config(["config=" + os.path.join(REPO, "configs", "gpt2-124m.yaml"),
+                      "trainer.precision=bf16", f"plan.out={out}", *overrides], 1))
+    return json.loads(out.read_text())
+
+
+def test_plan_proposes_hsdp_across_nodes_where_it_wins_and_offload_where_nothing_else_fits(
+        tmp_path):
+    """In process. GPT-2 small on 2 x 8 A100s (docs/planner.md's example): HSDP layouts are
+    proposed, one replica group per node, each faster than the same layout sharded over
+    both nodes (its all-gathers on NVLink, one all-reduce of a shard across); on 1 x 8,
+    none. GPT-2 XL on 2 L4s of 16 GB: nothing fits without offload; every ranked layout
+    is offloaded, the same layout without it refused, and most of its state on the host."""
+    two = planned_items(tmp_path, "plan.nodes=2", "plan.gpus_per_node=8", "plan.gpu=A100-80GB")
+    by_key = {counterpart_key(o): o for o in two if "parallel.dp_replicate" not in o}
+    hybrid = [o for o in two if o.get("parallel.dp_replicate") and o["rank"]]
+    assert hybrid, "no HSDP layout proposed across 2 nodes"
+    for o in hybrid:
+        plain = by_key[counterpart_key(o)]
+        assert o["parallel.dp_replicate"] == 2 and o["step_ms"] < plain.get("step_ms", float("inf"))
+        assert o["comm_bytes_by_link"]["inter_node"] < plain["comm_bytes_by_link"]["inter_node"]
+        print(f"{o['layout']}: {o['step_ms']:.4g} ms against {plain['layout']}'s "
+              f"{plain.get('step_ms', 0):.4g}; across nodes {o['comm_bytes_by_link']['inter_node']:.3g} "
+              f"B against {plain['comm_bytes_by_link']['inter_node']:.3g}")
+    one = planned_items(tmp_path, "plan.nodes=1", "plan.gpus_per_node=8", "plan.gpu=A100-80GB")
+    assert not any("parallel.dp_replicate" in o for o in one)
+
+    xl = planned_items(tmp_path, "model.n_layer=48", "model.n_head=25", "model.n_embd=1600",
+                       "plan.nodes=1", "plan.gpus_per_node=2", "plan.gpu=L4",
+                       "plan.gpu_memory_gb=16")
+    ranked = [o for o in xl if o["rank"]]
+    assert ranked and all(o.get("parallel.offload") for o in ranked)
+    refused = {counterpart_key(o): o for o in xl if not o["fits"]}
+    for o in ranked:  # offloaded because the same layout does not fit
+        assert counterpart_key(o) in refused, o["layout"]
+        assert o["host_state_bytes"] > o["state_bytes"]
+
 
 @pytest.mark.parametrize("overrides,message", [
     (["plan.gpu=B200"], "plan.gpu='B200' is not a preset"),

@@ -64,7 +64,8 @@ def test_low_precision_single_stays_near_fp32(precision):
 
 
 GRADIENT_KIND = {"ddp_naive": "all_reduce", "ddp_bucket-ring": "send", "fsdp1": "reduce_scatter",
-                 "fsdp2": "reduce_scatter", "fsdp3": "reduce_scatter"}
+                 "fsdp2": "reduce_scatter", "fsdp3": "reduce_scatter",
+                 "hsdp2x1-fsdp2": "all_reduce"}  # across the replica groups (one rank each)
 
 
 @pytest.mark.parametrize("layout", list(GRADIENT_KIND))

@@ -119,7 +119,8 @@ def test_snapshot_holds_what_resume_needs(tmp_path):
 STRATEGIES = {"single": ["parallel.dp=single"], "ddp_naive": ["parallel.dp=ddp_naive"],
               "ddp_bucket": ["parallel.dp=ddp_bucket"], "torch_ddp": ["parallel.dp=torch_ddp"],
               **{f"fsdp{s}": ["parallel.dp=fsdp", f"parallel.zero_stage={s}"] for s in (1, 2, 3)},
-              "torch_fsdp": ["parallel.dp=torch_fsdp"]}
+              "torch_fsdp": ["parallel.dp=torch_fsdp"],
+              "fsdp2_offload": ["parallel.dp=fsdp", "parallel.zero_stage=2", "parallel.offload=true"]}
 # snapshots at steps 2 and 4; the crash comes right after step 5 is logged, so the
 # snapshot is at step 4 and metrics.jsonl holds a record past it
 CRASH = ["trainer.save_every=2", "trainer.eval_every=3", "trainer.max_steps=6"]

@@ -4,7 +4,8 @@ steps equal those of an uninterrupted run (loss and gradient norm, rtol 1e-5).
 One chain of jobs in one run directory, each resuming the snapshot the one before it
 wrote and training two more steps under the next layout: every kind of change
 (replicas -> shards, more shards, fewer, other ZeRO stages, PyTorch's FSDP, shards
-with gradient accumulation, shards -> one process). The learning rate is constant and
+with gradient accumulation, shards -> hybrid sharding with offload -> shards over all
+ranks, shards -> one process). The learning rate is constant and
 clipping off, so jobs of any length share a schedule, and a wrong Adam state or
 gradient scale shows in the two steps after its resume (the test of that transition).
 A chain costs one job per layout, where a saved-and-resumed pair costs two.
@@ -24,9 +25,13 @@ LAYOUTS = {
     "fsdp1_x3": (3, ["parallel.dp=fsdp", "parallel.zero_stage=1"]),
     "torch_fsdp_x2": (2, ["parallel.dp=torch_fsdp"]),
     "fsdp3_x2_accum2": (2, ["parallel.dp=fsdp", "parallel.zero_stage=3", "trainer.grad_accum=2"]),
+    # hybrid sharding: 2 replica groups of 2 (offloaded), then plain ZeRO-3 over all 4
+    "hsdp2x2_fsdp2_offload": (4, ["parallel.dp=fsdp", "parallel.zero_stage=2",
+                                  "parallel.dp_replicate=2", "parallel.offload=true"]),
+    "fsdp3_x4": (4, ["parallel.dp=fsdp", "parallel.zero_stage=3"]),
 }
 CHAIN = ["single", "ddp_bucket_x2", "fsdp3_x3", "fsdp2_x2", "fsdp1_x3", "torch_fsdp_x2",
-         "fsdp3_x2_accum2", "single"]
+         "fsdp3_x2_accum2", "hsdp2x2_fsdp2_offload", "fsdp3_x4", "single"]
 STEPS = 2  # per job
 CONSTANT = ["trainer.warmup_steps=0", "trainer.lr=0.003", "trainer.min_lr=0.003",
             "trainer.grad_clip=0"]

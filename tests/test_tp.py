@@ -32,7 +32,7 @@ from checkpoint.snapshot_reader import open_snapshot
 # ---------------------------------------------------------------- torchrun workers
 
 TP_CASES = [(world, case.name) for world in CASES for case in CASES[world]
-            if case.pp == 1 and case.cp == 1]
+            if case.pp == 1 and case.cp == 1 and not case.hybrid]
 
 
 @pytest.mark.parametrize("world,name", TP_CASES, ids=[n for _, n in TP_CASES])
@@ -69,7 +69,7 @@ def replicated_floats(layers, n_embd, block):
 
 
 PURE_TP = [(world, case.name) for world in CASES for case in CASES[world]
-           if case.dp == case.pp == case.cp == 1 and case.tp > 1]
+           if case.dp == case.pp == case.cp == 1 and case.tp > 1 and not case.hybrid]
 
 
 @pytest.mark.parametrize("world,name", PURE_TP, ids=[n for _, n in PURE_TP])
@@ -220,9 +220,12 @@ def test_previous_snapshot_format_resumes_under_tp(tmp_path):
     """tests/data/snapshot-v2 (flat ranges, written by fsdp on 2 ranks before boxes
     existed) resumes under tp=2 with the losses of an uninterrupted run. It was trained
     in the old data order: data.sampler=randperm reproduces it (without it, resuming is
-    refused: tests/test_sampler.py), so the resumed steps still equal an uninterrupted run's."""
+    refused: tests/test_sampler.py), so the resumed steps still equal an uninterrupted run's:
+    the one stored in snapshot-v2-metrics.jsonl, made from the initial weights of its time
+    (today's are drawn per parameter: tests/data/README.md)."""
     fixture = ["model.n_head=2", "model.n_embd=16", "data.sampler=randperm"] + CONSTANT
-    reference = run_metrics(tmp_path, 1, ["parallel.dp=single", "trainer.max_steps=6"] + fixture)
+    with open(os.path.join(REPO, "tests", "data", "snapshot-v2-metrics.jsonl")) as f:
+        reference = [json.loads(line) for line in f]
     snapshot = tmp_path / "snapshot"
     shutil.copytree(os.path.join(REPO, "tests", "data", "snapshot-v2"), snapshot)
     assert open_snapshot(str(snapshot)).meta["format_version"] == 2
@@ -231,7 +234,7 @@ def test_previous_snapshot_format_resumes_under_tp(tmp_path):
     assert result.returncode == 0, result.stderr[-3000:]
     resumed = read_metrics(tmp_path / "resume" / "runs" / "default")
     assert [r["step"] for r in resumed] == [4, 5, 6]
-    assert_parity(reference[3:], resumed)
+    assert_parity(reference[3:], resumed, rtol=STORED_RTOL)
 
 
 # Numbers stored in the repository were computed on another machine: another CPU (its

@@ -100,6 +100,26 @@ def pp_textbook(cfg, pipe):
             "state_bytes": 16 * params}
 
 
+def hybrid_keys(variant):
+    """(parallel.dp_replicate, parallel.offload) of a variant."""
+    keys = dict(o.split("=", 1) for o in variant.overrides)
+    return int(keys.get("parallel.dp_replicate", 1)), keys.get("parallel.offload") == "true"
+
+
+def hybrid_textbook(params, n, replicas, zero_stage):
+    """ZeRO of `zero_stage` inside a replica group of n / replicas ranks (its textbook),
+    plus the all-reduce of a gradient shard (4 bytes x params / group size) across the
+    replica groups: a ring sends 2(R-1)/R of it. State: the group's formula."""
+    if not params:
+        return None
+    group = n // replicas
+    inside, shard = textbook(params, group, zero_stage), 4 * params / group
+    across = 2 * (replicas - 1) / replicas * shard
+    return {**inside, "payload_bytes": inside["payload_bytes"] + shard,
+            "wire_bytes": inside["wire_bytes"] + across, "across_bytes": shard,
+            "across_wire_bytes": across}
+
+
 def kept(job, warmup):
     return job["records"][warmup:]
 
@@ -246,6 +266,14 @@ def summarize(jobs, variants, params, warmup, cfg=None):
             "loss_rel_diff_vs_single": loss_diff(ok, v.name, "single"),
             "textbook": textbook(params, ranks, v.zero_stage),
         }
+        hosted = [r["host_state_bytes"] for r in recs if "host_state_bytes" in r]
+        out[v.name]["host_state_bytes"] = max(hosted) if hosted else None
+        replicas, offload = hybrid_keys(v)
+        if replicas > 1 or offload:
+            out[v.name]["hybrid"] = {"replicas": replicas, "shards": ranks // replicas,
+                                     "offload": offload}
+            if replicas > 1:
+                out[v.name]["textbook"] = hybrid_textbook(params, ranks, replicas, v.zero_stage)
         out[v.name]["pipeline"] = pipeline_figures(v, ranks, recs, mine)
         compiled = compile_figures(v, mine, ok, by_round)
         if compiled:

@@ -207,6 +207,40 @@ def context_parallel(summary):
             "its boolean causal mask."]
 
 
+def hybrid(summary):
+    """Hybrid sharding and offload: each variant against its PyTorch reference, its state
+    on the device and on the host, and its collectives by kind."""
+    done = {n: v for n, v in summary.items() if v.get("hybrid")}
+    if not done:
+        return []
+    rows = []
+    for name, v in done.items():
+        h, c, t = v["hybrid"], v["comm"], v["textbook"] or {}
+        counted = v.get("traffic_counted", True)
+        kind = lambda k: fmt_mib(c.get(f"comm_{k}_bytes", 0)) if counted else "-"  # noqa: E731
+        ref = v.get("vs_reference")
+        rows.append([name, f"{h['replicas']} x {h['shards']}", "yes" if h["offload"] else "no",
+                     f"{fmt_ratio(ref)} vs {v['reference']}" if v["reference"] else "-",
+                     f"{1 / ref['median']:.2f}x" if ref else "-",
+                     fmt_mib(v["state_bytes"]), fmt_mib(v.get("host_state_bytes")),
+                     kind("all_gather"), kind("reduce_scatter"), kind("all_reduce"),
+                     fmt_mib(t.get("across_bytes"))])
+    return ["", "## Hybrid sharding and offload (rank 0, per optimizer step)", "",
+            *table(["variant", "replica groups x shards", "offload", "step time vs reference",
+                    "speed vs reference", "device state MiB", "host state MiB",
+                    "all-gather MiB", "reduce-scatter MiB", "all-reduce MiB",
+                    "textbook across MiB"], rows, "lll" + "r" * 8),
+            "", "- speed vs reference: the reference's step time over this variant's (1 / the "
+            "median ratio); the goal is at least 0.95x.",
+            "- device / host state: parameters, gradients and AdamW state at the end of a step "
+            "on the device (`state_bytes`) and in host memory (`host_state_bytes`: offload). On "
+            "CPU both are host memory; the split is what a GPU run would hold where.",
+            "- all-gather and reduce-scatter run inside a replica group; the all-reduce is the "
+            "gradient shards' across the groups (plus the norm's 4-byte scalar); textbook "
+            "across: one fp32 gradient shard, 4 bytes x params / shards (a ring sends 2(R-1)/R "
+            "of it). PyTorch's FSDP2 sends through its own code: not counted."]
+
+
 def compilation(summary):
     done = {n: v for n, v in summary.items() if v.get("compile")}
     if not done:
@@ -262,7 +296,7 @@ def markdown(cmd, settings, summary, skipped, jobs, chart):
     lines = [*header(f"Benchmark: {s['model']} model, {s['nproc']} ranks", cmd, details, s),
              *step_time(summary), *communication(summary), *activations(summary),
              *pipelines(summary), *tensor_parallel(summary), *context_parallel(summary),
-             *compilation(summary),
+             *hybrid(summary), *compilation(summary),
              *left_out(skipped, jobs),
              "", f"![step time and traffic]({chart})" if chart else
              "(no chart: matplotlib is not installed)", ""]

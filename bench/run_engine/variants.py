@@ -178,6 +178,29 @@ def compile_variants():
 
 VARIANTS += compile_variants()
 
+
+
+def hybrid_variants():
+    """Hybrid sharding and offload on 4 ranks, each against PyTorch's FSDP2 doing the same:
+    own ZeRO-3 in 2 replica groups of 2 (`parallel.dp_replicate=2`) against FSDP2 on a 2-D
+    replicate x shard mesh, and own ZeRO-3 with its shard's state in host memory
+    (`parallel.offload=true`) against FSDP2 with CPUOffloadPolicy."""
+    fsdp3, hsdp, off = ("parallel.dp=fsdp", "parallel.zero_stage=3"), ("parallel.dp_replicate=2",), \
+        ("parallel.offload=true",)
+    return [
+        Variant("torch_hsdp", ("parallel.dp=torch_fsdp",) + hsdp, ranks=4, zero_stage=3,
+                note="PyTorch FSDP2, 2-D mesh: 2 replica groups x 2 shards (reference)"),
+        Variant("hsdp3", fsdp3 + hsdp, ranks=4, reference="torch_hsdp", zero_stage=3,
+                note="own ZeRO-3 in 2 replica groups of 2: gradient shards all-reduced across"),
+        Variant("torch_fsdp_offload", ("parallel.dp=torch_fsdp",) + off, ranks=4, zero_stage=3,
+                note="PyTorch FSDP2 with CPUOffloadPolicy (reference)"),
+        Variant("fsdp3_offload", fsdp3 + off, ranks=4, reference="torch_fsdp_offload",
+                zero_stage=3, note="own ZeRO-3, shard, gradient and AdamW state on the host"),
+    ]
+
+
+VARIANTS += hybrid_variants()
+
 BY_NAME = {v.name: v for v in VARIANTS}
 
 # each preset starts with `single`: every ratio "vs single" needs it in the same round
@@ -207,6 +230,8 @@ PRESETS = {
     # per-block against whole-model compilation (run with --model baby, nanoGPT's config)
     "compile_scope": ["single", "single_compiled", "single_compiled_model", "single_1t",
                       "single_1t_compiled", "single_1t_compiled_model"],
+    # hybrid sharding and offload against FSDP2's, on 4 ranks (run with --nproc 4)
+    "hsdp": ["single", "torch_hsdp", "hsdp3", "torch_fsdp_offload", "fsdp3_offload"],
     # (compiled variants only on request: each job pays inductor's start-up, tens of seconds)
     "all": [v.name for v in VARIANTS if v.name != "single_1t" and "compiled" not in v.name],
 }

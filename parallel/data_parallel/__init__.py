@@ -9,6 +9,8 @@ grid.grad_group.
     ring.py        our ring all-reduce over point-to-point sends (parallel.allreduce=ring)
     fsdp.py        ZeRO stages 1-3 (parallel.zero_stage) over flat units
     fsdp_units.py  the flat, padded, sharded buffers fsdp gathers, frees and reduce-scatters
+    hybrid.py      HSDP (parallel.dp_replicate): the gradient shards' mean across replica groups
+    offload.py     parallel.offload: a unit's shard of master weights and gradient in host memory
 
 May import: parallel/'s root files (strategy, placement, comm, grid, model_plan) and errors.
 """

@@ -26,6 +26,14 @@ Per optimizer step each rank communicates (Φ = parameters, k = grad_accum):
 - `parallel.reduce_dtype=bf16`: the reduce-scatters send a bf16 copy of the
   gradient (half the bytes) and the averaged shard is added back in fp32;
   the parameter all-gathers stay fp32 (they carry the master weights).
+- `parallel.dp_replicate=R` (hybrid sharding, data_parallel/hybrid.py): all of the
+  above inside a replica group of N = dp x cp ranks (grid.shard_group), plus, once
+  per step after the last backward, one all-reduce of each unit's gradient shard
+  with the R-1 ranks holding the same shard (grid.dp_replicate_group).
+- `parallel.offload=true` (data_parallel/offload.py): the shard's master weights,
+  gradient and AdamW state in host memory, the step on the host; the same
+  collectives, plus a device-host copy of each reduced gradient shard and one of
+  each updated shard back.
 """
 
 from contextlib import contextmanager
@@ -36,13 +44,16 @@ import torch.distributed as dist
 from parallel.data_parallel.naive import REDUCE_DTYPES
 from parallel import model_plan as plan
 from parallel.data_parallel.fsdp_units import FlatUnit
-from parallel.grid import GRAD_DIMS
+from parallel.data_parallel.hybrid import ReplicaMean
+from parallel.grid import SHARD_DIMS
 from parallel.placement import Region, writer_among
 from parallel.strategy import Strategy
 
 
 class FSDP(Strategy):
     name = "fsdp"
+    hybrid_shards = True
+    offloads = True
 
     @classmethod
     def refuse(cls, cfg, sizes):
@@ -60,7 +71,9 @@ class FSDP(Strategy):
         self.canonical = dict(self.module.named_parameters())  # TP-local; the tied weight once
         groups = self.module.optim_groups(0.0)
         group_of = {n: g for g, grp in enumerate(groups) for n in grp["params"]}
-        N, r = grid.grad_size, grid.grad_rank  # shards over the ranks that average gradients
+        # shards over the ranks that average gradients, within one replica group (HSDP)
+        N, r = grid.shard_size, grid.shard_rank
+        self.offload = cfg.offload
 
         # one unit per block (of this pipeline stage), then the root: everything outside
         # the blocks (the token embedding is the LM head's weight: one parameter of one
@@ -73,11 +86,15 @@ class FSDP(Strategy):
         own = [[plan.TIED]] if self.pipeline and plan.TIED in root else []
         root = [n for n in root if [n] not in own]
         self.units = [FlatUnit([(n, self.canonical[n]) for n in names], group_of, r, N,
-                               self.stage, grid.grad_group)
+                               self.stage, grid.shard_group, self.device, cfg.offload)
                       for names in names_per_block + own + [root] if names]
         self.blocks, self.root = self.units[:len(names_per_block)], self.units[-1]
         for unit in self.units:  # one dp rank sends nothing: no rounding to bf16 either
             unit.reduce_dtype = REDUCE_DTYPES[cfg.reduce_dtype] if N > 1 else unit.full.dtype
+        # HSDP: the mean of each gradient shard across the replica groups, once a step
+        self.replicas = ReplicaMean(grid.dp_replicate_group, grid.dp_replicate_size, self.comm,
+                                    self.device, REDUCE_DTYPES[cfg.reduce_dtype]) \
+            if grid.dp_replicate_size > 1 else None
         self._chunk_units = self._units_per_chunk()
         self._regions = None
         self._ready = {}        # unit -> gradient hooks fired in the current backward
@@ -85,6 +102,7 @@ class FSDP(Strategy):
         self._register_grad_hooks()
         if self.stage == 3:
             self._register_unit_hooks()
+        self.materialize()  # this rank's shard of the initial weights (stages 1-2: all of them)
 
     # ------------------------------------------------ hooks: gradients ready -> reduce
 
@@ -124,6 +142,18 @@ class FSDP(Strategy):
             work.wait()
             finish()
         self._pending = []
+        for unit in units:  # offload: this backward's gradient shards, added on the host
+            unit.land_grads()
+
+    def sync_gradients(self):
+        """HSDP, after the step's last backward: each unit's gradient shard (accumulated
+        over the micro-steps) averaged with its replicas', all launched, then waited."""
+        if self.replicas is None:
+            return
+        launched = [self.replicas.start(u.grad_shard, staged=self.offload) for u in self.units]
+        for work, finish in launched:
+            work.wait()
+            finish()
 
     # ------------------------------------------------ hooks: stage 3 gathers and frees
 
@@ -173,10 +203,12 @@ class FSDP(Strategy):
         # optimizer's parameter indices
         self.pieces = [[(u, a, b, t) for u in self.units for g, a, b, t in u.pieces if g == gi]
                        for gi in range(len(groups))]
+        # offloaded pieces are host tensors: torch's fused CPU AdamW steps on them
         self.optimizer = torch.optim.AdamW(
             [{"params": [t for *_, t in ps], "weight_decay": g["weight_decay"]}
              for ps, g in zip(self.pieces, groups)],
-            lr=tcfg.lr, betas=(tcfg.beta1, tcfg.beta2), weight_decay=tcfg.weight_decay)
+            lr=tcfg.lr, betas=(tcfg.beta1, tcfg.beta2), weight_decay=tcfg.weight_decay,
+            **({"fused": True} if self.offload else {}))
 
     def _units_per_chunk(self):
         """{pipeline chunk (None without a pipeline): the units its backward touches}."""
@@ -200,6 +232,8 @@ class FSDP(Strategy):
         """Count gradient hooks per unit during one backward; units whose hooks did not
         all fire are reduced after it (a parameter without gradient counts as zeros)."""
         units = self._chunk_units[chunk]
+        for u in self.units:  # every unit at once: a chunk's backward may reach a unit
+            u.allocate_grads()  # another chunk's scope reduces (stage 1 under zbv)
         self._ready = {u: 0 for u in units}
         self._last_micro = last
         yield
@@ -209,19 +243,25 @@ class FSDP(Strategy):
         return [t.grad for ps in self.pieces for *_, t in ps]  # shards only: no padding
 
     def norm_group(self):
-        # gradient elements differ across the shards, stages and TP ranks
-        return self.sharded_group(*GRAD_DIMS, "pp", "tp")
+        # gradient elements differ across the shards, stages and TP ranks (and are the
+        # same on every replica group: counted once)
+        return self.sharded_group(*SHARD_DIMS, "pp", "tp")
 
     def optimizer_step(self, lr):
         for group in self.optimizer.param_groups:
             group["lr"] = lr
+        for u in self.units:
+            u.before_update()
         self.step_optimizer()
+        for u in self.units:  # offload: the updated master weights back to the device
+            u.push_params()
         if self.stage < 3:  # replicated parameters: everyone's updated shard to everyone
             for work in [u.refresh_full(self.comm) for u in self.units]:
                 work.wait()
         opt = sum(v.numel() * v.element_size() for s in self.optimizer.state.values()
                   for v in s.values() if torch.is_tensor(v))
-        self.last_state_bytes = opt + sum(u.resident_bytes() for u in self.units)
+        self.last_state_bytes = sum(u.device_bytes() for u in self.units) + (0 if self.offload else opt)
+        self.last_host_state_bytes = sum(u.host_bytes() for u in self.units) + (opt if self.offload else 0)
         for u in self.units:
             u.zero_grads()
 
@@ -248,7 +288,9 @@ class FSDP(Strategy):
                 placement = self.placements[name]
                 writes = ((not placement.tp_replicated
                            or writer_among(name, g.tp_size) == g.tp_rank)
-                          and placement.tied != "last")
+                          and placement.tied != "last"
+                          # HSDP: of the replica groups' identical shards, one writes
+                          and writer_among(name, g.dp_replicate_size) == g.dp_replicate_rank)
                 self._regions.append(Region(placement, a, b, piece, start - pa, writes=writes,
                                             in_norm=placement.counted_in_norm(g.tp_rank)))
         return self._regions
@@ -257,7 +299,21 @@ class FSDP(Strategy):
     def load_shards(self, reader):
         """Read only this rank's ranges; stages 1-2 then all-gather the replicated
         parameters from everyone's shard (not training traffic: uncounted)."""
+        for u in self.units:
+            u.before_update()
         super().load_shards(reader)
+        self._gather_after_load()
+
+    @torch.no_grad()
+    def materialize(self):
+        """The initial weights as a snapshot is loaded: this rank's shard, then (stages
+        1-2) everyone's gathered."""
+        super().materialize()
+        self._gather_after_load()
+
+    def _gather_after_load(self):
+        for u in self.units:  # offload: what was loaded into the host's master, to the device
+            u.push_params()
         if self.stage < 3:
             with self.comm.uncounted():
                 for work in [u.refresh_full(self.comm) for u in self.units]:

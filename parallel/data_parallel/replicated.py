@@ -4,6 +4,7 @@ torch_pp references, which wrap it). They differ only in how gradients get avera
 
 from contextlib import nullcontext
 
+from parallel.initial import allocate
 from parallel.placement import Region, writer_among
 from parallel.strategy import Strategy, build_adamw, resident_bytes
 
@@ -19,6 +20,8 @@ class ReplicatedStrategy(Strategy):
     def __init__(self, local, grid, cfg):
         super().__init__(local, grid, cfg)
         self._regions = None
+        allocate(self.module, self.device)  # the whole (TP-local) stage: a replica's share
+        self.materialize()
 
     def no_sync(self, last_micro_step):
         return nullcontext()

@@ -13,14 +13,20 @@ A reference only, so snapshots simply gather: full canonical tensors, each
 written by one rank (our fsdp writes and reads its own shard ranges instead).
 With tensor parallelism (parallel.tp > 1) it is refused (`refuse`): PyTorch
 composes FSDP2 with its own DTensor TP, not with ours.
+
+It is also the reference for hybrid sharding and offload: `parallel.dp_replicate=R`
+shards over a 2-D mesh (replicate x shard: FSDP2's HSDP, grid.dp_replicate_group x
+grid.shard_group), and `parallel.offload=true` passes FSDP2's CPUOffloadPolicy
+(pinned on CUDA): sharded parameters, gradients and AdamW's state in host memory.
 """
 
 import torch
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.fsdp import fully_shard
+from torch.distributed.fsdp import CPUOffloadPolicy, fully_shard
 from torch.distributed.tensor import DTensor, distribute_tensor
 
 from parallel import model_plan as plan
+from parallel.grid import DIMS, GRAD_DIMS
 from parallel.data_parallel.replicated import ReplicatedStrategy
 from parallel.reference import refuse_own_options
 from parallel.reference.torch_ddp import refuse_under_pipeline
@@ -37,6 +43,8 @@ def _full(t):
 
 class TorchFSDP(ReplicatedStrategy):
     name = "torch_fsdp"
+    hybrid_shards = True  # a 2-D mesh
+    offloads = True       # CPUOffloadPolicy
 
     @classmethod
     def refuse(cls, cfg, sizes):
@@ -50,11 +58,15 @@ class TorchFSDP(ReplicatedStrategy):
 
     def __init__(self, local, grid, cfg):
         super().__init__(local, grid, cfg)
-        mesh = DeviceMesh.from_group(grid.grad_group, self.device.type)
+        mesh = data_parallel_mesh(grid)
+        self.offload = cfg.offload
+        kw = {"reshard_after_forward": cfg.reshard_after_forward}
+        if cfg.offload:
+            kw["offload_policy"] = CPUOffloadPolicy(pin_memory=self.device.type == "cuda")
         blocks = [block for _, block in plan.blocks(self.module)]
         for block in blocks:
-            fully_shard(block, mesh=mesh, reshard_after_forward=cfg.reshard_after_forward)
-        fully_shard(self.module, mesh=mesh, reshard_after_forward=cfg.reshard_after_forward)
+            fully_shard(block, mesh=mesh, **kw)
+        fully_shard(self.module, mesh=mesh, **kw)
         if cfg.prefetch:  # explicit one-unit-ahead prefetch, as in our fsdp
             for i, block in enumerate(blocks):
                 block.set_modules_to_forward_prefetch(blocks[i + 1:i + 2])
@@ -74,7 +86,9 @@ class TorchFSDP(ReplicatedStrategy):
         self.step_optimizer()
         tensors = [t for p in self.module.parameters() for t in (p, p.grad) if t is not None]
         tensors += [v for s in self.optimizer.state.values() for v in s.values() if torch.is_tensor(v)]
-        self.last_state_bytes = sum(_local(t).numel() * _local(t).element_size() for t in tensors)
+        state = sum(_local(t).numel() * _local(t).element_size() for t in tensors)
+        # offloaded: all of it in host memory (the device holds gathered units only)
+        self.last_state_bytes, self.last_host_state_bytes = (0, state) if self.offload else (state, 0)
         self.optimizer.zero_grad(set_to_none=True)
 
     # snapshots: full canonical tensors out (rank r writes every world-th key), this
@@ -97,10 +111,26 @@ class TorchFSDP(ReplicatedStrategy):
         state = {n: reader.read_full(f"model/{n}") for n in params}
         check_state_names(params, state, "snapshot model state")
         for name, p in params.items():
-            p.copy_(distribute_tensor(state[name].to(self.device), p.device_mesh, p.placements))
+            p.to_local().copy_(self._shard_of(state[name], p))
         for name, fields in optimizer_state_from(reader).items():
             p = params[name]
             self.optimizer.state[p] = {
                 k: v.reshape(()).clone() if k == "step" else
-                distribute_tensor(v.to(self.device), p.device_mesh, p.placements)
+                DTensor.from_local(self._shard_of(v, p).to(_local(p).device), p.device_mesh,
+                                   p.placements)
                 for k, v in fields.items()}
+
+    def _shard_of(self, full, p):
+        """This rank's local part of canonical `full` as parameter p is sharded."""
+        return distribute_tensor(full.to(self.device), p.device_mesh, p.placements).to_local()
+
+
+def data_parallel_mesh(grid):
+    """The ranks averaging gradients as FSDP2's mesh: 1-D over grid.grad_group, or with
+    replica groups (HSDP) 2-D, replicate x shard, the ranks laid out as in the grid."""
+    if grid.dp_replicate_size == 1:
+        return DeviceMesh.from_group(grid.grad_group, grid.device.type)
+    mine = tuple(slice(None) if d in GRAD_DIMS else grid.coords[d] for d in DIMS)
+    ranks = grid.ranks[mine].reshape(grid.dp_replicate_size, grid.shard_size)
+    return DeviceMesh.from_group([grid.dp_replicate_group, grid.shard_group], grid.device.type,
+                                 mesh=ranks, mesh_dim_names=("replicate", "shard"))
