@@ -90,21 +90,20 @@ def test_every_group_of_the_grid_gets_the_timeout_and_gpus_split_once_per_dimens
     grid = ProcessGrid({"dp": 2, "pp": 2, "tp": 2}, torch.device("cpu"), timeout_s=7)
     timeout = datetime.timedelta(seconds=7)
     assert fake.new_groups[-1] == (None, timeout, "gloo")  # the host group
-    lines = {"dp": [[0, 4], [1, 5], [2, 6], [3, 7]], "pp": [[0, 2], [1, 3], [4, 6], [5, 7]],
-             "tp": [[0, 1], [2, 3], [4, 5], [6, 7]], "grad": [[0, 4], [1, 5], [2, 6], [3, 7]]}
+    lines = {"ones": [[r] for r in range(8)], "dp": [[0, 4], [1, 5], [2, 6], [3, 7]],
+             "pp": [[0, 2], [1, 3], [4, 6], [5, 7]], "tp": [[0, 1], [2, 3], [4, 5], [6, 7]]}
+    # DIMS in order, each group made once: dp_replicate and cp have size 1 (lines of one
+    # rank, made for the first and reused), and grad_group (dp_replicate x dp x cp) and
+    # shard_group (dp x cp) are dp's
+    order = ("ones", "dp", "pp", "tp")
     if splits:
-        # dp, pp, cp (size 1: lines of one rank), tp, then grad_group (dp x cp)
-        assert [s for s, _ in fake.split_groups] == [lines["dp"], lines["pp"],
-                                                      [[r] for r in range(8)], lines["tp"],
-                                                      lines["grad"]]
+        assert [s for s, _ in fake.split_groups] == [lines[d] for d in order]
         assert all(t == timeout for _, t in fake.split_groups)
         assert fake.new_groups == [(None, timeout, "gloo")]
         assert grid.tp_group == ("split", (4, 5)) and grid.dp_group == ("split", (1, 5))
     else:
         made = [(r, t) for r, t, _ in fake.new_groups[:-1]]
-        assert made == [(line, timeout) for d in ("dp", "pp") for line in lines[d]] + \
-            [([r], timeout) for r in range(8)] + \
-            [(line, timeout) for d in ("tp", "grad") for line in lines[d]]
+        assert made == [(line, timeout) for d in order for line in lines[d]]
         assert grid.tp_group == ("group", (4, 5)) and grid.pp_group == ("group", (5, 7))
 
 
