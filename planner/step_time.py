@@ -85,12 +85,20 @@ def _count(w, L, st, dim, kind, payload):
     return 1
 
 
-def rank_params(w: Workload, L: Layout, fig: dict) -> int:
-    """Elements the fullest rank's optimizer updates: its stage's (its shard under ZeRO)."""
-    st = stage(w, L, fig["pp_rank"])
+def rank_params(w: Workload, L: Layout, p: int, r: int) -> int:
+    """Elements rank (p, r)'s optimizer updates: its stage's (its shard under ZeRO)."""
+    st = stage(w, L, p)
     if L.dp_kind == "fsdp":
-        return sum(sum(shard_pieces(u, fig["dp_rank"]).values()) for u in units(st, L, L.shards))
+        return sum(sum(shard_pieces(u, r).values()) for u in units(st, L, L.shards))
     return sum(q.numel for q in st.params)
+
+
+def slowest_stage(w: Workload, L: Layout, fig: dict, machine, flash: bool) -> dict:
+    """The compute of the pipeline stage that takes longest (it sets every stage's pace:
+    the last one also runs the LM head and the loss), by kind (efficiency.compute_seconds)."""
+    stages = [compute_seconds(w, L, p, machine, rank_params(w, L, p, fig["dp_rank"]), flash)
+              for p in range(L.pp)]
+    return max(stages, key=lambda kinds: sum(kinds.values()))
 
 
 def model_flops(w: Workload) -> float:
@@ -103,9 +111,9 @@ def model_flops(w: Workload) -> float:
 def step_time(w: Workload, L: Layout, fig: dict, machine, pcfg) -> dict:
     """Milliseconds of one optimizer step on the fullest rank, by part, and its MFU:
 
-    - compute: the fullest rank's kernels (planner/efficiency.py: matrix products at a
-      size-dependent efficiency, fused attention, element-wise work and the optimizer at
-      memory bandwidth, a launch at least per kernel); `plan.mfu` > 0 overrides it with
+    - compute: the slowest pipeline stage's kernels (planner/efficiency.py: matrix
+      products at a size-dependent efficiency, fused attention, element-wise work and the
+      optimizer at memory bandwidth, a launch at least per kernel); `plan.mfu` > 0 overrides it with
       the model's FLOPs (x 4/3 under checkpointing) over the world at that share of peak;
     - bubble: compute stretched by the schedule's idle share b: compute x b / (1 - b);
     - each group's collectives (traffic.py's bytes) at the link it crosses (a group spans
@@ -126,8 +134,7 @@ def step_time(w: Workload, L: Layout, fig: dict, machine, pcfg) -> dict:
         compute = model_flops(w) / world * (4 / 3 if L.ckpt else 1) / (peak * pcfg.mfu)
         backward = compute * 2 / 3 / (L.grad_accum * L.M)
     else:
-        kinds = compute_seconds(w, L, fig["pp_rank"], machine, rank_params(w, L, fig),
-                                pcfg.flash_attention)
+        kinds = slowest_stage(w, L, fig, machine, pcfg.flash_attention)
         compute = sum(kinds.values())
         backward = (compute - kinds["optimizer"]) * (2 / 3) / (L.grad_accum * L.M)
     b = bubble(L.schedule, L.pp, L.M, L.V)
