@@ -141,6 +141,22 @@ def test_step_time_bubble_is_the_simulators_idle_share(schedule):
             f"{schedule} P={P} M={M} V={V}: bubble {share:.6f} of compute + bubble, simulator {idle:.6f}"
     print(f"{schedule}: {len(cases)} (P, M, V), bubble shares equal the simulator's")
 
+
+@pytest.mark.parametrize("schedule,P,M,V", [("gpipe", 8, 520, 1), ("1f1b", 8, 520, 1),
+                                            ("interleaved", 8, 264, 2), ("zb1p", 8, 520, 1),
+                                            ("zbv", 8, 264, 2)])
+def test_long_pipelines_bubble_is_the_simulators_too(schedule, P, M, V):
+    """Past P x M x V = 4096 the model takes the bubble from closed forms instead of running
+    the simulator: they must be its idle share too (interleaved: (P-1) / (V M + P-1), not
+    the 1F1B bubble over V; zbv: (P-1) / (3 V M + P-1))."""
+    from parallel.pipeline_parallel.simulator import unit_time
+    from planner.step_time import bubble
+    assert P * M * V > 4096
+    idle = unit_time(schedule, P, M, V)[1]
+    got = bubble(schedule, P, M, V)
+    print(f"{schedule} P={P} M={M} V={V}: model {got:.6f}, simulator {idle:.6f}")
+    assert abs(got - idle) <= 1e-9 * idle, (got, idle)
+
 def plan_command(tmp_path, *overrides, timeout=120):
     cmd = [sys.executable, os.path.join(REPO, "main.py"), "mode=plan", *overrides]
     return run_tree(cmd, timeout, f"mode=plan {overrides}", cwd=str(tmp_path), env=job_env())
@@ -173,6 +189,57 @@ def test_plan_command_ranks_layouts_and_writes_every_one(tmp_path):
                  if k.startswith(("parallel.", "trainer."))]
     load_config(["config=" + os.path.join(REPO, "configs", "gpt2-124m.yaml")] + overrides, 16)
 
+
+
+def test_a_small_model_is_not_split_and_fewer_gpus_are_named(capsys):
+    """The default model (4 x 128, 0.8M parameters) on 4 nodes of 8 H100s, in process: its
+    kernels are bound by launches, not FLOPs, so splitting it (tp, pp, cp) only adds
+    collectives: the first choice has tp = pp = cp = 1, and the plan says that fewer
+    GPUs would be as fast (within 5%)."""
+    from config import load_config
+    from planner.report import plan
+    best = plan(load_config(["mode=plan", "plan.nodes=4", "plan.gpus_per_node=8",
+                             "plan.gpu=H100-80GB", "plan.top=3"], 1))
+    out = capsys.readouterr().out
+    print(out)
+    L = best["layout"]
+    assert (L.tp, L.pp, L.cp) == (1, 1, 1), L.name()
+    fewer = re.search(r"fewer GPUs would be as fast: (\d+) \(.*\) at ([\d.]+) ms a step against "
+                      r"([\d.]+) on 32", out)
+    assert fewer and int(fewer.group(1)) < 32, out
+    assert float(fewer.group(2)) <= 1.05 * float(fewer.group(3))
+
+
+def test_plan_search_false_evaluates_exactly_the_configured_layout(tmp_path):
+    """`plan.search=false`: one layout, the one the parallel.* and trainer.* keys give (no
+    search, its grad_accum kept), printed part by part with its MFU and memory per rank,
+    and written to plan.out under the run's keys."""
+    out = tmp_path / "one.json"
+    keys = ["parallel.dp=fsdp", "parallel.zero_stage=1", "parallel.dp_replicate=2", "parallel.tp=2",
+            "parallel.sequence_parallel=true", "parallel.pp=2", "parallel.pp_schedule=interleaved",
+            "parallel.pp_virtual_stages=2", "parallel.microbatches=4", "trainer.grad_accum=2",
+            "trainer.activation_checkpointing=true"]
+    result = plan_command(tmp_path, "config=" + os.path.join(REPO, "configs", "gpt2-124m.yaml"),
+                          "plan.search=false", "plan.nodes=2", "plan.gpus_per_node=8",
+                          "plan.gpu=A100-80GB", "trainer.precision=bf16", "trainer.batch_size=512",
+                          f"plan.out={out}", *keys)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    text = result.stdout
+    print(text)
+    assert "layout: dp2x2 tp2sp pp2 fsdp1 interleaved V2 M4 ga2 ckpt on 16 GPUs\n" in text
+    assert re.search(r"step [\d.]+ ms, MFU [\d.]+%", text)
+    for part in ("compute", "pipeline bubble", "TP collectives", "pipeline sends",
+                 "exposed gradient sync"):
+        assert re.search(rf"^  {part} +[\d.e+-]+ ms$", text, re.M), part
+    assert re.search(r"memory per rank .*: state [\d.]+ GB \+ activations [\d.]+ GB, needs", text)
+    assert "rank  layout" not in text  # no ranking table: nothing was searched
+    import json
+    items = json.loads(out.read_text())
+    assert len(items) == 1
+    got = {k: v for k, v in items[0].items() if k.startswith(("parallel.", "trainer."))}
+    for kv in keys:
+        k, v = kv.split("=")
+        assert str(got[k]).lower() == v, (k, got[k], v)
 
 
 def readme_plan_example():
