@@ -77,7 +77,9 @@ def hybrid_and_offloaded(cfg, w, rows, gpu, world):
       replica groups of one node's ranks instead (R the fewest groups that fit in a node;
       all-gathers and reduce-scatters on the fast links, one all-reduce across nodes),
       kept if its step is faster;
-    - offload (parallel.offload): a layout that does not fit, kept if offloaded it fits."""
+    - offload (parallel.offload): a layout that does not fit, kept if offloaded it fits.
+    Hook for issue 33's fault-tolerant replica groups (torchft): a third variant here,
+    HSDP's replica groups with their cross-group all-reduce priced as "dpr" is."""
     G, out = cfg.plan.gpus_per_node, []
     for row in rows:
         L = row["layout"]

@@ -255,16 +255,17 @@ def readme_plan_example():
 
 
 def test_plan_breaks_ties_by_bytes_moved_then_memory(tmp_path, capsys):
-    """Equal predicted step times (compute-bound layouts whose gradient sync hides under
-    the backward) rank by the bytes a step moves, then memory: in process, the example of
-    docs/planner.md (GPT-2 small on 2 x 8 A100s) ranks as the page shows it (dp16 ddp_bucket
-    before dp16 fsdp3, which moves 2.7 x the bytes for the same time), and every pair of
-    ranked layouts in plan.out is in (step_ms, comm_bytes, memory_bytes) order, with ties
-    in step time that the bytes decide among them."""
+    """Layouts are ranked by predicted step time, then by the bytes a step moves, then by
+    memory: in process, the example of docs/planner.md (GPT-2 small on 2 x 8 A100s) ranks
+    as the page shows it (dp16 fsdp3 first: ZeRO-3's sharded optimizer step is shorter
+    than ddp_bucket's, its gathers hide behind compute), and every pair of ranked layouts
+    in plan.out is in (step_ms, comm_bytes, memory_bytes) order, with ties in step time
+    (fsdp stages 1 and 2 of one layout, whose optimizer shards are the same) that the
+    bytes or the memory decide."""
     from config import load_config
     from planner.report import plan
     overrides, readme_layouts = readme_plan_example()
-    assert "mode=plan" in overrides and readme_layouts[:2] == ["dp16 ddp_bucket", "dp16 fsdp3"]
+    assert "mode=plan" in overrides and readme_layouts[:2] == ["dp16 fsdp3", "dp16 ddp_bucket"]
     out = tmp_path / "plan.json"
     overrides = [("config=" + os.path.join(REPO, o.split("=", 1)[1])) if o.startswith("config=")
                  else o for o in overrides if not o.startswith("plan.out=")] + [f"plan.out={out}"]
@@ -276,9 +277,9 @@ def test_plan_breaks_ties_by_bytes_moved_then_memory(tmp_path, capsys):
     keys = [(o["step_ms"], o["comm_bytes"], o["memory_bytes"]) for o in ranked]
     for i, (a, b) in enumerate(zip(keys, keys[1:])):
         assert a <= b, f"rank {i + 1} {ranked[i]['layout']} {a} before rank {i + 2} {ranked[i + 1]['layout']} {b}"
-    decided = sum(a[0] == b[0] and a[1] != b[1] for a, b in zip(keys, keys[1:]))
-    assert decided > 0 and keys[0][0] == keys[1][0]
-    print(f"{len(ranked)} layouts ranked, {decided} adjacent ties in step time decided by bytes moved")
+    decided = sum(a[0] == b[0] and a[1:] != b[1:] for a, b in zip(keys, keys[1:]))
+    assert decided > 0
+    print(f"{len(ranked)} layouts ranked, {decided} adjacent ties in step time decided by bytes or memory")
 
 def counterpart_key(item):
     """A plan.out layout's keys without hybrid sharding, offload and grad_accum (which the
