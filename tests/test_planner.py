@@ -210,21 +210,23 @@ def test_a_small_model_is_not_split_and_fewer_gpus_are_named(capsys):
     assert float(fewer.group(2)) <= 1.05 * float(fewer.group(3))
 
 
-def test_plan_search_false_evaluates_exactly_the_configured_layout(tmp_path):
-    """`plan.search=false`: one layout, the one the parallel.* and trainer.* keys give (no
-    search, its grad_accum kept), printed part by part with its MFU and memory per rank,
-    and written to plan.out under the run's keys."""
+def test_plan_search_false_evaluates_exactly_the_configured_layout(tmp_path, capsys):
+    """`plan.search=false`, in process: one layout, the one the parallel.* and trainer.*
+    keys give (no search, its grad_accum kept), printed part by part with its MFU and
+    memory per rank, and written to plan.out under the run's keys."""
+    import json
+    from config import load_config
+    from planner.report import plan
     out = tmp_path / "one.json"
     keys = ["parallel.dp=fsdp", "parallel.zero_stage=1", "parallel.dp_replicate=2", "parallel.tp=2",
             "parallel.sequence_parallel=true", "parallel.pp=2", "parallel.pp_schedule=interleaved",
             "parallel.pp_virtual_stages=2", "parallel.microbatches=4", "trainer.grad_accum=2",
             "trainer.activation_checkpointing=true"]
-    result = plan_command(tmp_path, "config=" + os.path.join(REPO, "configs", "gpt2-124m.yaml"),
-                          "plan.search=false", "plan.nodes=2", "plan.gpus_per_node=8",
-                          "plan.gpu=A100-80GB", "trainer.precision=bf16", "trainer.batch_size=512",
-                          f"plan.out={out}", *keys)
-    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
-    text = result.stdout
+    plan(load_config(["config=" + os.path.join(REPO, "configs", "gpt2-124m.yaml"), "mode=plan",
+                      "plan.search=false", "plan.nodes=2", "plan.gpus_per_node=8",
+                      "plan.gpu=A100-80GB", "trainer.precision=bf16", "trainer.batch_size=512",
+                      f"plan.out={out}", *keys], 1))
+    text = capsys.readouterr().out
     print(text)
     assert "layout: dp2x2 tp2sp pp2 fsdp1 interleaved V2 M4 ga2 ckpt on 16 GPUs\n" in text
     assert re.search(r"step [\d.]+ ms, MFU [\d.]+%", text)
@@ -233,7 +235,6 @@ def test_plan_search_false_evaluates_exactly_the_configured_layout(tmp_path):
         assert re.search(rf"^  {part} +[\d.e+-]+ ms$", text, re.M), part
     assert re.search(r"memory per rank .*: state [\d.]+ GB \+ activations [\d.]+ GB, needs", text)
     assert "rank  layout" not in text  # no ranking table: nothing was searched
-    import json
     items = json.loads(out.read_text())
     assert len(items) == 1
     got = {k: v for k, v in items[0].items() if k.startswith(("parallel.", "trainer."))}
@@ -335,7 +336,10 @@ def test_plan_proposes_hsdp_across_nodes_where_it_wins_and_offload_where_nothing
     (["model.n_layer=48", "model.n_head=25", "model.n_embd=1600", "plan.gpus_per_node=1",
       "plan.gpu=L4", "plan.gpu_memory_gb=16"], "no layout fits in 16 GB per GPU on 1 GPUs"),
     (["plan.nodes=0"], "plan.nodes=0 and plan.gpus_per_node=8 must be >= 1"),
-], ids=["unknown-gpu", "does-not-fit", "no-nodes"])
+    (["plan.search=false", "parallel.dp=ddp_naive"],
+     "plan.search=false models parallel.dp=single, ddp_bucket or fsdp, not 'ddp_naive'"),
+    (["plan.search=false", "parallel.tp=3"], "plan.search=false: tp x pp x cp = 3 does not divide"),
+], ids=["unknown-gpu", "does-not-fit", "no-nodes", "search-false-strategy", "search-false-degrees"])
 def test_plan_bad_input_is_one_line_and_status_2(tmp_path, overrides, message):
     result = plan_command(tmp_path, *overrides)
     assert result.returncode == 2, result.stdout[-2000:] + result.stderr[-2000:]
