@@ -84,4 +84,5 @@ def machine(pcfg) -> Machine:
                    pcfg.intra_node_gbps or m.intra_node_gbps,
                    pcfg.inter_node_gbps or m.inter_node_gbps,
                    pcfg.pcie_gbps or m.pcie_gbps, pcfg.host_gbps or m.host_gbps,
-                   pcfg.hbm_gbps or m.hbm_gbps, m.intra_latency_us, m.inter_latency_us)
+                   pcfg.hbm_gbps or m.hbm_gbps, pcfg.intra_latency_us or m.intra_latency_us,
+                   pcfg.inter_latency_us or m.inter_latency_us)

@@ -46,8 +46,10 @@ def check(cfg, gpu):
         raise UserError(f"plan.gpu={gpu.name} has no {cfg.trainer.precision} peak (it has "
                         f"{', '.join(gpu.peak)}): set trainer.precision or plan.peak_*_tflops")
     if min(p.gpu_memory_gb, p.peak_bf16_tflops, p.peak_fp32_tflops, p.intra_node_gbps,
-           p.inter_node_gbps, p.pcie_gbps, p.host_gbps, p.hbm_gbps) < 0 or p.top < 1:
-        raise UserError("plan.gpu_memory_gb, plan.peak_*_tflops and plan.*_node_gbps must be >= 0 "
+           p.inter_node_gbps, p.pcie_gbps, p.host_gbps, p.hbm_gbps, p.intra_latency_us,
+           p.inter_latency_us) < 0 or p.top < 1:
+        raise UserError("plan.gpu_memory_gb, plan.peak_*_tflops, plan.*_gbps and plan.*_latency_us "
+                        "must be >= 0 "
                         "(0 = the preset's), plan.top >= 1")
 
 
