@@ -76,8 +76,12 @@ def _count(w, L, st, dim, kind, payload):
     """How many collectives of (dim, kind) carry `payload` per step (their latencies)."""
     passes = L.grad_accum * L.M
     layers = sum(st.layers.values())
-    if dim == "tp":
-        return passes * (4 * layers + st.first + 4 * st.last) if payload > 4 * w.n_embd else 1
+    if dim == "tp":  # Megatron's f and g per layer and pass (+ embedding, LM head input)
+        per_layer = passes * (4 * layers + st.first + st.last)
+        loss = 3 * passes * st.last  # the vocabulary-parallel loss's three all-reduces
+        if kind != "all_reduce":
+            return per_layer
+        return loss + 1 if L.sp else per_layer + loss  # SP: + the replicated gradients' sum
     if dim == "cp":
         return passes * layers * 3 * (L.cp - 1)
     if dim in ("dp", "dpr"):
