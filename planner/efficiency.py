@@ -124,6 +124,8 @@ def compute_seconds(w: Workload, L: Layout, p: int, machine, params: int,
 
 
 def hops(kind, n):
+    """Latency steps of one collective over n ranks: a tree's depth each way for an
+    all-reduce, once for a gather or scatter, one for a send."""
     if kind == "send":
         return 1
     depth = max(1, math.ceil(math.log2(max(n, 2))))
