@@ -18,7 +18,9 @@ accounting the runs report in metrics.jsonl:
     stages.py    what a rank holds: its pipeline stage's parameters, fsdp's flat units
     memory.py    per rank: state bytes, activation bytes (per schedule), the peak need
     traffic.py   per rank: bytes each dimension's collectives move, by kind
-    step_time.py per step: the stated time model (compute, bubble, links)
+    efficiency.py the kernels' and collectives' seconds from the shapes (the constants)
+    step_time.py per step: the stated time model (compute, bubble, links), MFU
+    published_runs.py published training runs the time model is checked against
     figures.py   the fullest rank's figures, under metrics.jsonl's names
     report.py    ranking, the table, `plan.out` JSON; `plan(cfg)` is the mode's entry
 

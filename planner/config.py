@@ -15,7 +15,12 @@ class PlanConfig:
     inter_node_gbps: float = 0.0   # GB/s one GPU sends to another node, each way; 0 = the preset's
     pcie_gbps: float = 0.0      # GB/s one GPU copies to or from its host, each way (offload); 0 = the preset's
     host_gbps: float = 0.0      # GB/s of host memory a rank's host-side AdamW gets (offload); 0 = the preset's
-    mfu: float = 0.4            # assumed fraction of peak FLOP/s the matrix products reach
+    intra_latency_us: float = 0.0  # one hop of a collective inside a node, in us; 0 = the preset's
+    inter_latency_us: float = 0.0  # one hop of a collective across nodes, in us; 0 = the preset's
+    hbm_gbps: float = 0.0       # GB/s of the GPU's memory (element-wise work, optimizer); 0 = the preset's
+    mfu: float = 0.0            # 0 = the efficiency model's compute time (MFU is an output); > 0 = assume this MFU
+    flash_attention: bool = True  # fused attention; false = scores materialized (Megatron-LM before FlashAttention)
+    search: bool = True         # false: evaluate only the layout of the parallel.* / trainer.* keys given
     vocab_size: int = 0         # vocabulary planned for; 0 = the tokenizer's (gpt2: 50257; char: data.path's)
     top: int = 10               # rows of the printed table
     out: str = ""               # a JSON file: every layout that runs, its keys and predictions

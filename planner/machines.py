@@ -1,4 +1,5 @@
-"""GPU presets for mode=plan: memory, peak FLOP/s and the two links a group can cross.
+"""GPU presets for mode=plan: memory, peak FLOP/s, memory bandwidth and the two links a
+group can cross.
 
 Peak FLOP/s are telemetry/mfu.py's table (dense tensor-core figures from the vendors'
 data sheets), so the planner assumes the peaks the runs report MFU against. Memory
@@ -23,6 +24,12 @@ Gen3 x16 12, Gen4 25, Gen5 50 GB/s) and the host memory traffic its rank's AdamW
 ~400 GB/s, / 8 = 50; DGX H100's DDR5, ~600 / 8 = 75; DGX-1's DDR4-2400, ~150 / 8 = 19;
 a g2 L4 host 40). Assumed figures: the fused CPU AdamW is taken as bound by memory.
 
+Memory bandwidth (HBM, what element-wise kernels and the optimizer stream at), from the
+same data sheets: A100 40GB SXM 1,555 GB/s, A100 80GB SXM 2,039 GB/s, H100 SXM 3,350
+GB/s, L4 300 GB/s, V100 SXM2 900 GB/s. Per-hop latency of a collective (assumed, the
+order NCCL's own small-message tests show): 3 us over NVLink / NVSwitch, 6 us over
+PCIe, 10 us across nodes (InfiniBand or Ethernet).
+
 Every figure can be overridden by its own key (`plan.gpu_memory_gb`, ...): a cluster
 with another network is one override away.
 """
@@ -42,6 +49,9 @@ class Machine:
     inter_node_gbps: float      # GB/s each way, GPU to another node
     pcie_gbps: float            # GB/s each way, GPU to its host (parallel.offload's copies)
     host_gbps: float            # GB/s of host memory traffic one GPU's rank gets for the host's AdamW
+    hbm_gbps: float             # GB/s of the GPU's own memory (element-wise kernels, the optimizer)
+    intra_latency_us: float     # one hop of a collective inside a node
+    inter_latency_us: float     # one hop across nodes
 
 
 def _peaks(model_name):
@@ -50,11 +60,11 @@ def _peaks(model_name):
 
 
 PRESETS = {m.name: m for m in [
-    Machine("A100-40GB", 40, _peaks("A100"), 300, 25, 25, 50),
-    Machine("A100-80GB", 80, _peaks("A100"), 300, 25, 25, 50),
-    Machine("H100-80GB", 80, _peaks("H100"), 450, 50, 50, 75),
-    Machine("L4", 24, _peaks("L4"), 32, 1.5625, 25, 40),
-    Machine("V100-32GB", 32, _peaks("V100"), 150, 6.25, 12, 19),
+    Machine("A100-40GB", 40, _peaks("A100"), 300, 25, 25, 50, 1555, 3, 10),
+    Machine("A100-80GB", 80, _peaks("A100"), 300, 25, 25, 50, 2039, 3, 10),
+    Machine("H100-80GB", 80, _peaks("H100"), 450, 50, 50, 75, 3350, 3, 10),
+    Machine("L4", 24, _peaks("L4"), 32, 1.5625, 25, 40, 300, 6, 10),
+    Machine("V100-32GB", 32, _peaks("V100"), 150, 6.25, 12, 19, 900, 3, 10),
 ]}
 
 
@@ -63,7 +73,7 @@ def machine(pcfg) -> Machine:
     if pcfg.gpu not in PRESETS:
         raise UserError(f"plan.gpu={pcfg.gpu!r} is not a preset: one of {', '.join(PRESETS)} "
                         "(or the nearest one with plan.gpu_memory_gb, plan.peak_bf16_tflops, "
-                        "plan.peak_fp32_tflops, plan.intra_node_gbps, plan.inter_node_gbps)")
+                        "plan.peak_fp32_tflops, plan.intra_node_gbps, plan.inter_node_gbps, plan.hbm_gbps)")
     m = PRESETS[pcfg.gpu]
     peak = dict(m.peak)
     if pcfg.peak_bf16_tflops:
@@ -73,4 +83,6 @@ def machine(pcfg) -> Machine:
     return Machine(m.name, pcfg.gpu_memory_gb or m.memory_gb, peak,
                    pcfg.intra_node_gbps or m.intra_node_gbps,
                    pcfg.inter_node_gbps or m.inter_node_gbps,
-                   pcfg.pcie_gbps or m.pcie_gbps, pcfg.host_gbps or m.host_gbps)
+                   pcfg.pcie_gbps or m.pcie_gbps, pcfg.host_gbps or m.host_gbps,
+                   pcfg.hbm_gbps or m.hbm_gbps, pcfg.intra_latency_us or m.intra_latency_us,
+                   pcfg.inter_latency_us or m.inter_latency_us)

@@ -12,7 +12,7 @@ from planner.figures import metrics_names, rank_figures
 from planner.layouts import valid_layouts, with_grad_accum, refusal
 from planner.machines import machine
 from planner.memory import memory_need
-from planner.shapes import Workload
+from planner.shapes import Layout, Workload
 from planner.step_time import bytes_by_link, spans_nodes, step_time
 
 GPT2_VOCAB = 50257  # tiktoken's "gpt2" encoding (data/tokenizer.py): no files needed to plan
@@ -39,14 +39,17 @@ def check(cfg, gpu):
     p = cfg.plan
     if p.nodes < 1 or p.gpus_per_node < 1:
         raise UserError(f"plan.nodes={p.nodes} and plan.gpus_per_node={p.gpus_per_node} must be >= 1")
-    if not 0 < p.mfu <= 1:
-        raise UserError(f"plan.mfu={p.mfu} must be in (0, 1]: the fraction of peak FLOP/s reached")
+    if not 0 <= p.mfu <= 1:
+        raise UserError(f"plan.mfu={p.mfu} must be in [0, 1]: 0 = the efficiency model's compute "
+                        "time, else the fraction of peak FLOP/s assumed")
     if cfg.trainer.precision not in gpu.peak:
         raise UserError(f"plan.gpu={gpu.name} has no {cfg.trainer.precision} peak (it has "
                         f"{', '.join(gpu.peak)}): set trainer.precision or plan.peak_*_tflops")
     if min(p.gpu_memory_gb, p.peak_bf16_tflops, p.peak_fp32_tflops, p.intra_node_gbps,
-           p.inter_node_gbps, p.pcie_gbps, p.host_gbps) < 0 or p.top < 1:
-        raise UserError("plan.gpu_memory_gb, plan.peak_*_tflops and plan.*_node_gbps must be >= 0 "
+           p.inter_node_gbps, p.pcie_gbps, p.host_gbps, p.hbm_gbps, p.intra_latency_us,
+           p.inter_latency_us) < 0 or p.top < 1:
+        raise UserError("plan.gpu_memory_gb, plan.peak_*_tflops, plan.*_gbps and plan.*_latency_us "
+                        "must be >= 0 "
                         "(0 = the preset's), plan.top >= 1")
 
 
@@ -76,7 +79,9 @@ def hybrid_and_offloaded(cfg, w, rows, gpu, world):
       replica groups of one node's ranks instead (R the fewest groups that fit in a node;
       all-gathers and reduce-scatters on the fast links, one all-reduce across nodes),
       kept if its step is faster;
-    - offload (parallel.offload): a layout that does not fit, kept if offloaded it fits."""
+    - offload (parallel.offload): a layout that does not fit, kept if offloaded it fits.
+    Hook for issue 33's fault-tolerant replica groups (torchft): a third variant here,
+    HSDP's replica groups with their cross-group all-reduce priced as "dpr" is."""
     G, out = cfg.plan.gpus_per_node, []
     for row in rows:
         L = row["layout"]
@@ -114,12 +119,30 @@ def reason(row, best):
     return f"{delta:+.3g} ms ({100 * delta / b['step_ms']:+.0f}%): {words}"
 
 
+def header(cfg, w, gpu):
+    compute = f"mfu {cfg.plan.mfu:g} assumed" if cfg.plan.mfu else "efficiency model"
+    print(f"plan: GPT {w.n_layer} layers x {w.n_embd} wide, {w.n_head} heads, vocab {w.vocab}, "
+          f"{w.block} tokens, global batch {w.batch}, {w.precision}; {cfg.plan.nodes} x "
+          f"{cfg.plan.gpus_per_node} {gpu.name} ({gpu.memory_gb:g} GB, "
+          f"{gpu.peak[w.precision] / 1e12:g} TFLOP/s {w.precision}, {gpu.hbm_gbps:g} GB/s memory, "
+          f"{compute}; {gpu.intra_node_gbps:g} GB/s in a node, {gpu.inter_node_gbps:g} across)")
+
+
 def plan(cfg):
     started = time.perf_counter()
     gpu = machine(cfg.plan)
     check(cfg, gpu)
     world = cfg.plan.nodes * cfg.plan.gpus_per_node
     w = workload(cfg)
+    if not cfg.plan.search:
+        row = evaluate_given(cfg, w, gpu, world)
+        header(cfg, w, gpu)
+        print_breakdown(row, gpu, world)
+        if cfg.plan.out:
+            write_json(cfg.plan.out, [row], [row] if "time" in row else [], gpu, world,
+                       cfg.plan.gpus_per_node)
+            print(f"the layout written to {cfg.plan.out}")
+        return row
     layouts = valid_layouts(cfg, world)
     valid = [L for L, why in layouts if not why]
     if not valid:
@@ -135,32 +158,97 @@ def plan(cfg):
                         f"smallest, {small['layout'].name()}, needs {small['need'] / GB:.1f} GB "
                         "(more GPUs, a smaller model or batch, or plan.gpu_memory_gb)")
     best = fits[0]
-    print(f"plan: GPT {w.n_layer} layers x {w.n_embd} wide, {w.n_head} heads, vocab {w.vocab}, "
-          f"{w.block} tokens, global batch {w.batch}, {w.precision}; {cfg.plan.nodes} x "
-          f"{cfg.plan.gpus_per_node} {gpu.name} ({gpu.memory_gb:g} GB, "
-          f"{gpu.peak[w.precision] / 1e12:g} TFLOP/s {w.precision} at mfu {cfg.plan.mfu:g}, "
-          f"{gpu.intra_node_gbps:g} GB/s in a node, {gpu.inter_node_gbps:g} across)")
+    header(cfg, w, gpu)
     print(f"{len(layouts)} combinations, {len(valid)} run (parallel/layout.py's rules)"
           + (f" + {len(variants)} hybrid-sharded or offloaded where that wins" if variants else "")
           + f", {len(fits)} fit in memory")
-    header = ("rank", "layout", "step ms", "state GB", "activ. GB", "need GB", "comm GB",
-              "vs the first")
-    table = [header]
+    head = ("rank", "layout", "step ms", "MFU", "state GB", "activ. GB", "need GB", "comm GB",
+            "vs the first")
+    table = [head]
     for i, r in enumerate(fits[:cfg.plan.top]):
         fig = r["fig"]
         table.append((str(i + 1), r["layout"].name(), f"{r['time']['step_ms']:.3g}",
+                      f"{100 * r['time']['mfu']:.0f}%",
                       f"{fig['state_bytes'] / GB:.3g}", f"{fig['activation_bytes'] / GB:.3g}",
                       f"{r['need'] / GB:.3g}", f"{sum(fig['comm'].values()) / GB:.3g}",
                       "fastest" if i == 0 else reason(r, best)))
-    widths = [max(len(row[c]) for row in table) for c in range(len(header))]
+    widths = [max(len(row[c]) for row in table) for c in range(len(head))]
     for row in table:
-        print("  ".join(cell.ljust(widths[c]) if c in (1, 7) else cell.rjust(widths[c])
+        print("  ".join(cell.ljust(widths[c]) if c in (1, 8) else cell.rjust(widths[c])
                         for c, cell in enumerate(row)).rstrip())
+    fewer = fewer_gpus(cfg, w, gpu, world, best)
+    if fewer:
+        print(fewer)
     print("run the first: " + " ".join(f"{k}={_value(v)}" for k, v in best["layout"].keys().items()))
     if cfg.plan.out:
         write_json(cfg.plan.out, rows, fits, gpu, world, cfg.plan.gpus_per_node)
         print(f"all {len(rows)} layouts that run written to {cfg.plan.out}")
     print(f"planned in {time.perf_counter() - started:.1f} s")
+    return best
+
+
+AS_FAST = 1.05  # a step within 5% of the first choice's counts as as fast
+
+
+def fewer_gpus(cfg, w, gpu, world, best):
+    """A line when fewer GPUs would be as fast as the first choice: the fewest (1, 2, 4, ...
+    dividing the world) on which plain data parallelism (`single` on one) steps within
+    AS_FAST of it; a model too small to fill a GPU is bound by launches and latencies,
+    not by FLOPs, so more GPUs only add collectives. "" when none would."""
+    for n in (d for d in (2 ** k for k in range(world.bit_length())) if d < world and world % d == 0):
+        L = Layout(dp_kind="single") if n == 1 else Layout(dp_kind="ddp_bucket", dp=n)
+        if refusal(cfg, L, n):
+            continue
+        row = evaluate(cfg, w, L, gpu, n)
+        if "time" in row and row["time"]["step_ms"] <= AS_FAST * best["time"]["step_ms"]:
+            return (f"fewer GPUs would be as fast: {n} ({row['layout'].name()}) at "
+                    f"{row['time']['step_ms']:.3g} ms a step against {best['time']['step_ms']:.3g} "
+                    f"on {world}: this model is too small to fill them")
+    return ""
+
+
+def given_layout(cfg, world) -> Layout:
+    """The layout the configuration's parallel.* and trainer.* keys name (plan.search=false)."""
+    p, t = cfg.parallel, cfg.trainer
+    if p.dp not in ("single", "ddp_bucket", "fsdp"):
+        raise UserError(f"plan.search=false models parallel.dp=single, ddp_bucket or fsdp, not {p.dp!r}")
+    if world % (p.tp * p.pp * p.cp):
+        raise UserError(f"plan.search=false: tp x pp x cp = {p.tp * p.pp * p.cp} does not divide "
+                        f"the {world} GPUs of plan.nodes x plan.gpus_per_node")
+    dp = world // (p.tp * p.pp * p.cp)
+    pipe = p.pp > 1
+    V = p.pp_virtual_stages if p.pp_schedule == "interleaved" else 2 if p.pp_schedule == "zbv" else 1
+    return Layout(p.dp, p.zero_stage if p.dp == "fsdp" else 0, dp, p.pp, p.cp, p.tp,
+                  p.sequence_parallel, p.pp_schedule if pipe else "1f1b", V if pipe else 1,
+                  p.microbatches if pipe else 1, t.grad_accum, t.activation_checkpointing,
+                  p.dp_replicate, p.offload)
+
+
+def evaluate_given(cfg, w, gpu, world):
+    """The row of exactly the configured layout (predicted even if it does not fit)."""
+    L = given_layout(cfg, world)
+    why = refusal(cfg, L, world)
+    if why:
+        raise UserError(f"plan.search=false: the configured layout does not run: {why}")
+    fig = rank_figures(w, L)["fullest"]
+    row = {"layout": L, "fig": fig, "need": memory_need(w, L, fig)}
+    row["time"] = step_time(w, L, fig, gpu, cfg.plan)
+    row["fits"] = row["need"] <= gpu.memory_gb * GB
+    return row
+
+
+def print_breakdown(row, gpu, world):
+    """plan.search=false: one layout's step, part by part, and its memory per rank."""
+    t, fig = row["time"], row["fig"]
+    print(f"layout: {row['layout'].name()} on {world} GPUs")
+    print(f"step {t['step_ms']:.4g} ms, MFU {100 * t['mfu']:.1f}%")
+    for k, words in PARTS.items():
+        if t[k] or k in ("compute", "bubble"):
+            print(f"  {words:<26} {t[k]:>10.4g} ms")
+    fits = "fits" if row["fits"] else "does NOT fit"
+    print(f"memory per rank (fullest: pipeline rank {fig['pp_rank']}): state "
+          f"{fig['state_bytes'] / GB:.3g} GB + activations {fig['activation_bytes'] / GB:.3g} GB, "
+          f"needs {row['need'] / GB:.3g} GB: {fits} in {gpu.memory_gb:g} GB")
 
 
 def _value(v):
@@ -173,14 +261,15 @@ def write_json(path, rows, fits, gpu, world, gpu_per_node):
     for r in rows:
         fig = r["fig"]
         item = {"layout": r["layout"].name(), **r["layout"].keys(), "world_size": world,
-                "rank": rank.get(id(r)), "fits": "time" in r, "memory_bytes": r["need"],
+                "rank": rank.get(id(r)), "fits": r.get("fits", "time" in r), "memory_bytes": r["need"],
                 "fullest_rank": {"pp_rank": fig["pp_rank"], "dp_rank": fig["dp_rank"]},
                 **metrics_names(fig),
                 "comm_bytes_by_link": bytes_by_link(r["layout"], fig, gpu_per_node)}
         if "time" in r:
             item["step_ms"] = r["time"]["step_ms"]
+            item["mfu"] = r["time"]["mfu"]
             item["step_ms_parts"] = {k: r["time"][k] for k in PARTS}
-            item["vs_first"] = reason(r, fits[0]) if rank[id(r)] > 1 else "fastest"
+            item["vs_first"] = reason(r, fits[0]) if rank.get(id(r), 1) > 1 else "fastest"
         else:
             item["refused"] = f"needs {r['need'] / GB:.2f} GB > {gpu.memory_gb:g} GB"
         out.append(item)

@@ -1,19 +1,21 @@
 """The stated step-time model: milliseconds of one optimizer step under a layout on a
 machine, by part (compute, the pipeline bubble, each dimension's collectives).
 
-Compute is the model's FLOPs at a fraction of peak; the bubble is the schedule's own
-(its simulator); collectives are traffic.py's bytes at the link each group crosses
-(`spans_nodes`: parallel/grid.py's rank order), with what overlaps the backward
-counted only beyond it. `step_time`'s docstring states every assumption.
+Compute is the efficiency model's (planner/efficiency.py: the kernels from the shapes);
+the bubble is the schedule's own (its simulator); collectives are traffic.py's bytes at
+the link each group crosses (`spans_nodes`: parallel/grid.py's rank order), with what
+overlaps the backward counted only beyond it. `step_time`'s docstring states every
+assumption; MFU is an output.
 
-May import: planner.shapes, planner.traffic, planner.formulas, telemetry.mfu,
-parallel's pipeline simulator.
+May import: planner.shapes, planner.stages, planner.traffic, planner.efficiency,
+telemetry.mfu, parallel's pipeline simulator.
 """
 
+import math
 from functools import lru_cache
 
 from parallel.pipeline_parallel.simulator import unit_time
-from planner.formulas import WIRE_PER_PAYLOAD
+from planner.efficiency import collective_seconds, compute_seconds
 from planner.shapes import F32, Layout, Workload, micro_rows
 from planner.stages import shard_pieces, stage, units
 from planner.traffic import comm_by_dim
@@ -39,68 +41,138 @@ def spans_nodes(L: Layout, dims, gpus_per_node):
 @lru_cache(maxsize=None)
 def bubble(schedule, P, M, V):
     """The schedule's idle share: pipeline_parallel/simulator.unit_time (F = B = W), or, for
-    long pipelines, the closed forms it reproduces."""
+    long pipelines, the closed forms it reproduces (`closed_form_bubble`)."""
     if P == 1:
         return 0.0
     if P * M * V <= 4096:
         return unit_time(schedule, P, M, V)[1]
-    if schedule in ("zb1p",):
-        return (P - 1) / (3 * M + P - 1)
-    return (P - 1) / (M + P - 1) / (V if schedule in ("interleaved", "zbv") else 1)
+    return closed_form_bubble(schedule, P, M, V)
+
+
+def closed_form_bubble(schedule, P, M, V):
+    """The simulator's idle share in closed form (the units of unit_time: F = 1, B = 2, or
+    B = W = 1 for the zero-bubble schedules): P - 1 idle units of each rank over its busy
+    work, which is 3 M V units (GPipe, 1F1B, interleaved: V chunks; ZB-H1 and ZBV, whose
+    W fill the cool-down, keep only the warm-up's P - 1)."""
+    work = {"gpipe": 3 * M, "1f1b": 3 * M, "interleaved": 3 * M * V, "zb1p": 3 * M,
+            "zbv": 3 * M * V}[schedule]
+    idle = 3 * (P - 1) if schedule in ("gpipe", "1f1b", "interleaved") else P - 1
+    return idle / (work + idle)
+
+
+# what each dimension's group spans (for the link it crosses) and how many ranks it has
+SPAN = {"tp": ("tp",), "cp": ("cp",), "pp": ("pp",), "dp": ("dp", "cp"),
+        "dpr": ("dp_replicate",), "embed": ("pp",), "norm": GRID}
+BUCKET = 25e6  # bytes a data-parallel collective carries at most (ddp's bucket, ~a unit)
+
+
+def _link(L, dim, machine, G):
+    far = spans_nodes(L, SPAN[dim], G)
+    return (machine.inter_node_gbps, machine.inter_latency_us) if far else \
+        (machine.intra_node_gbps, machine.intra_latency_us)
+
+
+def _count(w, L, st, dim, kind, payload):
+    """How many collectives of (dim, kind) carry `payload` per step (their latencies)."""
+    passes = L.grad_accum * L.M
+    layers = sum(st.layers.values())
+    if dim == "tp":  # Megatron's f and g per layer and pass (+ embedding, LM head input)
+        per_layer = passes * (4 * layers + st.first + st.last)
+        loss = 3 * passes * st.last  # the vocabulary-parallel loss's three all-reduces
+        if kind != "all_reduce":
+            return per_layer
+        return loss + 1 if L.sp else per_layer + loss  # SP: + the replicated gradients' sum
+    if dim == "cp":
+        return passes * layers * 3 * (L.cp - 1)
+    if dim in ("dp", "dpr"):
+        return max(1, math.ceil(payload / BUCKET))
+    return 1
+
+
+def rank_params(w: Workload, L: Layout, p: int, r: int) -> int:
+    """Elements rank (p, r)'s optimizer updates: its stage's (its shard under ZeRO)."""
+    st = stage(w, L, p)
+    if L.dp_kind == "fsdp":
+        return sum(sum(shard_pieces(u, r).values()) for u in units(st, L, L.shards))
+    return sum(q.numel for q in st.params)
+
+
+def slowest_stage(w: Workload, L: Layout, fig: dict, machine, flash: bool) -> dict:
+    """The compute of the pipeline stage that takes longest (it sets every stage's pace:
+    the last one also runs the LM head and the loss), by kind (efficiency.compute_seconds)."""
+    stages = [compute_seconds(w, L, p, machine, rank_params(w, L, p, fig["dp_rank"]), flash)
+              for p in range(L.pp)]
+    return max(stages, key=lambda kinds: sum(kinds.values()))
+
+
+def model_flops(w: Workload) -> float:
+    """The step's model FLOPs (telemetry/mfu.flops_per_token x tokens; no recomputation)."""
+    gpt = {"n_embd": w.n_embd, "n_layer": w.n_layer, "block_size": w.block, "vocab_size": w.vocab,
+           "bias": w.bias}
+    return flops_per_token(gpt) * w.batch * w.block
 
 
 def step_time(w: Workload, L: Layout, fig: dict, machine, pcfg) -> dict:
-    """Milliseconds of one optimizer step on the fullest rank, by part:
+    """Milliseconds of one optimizer step on the fullest rank, by part, and its MFU:
 
-    - compute: the model's FLOPs (telemetry/mfu.flops_per_token, x 4/3 recomputing each
-      block under checkpointing) split evenly over the world, at `plan.mfu` of the peak
-      for trainer.precision, stretched by the schedule's bubble: / (1 - bubble);
-    - each group's collectives at the link it crosses (a group spans nodes iff its ranks
-      do), a ring's wire bytes (2(n-1)/n of an all-reduce's payload, (n-1)/n of an
-      all-gather's or reduce-scatter's, a send's own): TP and cp on the critical path;
-      the pipeline's sends cost those on the fill and drain path, 2(P x V - 1) of its
-      messages; data-parallel gradient collectives (and ZeRO-3's gathers) overlap the
-      backward (the forward too, for gathers) and cost only what is longer than it;
-      ZeRO-1/2's all-gather after the optimizer step is exposed, and so is HSDP's
+    - compute: the slowest pipeline stage's kernels (planner/efficiency.py: matrix
+      products at a size-dependent efficiency, fused attention, element-wise work and the
+      optimizer at memory bandwidth, a launch at least per kernel); `plan.mfu` > 0 overrides it with
+      the model's FLOPs (x 4/3 under checkpointing) over the world at that share of peak;
+    - bubble: compute stretched by the schedule's idle share b: compute x b / (1 - b);
+    - each group's collectives (traffic.py's bytes) at the link it crosses (a group spans
+      nodes iff its ranks do: parallel/grid.py's rank order), each a latency plus its wire
+      bytes (the algorithm's factor for the group size) over the link's bandwidth: TP and
+      cp on the critical path; the pipeline's sends on the fill and drain path, 2(P x V -
+      1) messages per schedule pass; data-parallel gradient collectives overlap the
+      backward of the last pass (ZeRO-3's gathers the whole step) and cost only what is
+      longer; ZeRO-1/2's all-gather after the optimizer step is exposed, and so is HSDP's
       all-reduce across replica groups (after the last backward);
     - parallel.offload: the host's AdamW and the PCIe copies (host_seconds).
+
+    "mfu" (not a part): the model's FLOPs (no recomputation) over step_ms x world x peak.
     """
-    peak = machine.peak.get(w.precision)
-    gpt = {"n_embd": w.n_embd, "n_layer": w.n_layer, "block_size": w.block, "vocab_size": w.vocab,
-           "bias": w.bias}
+    peak = machine.peak[w.precision]
     world = L.dp * L.pp * L.cp * L.tp
-    flops = flops_per_token(gpt) * w.batch * w.block / world * (4 / 3 if L.ckpt else 1)
-    compute = flops / (peak * pcfg.mfu)
+    if pcfg.mfu:
+        compute = model_flops(w) / world * (4 / 3 if L.ckpt else 1) / (peak * pcfg.mfu)
+        backward = compute * 2 / 3 / (L.grad_accum * L.M)
+    else:
+        kinds = slowest_stage(w, L, fig, machine, pcfg.flash_attention)
+        compute = sum(kinds.values())
+        backward = (compute - kinds["optimizer"]) * (2 / 3) / (L.grad_accum * L.M)
     b = bubble(L.schedule, L.pp, L.M, L.V)
     G = pcfg.gpus_per_node
     size = {"tp": L.tp, "cp": L.cp, "pp": L.pp, "dp": L.dp // L.R * L.cp, "dpr": L.R, "embed": 2,
             "norm": world}
-    span = {"tp": ("tp",), "cp": ("cp",), "pp": ("pp",), "dp": ("dp", "cp"),
-            "dpr": ("dp_replicate",), "embed": ("pp",), "norm": GRID}
     parts = {"compute": compute, "bubble": compute * b / (1 - b), "tp": 0.0, "cp": 0.0, "pp": 0.0,
              "dp": 0.0, "host": host_seconds(w, L, fig, machine)}
+    st = stage(w, L, fig["pp_rank"])
     dp_overlapped = 0.0
     for (dim, kind), payload in comm_by_dim(w, L, fig["pp_rank"], fig["dp_rank"]).items():
         if dim == "norm":
             continue
-        link = machine.inter_node_gbps if spans_nodes(L, span[dim], G) else machine.intra_node_gbps
-        seconds = payload * WIRE_PER_PAYLOAD[kind](size[dim]) / (link * 1e9)
+        gbps, latency = _link(L, dim, machine, G)
+        if dim == "pp":  # per schedule pass, the fill and drain path's 2(P x V - 1) messages
+            one = micro_rows(w, L) * (w.block // L.cp // (L.tp if L.sp else 1)) * w.n_embd * F32
+            n = L.grad_accum * 2 * (L.pp * L.V - 1)
+            parts["pp"] += collective_seconds("send", n * one, 2, n, gbps, latency)
+            continue
+        seconds = collective_seconds(kind, payload, size[dim], _count(w, L, st, dim, kind, payload),
+                                     gbps, latency)
         if dim == "dpr":  # across the replica groups, after the step's last backward: exposed
             parts["dp"] += seconds
-        elif dim == "pp":  # per schedule pass, the fill and drain path's 2(P x V - 1) messages
-            one = micro_rows(w, L) * (w.block // L.cp // (L.tp if L.sp else 1)) * w.n_embd * F32
-            seconds = L.grad_accum * 2 * (L.pp * L.V - 1) * one / (link * 1e9)
-            parts["pp"] += seconds
         elif dim == "embed":
             parts["pp"] += seconds
         elif dim == "dp" and not (kind == "all_gather" and L.zero_stage in (1, 2)):
             dp_overlapped += seconds
         else:
             parts[dim if dim in parts else "dp"] += seconds
-    window = compute if L.zero_stage == 3 else compute * 2 / 3  # backward is 2/3 of the FLOPs
+    window = compute if L.zero_stage == 3 else backward
     parts["dp"] += max(0.0, dp_overlapped - window)
     ms = {k: 1000 * v for k, v in parts.items()}
     ms["step_ms"] = sum(ms.values())
+    ms["mfu"] = model_flops(w) / (ms["step_ms"] / 1000 * world * peak)
     return ms
 
 
@@ -122,9 +194,7 @@ def host_seconds(w: Workload, L: Layout, fig: dict, machine) -> float:
 def bytes_by_link(L: Layout, fig: dict, gpus_per_node) -> dict:
     """The fullest rank's collective payload per step by the link its group crosses:
     {"intra_node": bytes, "inter_node": bytes} (the norm's scalar spans the world)."""
-    span = {"tp": ("tp",), "cp": ("cp",), "pp": ("pp",), "dp": ("dp", "cp"),
-            "dpr": ("dp_replicate",), "embed": ("pp",), "norm": GRID}
     out = {"intra_node": 0, "inter_node": 0}
     for (dim, _), payload in fig["by_dim"].items():
-        out["inter_node" if spans_nodes(L, span[dim], gpus_per_node) else "intra_node"] += payload
+        out["inter_node" if spans_nodes(L, SPAN[dim], gpus_per_node) else "intra_node"] += payload
     return out

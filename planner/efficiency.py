@@ -1,0 +1,138 @@
+"""The efficiency model: seconds of one rank's kernels and of one collective, from shapes.
+
+Compute, per micro-batch pass through a rank's blocks (its pipeline stage), as the
+kernels a fused GPT step launches:
+
+- matrix products (QKV, projection, MLP in and out, the LM head; backward: two products
+  of the same size each) at `MATMUL_EFF` of the peak, plus `RAMP_US` each: a small
+  product does not fill the GPU (tail waves, prologue), so its efficiency falls with
+  its size; a product bound by memory (small inner size) takes its bytes at HBM speed;
+- attention as one fused (flash) kernel forward and one backward: causal, so half the
+  score FLOPs, at `ATTN_EFF` of the peak (backward 2.5 x the forward's FLOPs); or, with
+  `plan.flash_attention=false` (Megatron-LM before FlashAttention, for replaying its
+  runs), as two batched products over the whole s x s scores (the mask does not skip
+  work) plus softmax and dropout over the scores at memory bandwidth, the forward
+  recomputed in the backward (selective recomputation) unless the whole block is;
+- the element-wise work (LayerNorms, GELU, bias, residual adds; the loss's softmax; the
+  AdamW step and the gradient norm over this rank's parameters) at HBM bandwidth x
+  `HBM_EFF`: bytes counted per token (`ELEMENTWISE_BYTES`) and per parameter;
+- every kernel at least `LAUNCH_US`: a model too small to fill the GPU is bound by
+  launches, the same on one GPU as on many.
+
+Communication, per collective: a latency of `hops` x the link's per-hop latency (a ring
+or tree: 2 log2 n hops for an all-reduce, log2 n for a gather or scatter, 1 for a send)
+plus the wire bytes (formulas.WIRE_PER_PAYLOAD: the algorithm's factor for the group
+size) over the link's bandwidth x `LINK_EFF`.
+
+The constants are the model's only free parameters. MATMUL_EFF, ATTN_EFF and the
+efficiencies were set once, from the vendors' and NCCL's published figures (cuBLAS's
+large bf16 products reach ~75-80% of the A100's and H100's dense peak; FlashAttention-2
+reports 50-73% forward, less backward; NCCL's bus bandwidth reaches ~80% of the link),
+then checked, not fitted per row, against planner/published_runs.py (docs/planner.md
+shows every row).
+
+May import: planner.shapes, planner.stages, planner.formulas.
+"""
+
+import math
+
+from planner.formulas import WIRE_PER_PAYLOAD
+from planner.shapes import F32, Layout, Workload, act_bytes, micro_rows
+from planner.stages import stage
+
+MATMUL_EFF = 0.75   # share of the dense peak a large matrix product reaches
+ATTN_EFF = 0.45     # share of the peak fused causal attention reaches, forward and backward
+HBM_EFF = 0.8       # share of the memory bandwidth element-wise kernels reach
+LINK_EFF = 0.8      # share of a link's bandwidth a collective's bus bandwidth reaches
+RAMP_US = 4.0       # a matrix product's fixed cost: fill and tail of its waves
+LAUNCH_US = 5.0     # the least a kernel costs: its launch (PyTorch eager dispatch and launch)
+
+# kernels per block and pass: forward (4 products, attention, 8 element-wise), backward
+# (8 products, attention, 12 element-wise)
+FWD_ELEMENTWISE_KERNELS, BWD_ELEMENTWISE_KERNELS = 8, 12
+OPTIMIZER_KERNELS = 12  # foreach AdamW, the norm, the clip: a few fused kernels each
+
+
+def elementwise_bytes(w: Workload):
+    """Bytes a block's element-wise kernels read and write per token, forward: the two
+    LayerNorms (read the fp32 residual, write the activation), the two residual adds
+    with their bias (read both, write fp32), GELU (read and write 4C). Backward: twice."""
+    C, a = w.n_embd, act_bytes(w)
+    return 24 * C + 12 * a * C
+
+
+def matmul_seconds(m, n, k, w, machine, passes=1):
+    """One (m x k) @ (k x n) product, `passes` times: at MATMUL_EFF of the peak plus its
+    ramp, or its bytes at HBM speed if that is longer; never under one launch."""
+    peak = machine.peak[w.precision]
+    a = act_bytes(w)
+    flops = 2 * m * n * k
+    compute = flops / (peak * MATMUL_EFF) + RAMP_US * 1e-6
+    memory = a * (m * k + k * n + m * n) / (machine.hbm_gbps * 1e9 * HBM_EFF)
+    return passes * max(compute, memory, LAUNCH_US * 1e-6)
+
+
+def memory_seconds(nbytes, kernels, machine):
+    """`kernels` element-wise kernels moving `nbytes` together."""
+    return max(nbytes / (machine.hbm_gbps * 1e9 * HBM_EFF), kernels * LAUNCH_US * 1e-6)
+
+
+def attention_seconds(w, L, rows, s, fwd, flash, machine):
+    """One pass's attention on one layer of this rank (heads / tp, s query tokens)."""
+    heads, d = w.n_head // L.tp, w.n_embd // w.n_head
+    if flash:
+        flops = 2 * rows * heads * s * w.block * d   # causal: half of 4 b h s^2 d
+        one = max(flops / (machine.peak[w.precision] * ATTN_EFF), LAUNCH_US * 1e-6)
+        return one * (fwd + 2.5)
+    scores = rows * heads * s * w.block
+    a = act_bytes(w)
+    products = matmul_seconds(rows * heads * s, w.block, d, w, machine) \
+        + matmul_seconds(rows * heads * s, d, w.block, w, machine)
+    forward = products + memory_seconds((4 * a + 1) * scores, 2, machine)
+    backward = 2 * products + memory_seconds((8 * a + 2) * scores, 3, machine)
+    return forward * (fwd + (0 if L.ckpt else 1)) + backward
+
+
+def compute_seconds(w: Workload, L: Layout, p: int, machine, params: int,
+                    flash: bool = True) -> dict:
+    """Seconds of pipeline rank p's kernels per optimizer step, by kind:
+    {"matmul", "attention", "elementwise", "optimizer"}; `params` the elements this
+    rank's AdamW updates (its shard under ZeRO); `flash`: fused attention."""
+    st = stage(w, L, p)
+    layers = sum(st.layers.values())
+    passes = L.grad_accum * L.M
+    C = w.n_embd
+    rows, s = micro_rows(w, L), w.block // L.cp
+    t = rows * s                                      # tokens of one pass on this rank
+    fwd = 2 if L.ckpt else 1                          # checkpointing recomputes each block's forward
+    per_layer = sum(matmul_seconds(t, n, k, w, machine) for n, k in
+                    ((3 * C // L.tp, C), (C, C // L.tp), (4 * C // L.tp, C), (C, 4 * C // L.tp)))
+    matmul = layers * per_layer * (fwd + 2)           # backward: the input's and the weight's
+    attention = layers * attention_seconds(w, L, rows, s, fwd, flash, machine)
+    sp_tokens = t // L.tp if L.sp else t              # without SP every TP rank repeats them
+    eb = elementwise_bytes(w) * sp_tokens
+    elementwise = layers * (fwd * memory_seconds(eb, FWD_ELEMENTWISE_KERNELS, machine)
+                            + memory_seconds(2 * eb, BWD_ELEMENTWISE_KERNELS, machine))
+    if st.last:  # LM head and loss (the logits written, read by the loss, its gradient)
+        V = -(-w.vocab // L.tp)
+        matmul += matmul_seconds(t, V, C, w, machine, passes=3)
+        elementwise += memory_seconds((4 * act_bytes(w) + F32) * t * V, 6, machine)
+    # AdamW (read parameter, gradient, both moments; write three) and the gradient norm
+    optimizer = memory_seconds(32 * params, OPTIMIZER_KERNELS, machine) if not L.offload else 0.0
+    return {"matmul": passes * matmul, "attention": passes * attention,
+            "elementwise": passes * elementwise, "optimizer": optimizer}
+
+
+def hops(kind, n):
+    """Latency steps of one collective over n ranks: a tree's depth each way for an
+    all-reduce, once for a gather or scatter, one for a send."""
+    if kind == "send":
+        return 1
+    depth = max(1, math.ceil(math.log2(max(n, 2))))
+    return 2 * depth if kind == "all_reduce" else depth
+
+
+def collective_seconds(kind, payload, n, count, link_gbps, latency_us):
+    """`count` collectives of `kind` over n ranks moving `payload` bytes together."""
+    wire = payload * WIRE_PER_PAYLOAD[kind](n)
+    return count * hops(kind, n) * latency_us * 1e-6 + wire / (link_gbps * 1e9 * LINK_EFF)
