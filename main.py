@@ -307,8 +307,6 @@ def main(argv, rank, world_size, local_rank):
         if rank == 0:
             lighthouse.serve(cfg.ft)
         return
-    if cfg.ft.enabled:  # before any process group: no lighthouse is one error on every rank
-        lighthouse.wait_for(cfg.ft.lighthouse, cfg.ft.timeout_s)
     preemption.install()  # SIGTERM/SIGUSR1 now stop after a step, with a snapshot
     device = pick_device(cfg.trainer.device, local_rank, world_size)
     init_process_group(device, cfg.parallel.timeout_s, rank, world_size)

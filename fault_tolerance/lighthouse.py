@@ -50,10 +50,11 @@ def serve(ft):
     print("lighthouse: stopped", flush=True)
 
 
-def wait_for(address, timeout_s):
+def wait_for(address, timeout_s, say=None):
     """Return once something accepts connections at ft.lighthouse, or raise the one error
     a user needs after timeout_s (torchft itself would retry for its own timeouts, then fail
-    with a Rust error chain)."""
+    with a Rust error chain). A group waits here with its model built and its data open,
+    so it joins the moment the lighthouse answers. say: prints the line saying it waits."""
     host, port = host_port(address)
     deadline = time.monotonic() + timeout_s
     while True:
@@ -61,6 +62,9 @@ def wait_for(address, timeout_s):
             with socket.create_connection((host, port), timeout=min(2.0, timeout_s)):
                 return
         except OSError as e:
+            if say is not None:
+                say(f"ft: waiting up to ft.timeout_s={timeout_s:g} s for the lighthouse at {address}")
+                say = None
             last = e
         if time.monotonic() >= deadline:
             raise UserError(f"no lighthouse at ft.lighthouse={address} after ft.timeout_s="

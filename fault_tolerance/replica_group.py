@@ -15,7 +15,9 @@ flattened gradients this rank holds (a shard, under fsdp) with the loss and a on
 the group's ft.replica_id (so every group learns who took part) appended.
 """
 
+import logging
 import os
+import random
 import time
 from datetime import timedelta
 
@@ -32,10 +34,12 @@ class ReplicaGroup:
         """Waits for the lighthouse (at most ft.timeout_s), then starts torchft's Manager:
         this rank's end of the process group that spans the groups. step: where this
         group starts (a snapshot's step, or 0)."""
-        lighthouse.wait_for(ft.lighthouse, ft.timeout_s)
+        lighthouse.wait_for(ft.lighthouse, ft.timeout_s,
+                            say=(lambda line: print(line, flush=True)) if grid.is_main else None)
         # torchft's Rust side logs every quorum to stderr: warnings only on the console (its
         # Python side's lines go to the run directory's file: logs.py); RUST_LOG overrides
         os.environ.setdefault("RUST_LOG", "warn")
+        from torchft.checkpointing import HTTPTransport
         from torchft.manager import Manager
         from torchft.process_group import ProcessGroupGloo, ProcessGroupNCCL
         self.ft, self.grid, self.strategy = ft, grid, strategy
@@ -48,6 +52,11 @@ class ReplicaGroup:
                                                     wait_for_workers=False)
             store = {"store_addr": "localhost", "store_port": self.store.port}
         pg = ProcessGroupNCCL(timeout) if grid.device.type == "cuda" else ProcessGroupGloo(timeout)
+        # the live state goes to a joining group over HTTP; its server's access line per
+        # request would land on the console: into torchft's log file instead
+        transport = HTTPTransport(timeout=timeout, num_chunks=0)
+        transport._server.RequestHandlerClass.log_message = \
+            lambda _, fmt, *args: logging.getLogger("torchft").info(fmt % args)
         self.healed_from = None
         self.manager = Manager(
             pg=pg, load_state_dict=self._load, state_dict=self._state,
@@ -55,9 +64,12 @@ class ReplicaGroup:
             timeout=timeout, quorum_timeout=timeout, connect_timeout=timeout,
             rank=grid.rank, world_size=grid.world_size, lighthouse_addr=f"http://{ft.lighthouse}",
             replica_id=f"replica_{ft.replica_id}", init_sync=False,  # weights from the seed
-            **store)
+            checkpoint_transport=transport, **store)
         self.manager.load_state_dict({"step": step, "batches_committed": 0})
-        self.live = None            # ft.replica_id of the groups of the last committed step
+        self.live = None            # {ft.replica_id: start token} of the last committed step
+        # tells this start of the group from an earlier one with the same ft.replica_id (a
+        # group killed and started again between two steps is a leave and a join)
+        self.token = random.SystemRandom().randrange(1, 2**20)  # exact in fp32 sums
         self.shares = []
         self.failed_at = None       # when the first uncommitted step of a failure started
         self.started = None
@@ -92,7 +104,7 @@ class ReplicaGroup:
         device = self.grid.device
         weight = len(self.shares) / self.ft.replicas
         who = torch.zeros(self.ft.replicas, device=device)
-        who[self.ft.replica_id] = 1.0
+        who[self.ft.replica_id] = self.token
         flat = torch.cat([g.reshape(-1).to(device) for g in grads] + [loss.reshape(1).to(device)])
         flat = torch.cat([flat * weight, who])
         self.manager.allreduce(flat, reduce_op=ReduceOp.SUM).wait()
@@ -107,8 +119,7 @@ class ReplicaGroup:
         """torchft's vote: True if every rank of every live group finished the step (then
         step the optimizer); False: a group failed during it, the step is redone."""
         if self.manager.should_commit():
-            live = sorted(i for i, n in enumerate(self._who.round().tolist()) if n > 0)
-            self._membership(live)
+            self._membership({i: int(n) for i, n in enumerate(self._who.round().tolist()) if n > 0})
             if self.failed_at is not None:
                 self.events["ft_recovery_s"] = time.perf_counter() - self.failed_at
                 self.failed_at = None
@@ -143,16 +154,18 @@ class ReplicaGroup:
     # ------------------------------------------------------------------ membership
 
     def _membership(self, live):
+        """live: {ft.replica_id: start token} of the groups that committed this step."""
         if live == self.live:
             return
         step = self.manager.current_step()
         shares = f"{self.ft.replicas} shares of the batch over {len(live)} live group" + \
             ("s" if len(live) > 1 else "")
         if self.live is None:
-            line = f"ft: group {self.ft.replica_id} in the quorum at step {step}: groups {live} live, " \
-                   + shares
+            line = f"ft: group {self.ft.replica_id} in the quorum at step {step}: groups " \
+                   f"{sorted(live)} live, " + shares
         else:
-            left, joined = sorted(set(self.live) - set(live)), sorted(set(live) - set(self.live))
+            left = sorted(i for i in self.live if live.get(i) != self.live[i])
+            joined = sorted(i for i in live if self.live.get(i) != live[i])
             said = ([f"group{'s' if len(left) > 1 else ''} {left} left"] if left else []) + \
                 ([f"group{'s' if len(joined) > 1 else ''} {joined} joined"] if joined else [])
             line = f"ft: {' and '.join(said)} at step {step}: " + shares
