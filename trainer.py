@@ -10,6 +10,10 @@ uninterrupted run's. The snapshot also records what fixes the data order
 (the sampler and its version, the train split's size and, for prepared
 tokens, the corpus's fingerprint), and check_resumable refuses to continue
 with another.
+
+With ft.enabled (fault_tolerance/) each step starts with the replica groups' quorum,
+which deals this group its shares of the global batch; the groups' gradients are summed
+across them before clipping, and a step they do not all commit is dropped and redone.
 """
 
 import math

@@ -28,7 +28,10 @@ def check(cfg, data_size=None):
     if not 0 <= f.replica_id < f.replicas:
         raise UserError(f"ft.replica_id must be in 0..{f.replicas - 1} (ft.replicas={f.replicas}), "
                         f"got {f.replica_id}")
-    if not 1 <= f.min_replicas <= f.replicas:
+    if f.min_replicas < 1:
+        raise UserError(f"ft.min_replicas must be >= 1, got {f.min_replicas}")
+    # the lighthouse serves whatever groups come (it never reads ft.replicas)
+    if cfg.mode != "lighthouse" and f.min_replicas > f.replicas:
         raise UserError(f"ft.min_replicas must be in 1..ft.replicas={f.replicas}, got "
                         f"{f.min_replicas}: a quorum cannot need more groups than the run has")
     if f.timeout_s <= 0:

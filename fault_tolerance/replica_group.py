@@ -11,8 +11,9 @@ Per step the trainer calls
 A group that computed k of the R shares holds the mean over its k/R of the batch: scaled
 by k/R and summed over the live groups, the gradients and the loss are the global batch's
 mean, as one process would compute it. What crosses groups is one all-reduce of the
-flattened gradients this rank holds (a shard, under fsdp) with the loss and a one-hot of
-the group's ft.replica_id (so every group learns who took part) appended.
+flattened gradients this rank holds (a shard, under fsdp) with the loss and, at the
+group's ft.replica_id, a token of this start of the group appended (so every group learns
+who took part, and tells a restarted group from the one it replaces).
 """
 
 import logging
@@ -82,7 +83,13 @@ class ReplicaGroup:
         """The quorum of the next step. Returns (step, shares): the step to compute (a
         group that healed jumps to the live groups') and the shares this group computes."""
         self.started = time.perf_counter()
-        self.manager.start_quorum()
+        try:
+            self.manager.start_quorum()
+        except Exception as e:  # the lighthouse gone, or no quorum within ft.timeout_s
+            first = str(e).strip().splitlines()[0][:200] if str(e).strip() else type(e).__name__
+            raise UserError(f"no quorum of replica groups from the lighthouse at ft.lighthouse="
+                            f"{self.ft.lighthouse} within ft.timeout_s={self.ft.timeout_s:g} s "
+                            f"({first}): is it running, with ft.min_replicas groups up?") from None
         if self.manager.errored():  # the quorum could not reconfigure the group: the step is
             self.shares = [0]           # computed on some share and voted down (commit)
             return self.manager.current_step(), self.shares

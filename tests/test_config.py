@@ -95,7 +95,7 @@ def test_defaults_and_overrides():
     (["ft.replica_id=-1"], 1, "ft.replica_id must be in 0..0"),
     (["ft.replicas=0"], 1, "ft.replicas must be >= 1, got 0"),
     (["ft.replicas=2", "ft.min_replicas=3"], 1, "ft.min_replicas must be in 1..ft.replicas=2, got 3"),
-    (["mode=lighthouse", "ft.replicas=2", "ft.min_replicas=3"], 1, "ft.min_replicas must be in 1"),
+    (["mode=lighthouse", "ft.min_replicas=0"], 1, "ft.min_replicas must be >= 1, got 0"),
     (["ft.lighthouse=nohost"], 1, "ft.lighthouse must be HOST:PORT"),
     (["ft.timeout_s=0"], 1, "ft.timeout_s must be > 0"),
     (["ft.enabled=true", "ft.replicas=5", "trainer.batch_size=12"], 2,
