@@ -15,6 +15,7 @@ groups' weighted gradients are summed across through torchft's group.
     logs.py            torchft's own log lines into a file of the run directory
     replica_group.py   the step's quorum, the sum across groups, the commit, membership lines
 
-May import: errors, data/, and torchft (only replica_group.py and lighthouse.py, lazily:
-a run without ft.enabled never imports torchft).
+May import: errors, parallel/placement.py (the state a rank holds), and torchft (only
+replica_group.py and lighthouse.py, lazily: a run without ft.enabled never imports it).
+Wired in by main.py (the group, mode=lighthouse) and trainer.py (the step).
 """
