@@ -33,7 +33,7 @@ from harness import (MAIN, TINY, assert_parity, command, job_env, kill_tree, our
 
 OPEN_ENDED = ["trainer.max_steps=100000", "trainer.min_lr=0.002", "trainer.lr=0.002"]
 GROUP = ["parallel.dp=fsdp", "parallel.zero_stage=3", "ft.enabled=true", "ft.replicas=2",
-         "ft.timeout_s=200"]
+         "ft.timeout_s=400"]  # the restarted group waits for its lighthouse from the start
 JOINT_STEPS = 3  # steps the restarted group trains beside the survivor before the end
 WAITING = "ft: waiting up to"
 
