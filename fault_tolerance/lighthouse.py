@@ -63,7 +63,8 @@ def wait_for(address, timeout_s, say=None):
                 return
         except OSError as e:
             if say is not None:
-                say(f"ft: waiting up to ft.timeout_s={timeout_s:g} s for the lighthouse at {address}")
+                say(f"ft: waiting up to ft.timeout_s={timeout_s:g} s for the lighthouse at "
+                    f"{address}")
                 say = None
             last = e
         if time.monotonic() >= deadline:

@@ -96,9 +96,9 @@ class ReplicaGroup:
         rank, live = self.manager.participating_rank(), self.manager.num_participants()
         if self.healed_from is not None:
             seconds = time.perf_counter() - self.started
-            self._say(f"ft: group {self.ft.replica_id} healed from group {self.healed_from} at step "
-                      f"{self.manager.current_step()} in {seconds:.2f} s (weights, optimizer state, "
-                      "step; the data position and random state follow from the step)")
+            self._say(f"ft: group {self.ft.replica_id} healed from group {self.healed_from} at "
+                      f"step {self.manager.current_step()} in {seconds:.2f} s (weights, optimizer "
+                      "state, step; the data position and random state follow from the step)")
             self.events["ft_heal_s"] = seconds
             self.healed_from = None
         self.shares = shares_of(self.ft.replicas, rank, live)

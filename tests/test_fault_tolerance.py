@@ -117,7 +117,8 @@ def test_lost_group_costs_a_step_and_heals_from_its_peer(tmp_path):
         jobs += [group(0, "group0", port), group(1, "group1", port),
                  group(1, "group1-restarted", later),
                  # the reference: one process, the same global batch, alongside
-                 Job(str(tmp_path / "reference"), command(1, TINY + OPEN_ENDED + ["parallel.dp=single"]))]
+                 Job(str(tmp_path / "reference"),
+                     command(1, TINY + OPEN_ENDED + ["parallel.dp=single"]))]
         g0, g1, again, ref = jobs
         wait_until("the groups waiting for the lighthouse",
                    lambda: all(WAITING in j.console() for j in (g0, g1, again)), jobs)
