@@ -24,9 +24,11 @@ from omegaconf.errors import OmegaConfBaseException
 
 from char_dataset import SAMPLERS, DataConfig
 from errors import UserError
+from fault_tolerance import config as ft_config
+from fault_tolerance.config import FTConfig
 from model import ModelConfig
 from parallel.config import ParallelConfig
-from parallel.layout import check_keys, check_layout
+from parallel.layout import check_keys, check_layout, grid_sizes
 from data.prepare import PrepareConfig
 from planner.config import PlanConfig
 from trainer import TrainerConfig
@@ -41,6 +43,7 @@ MODES = {
     "export": "write the newest snapshot as a Hugging Face GPT-2 folder to export.path",
     "prepare": "tokenize data.path into token shards at data.tokens_path (prepare:)",
     "plan": "predict memory, traffic and step time of every layout on the cluster of plan:",
+    "lighthouse": "run the fault-tolerant replica groups' lighthouse at ft.lighthouse (ft:)",
 }
 
 
@@ -68,7 +71,7 @@ class ExportConfig:
 @dataclass
 class Config:
     config: str = ""        # the YAML file read instead of gpt2_train_cfg.yaml (command line only)
-    mode: str = "train"     # train | sample | export | prepare | plan (see the modes above)
+    mode: str = "train"     # train | sample | export | prepare | plan | lighthouse (see the modes above)
     model: ModelConfig = field(default_factory=ModelConfig)  # the GPT's shape (model.py)
     data: DataConfig = field(default_factory=DataConfig)  # text, tokens, tokenizer (char_dataset.py)
     trainer: TrainerConfig = field(default_factory=TrainerConfig)  # the training loop (trainer.py)
@@ -78,6 +81,7 @@ class Config:
     export: ExportConfig = field(default_factory=ExportConfig)  # mode=export
     prepare: PrepareConfig = field(default_factory=PrepareConfig)  # mode=prepare (data/prepare.py)
     plan: PlanConfig = field(default_factory=PlanConfig)  # mode=plan: the target cluster (planner/config.py)
+    ft: FTConfig = field(default_factory=FTConfig)  # fault-tolerant replica groups, mode=lighthouse (fault_tolerance/)
 
 
 def load_config(overrides, world_size: int, yaml_path: str = DEFAULT_YAML) -> Config:
@@ -183,9 +187,12 @@ def validate(cfg: Config, world_size: int):
         if not ok:
             raise UserError(message)
     check_keys(p)
-    if cfg.mode in ("sample", "export", "prepare", "plan"):  # the layout of this job does not matter
+    if cfg.mode in ("sample", "export", "prepare", "plan", "lighthouse"):  # no layout to check
+        ft_config.check(cfg)
         return
     check_layout(cfg, world_size)  # parallel/layout.py: the grid, and each dimension's rules
+    sizes = grid_sizes(p, world_size)
+    ft_config.check(cfg, sizes["dp_replicate"] * sizes["dp"])  # fault_tolerance/config.py
 
 
 def resolved_yaml(cfg: Config) -> str:

@@ -6,6 +6,7 @@
     python main.py mode=export export.path=DIR     # a Hugging Face GPT-2 folder (checkpoint/export.py)
     python main.py mode=prepare data.path=SRC data.tokens_path=DST   # token shards
     python main.py mode=plan plan.nodes=8 plan.gpus_per_node=8 plan.gpu=H100-80GB  # layouts
+    python main.py mode=lighthouse ft.lighthouse=HOST:PORT ft.min_replicas=N  # fault tolerance
     python main.py --help                          # the modes and every key with its default
 
 Every failure a user can fix is a UserError: printed as one line on every
@@ -35,6 +36,7 @@ from checkpoint.snapshot_reader import check_model_shape, open_snapshot, step_to
 from config import help_text, load_config, resolved_yaml, to_dict
 from data.prepare import prepare
 from errors import UserError
+from fault_tolerance import lighthouse, replica_group
 from launch import preemption
 from launch.exit import flush_and_exit
 from model import GPT, GPTConfig
@@ -245,13 +247,21 @@ def train(cfg, grid):
     strategy = parallelize(model, grid, cfg.parallel, init)
     meta = {"config": to_dict(cfg), "gpt_config": asdict(gpt_config), "tokenizer": tokenizer.state()}
     trainer = Trainer(cfg, strategy, grid, train_set, val_set, meta)
+    replicas = None
     try:
         if snapshot:
             together(grid, "loading the snapshot", lambda: trainer.restore(snapshot))
         together(grid, "opening metrics.jsonl and wandb", trainer.open_metrics)
+        # ft.enabled: this launch is one replica group (fault_tolerance/); waits for the lighthouse
+        replicas = together(grid, "joining the replica groups",
+                            lambda: replica_group.start(cfg, grid, strategy, trainer.step))
+        if replicas is not None:
+            trainer.join_replicas(replicas)
         trainer.train()
     finally:
         trainer.close()
+        if replicas is not None:
+            replicas.close()
     write_ranks(grid, strategy, cfg.trainer.run_dir)  # collective: every rank's memory, replicas
     state = strategy.state_dict()  # collective: gathers shards where there are any
     return state, tokenizer, gpt_config
@@ -292,6 +302,10 @@ def main(argv, rank, world_size, local_rank):
     if cfg.mode == "export":
         if rank == 0:
             print("\n".join(export(cfg)), flush=True)
+        return
+    if cfg.mode == "lighthouse":  # torchft's quorum service, until stopped (fault_tolerance/)
+        if rank == 0:
+            lighthouse.serve(cfg.ft)
         return
     preemption.install()  # SIGTERM/SIGUSR1 now stop after a step, with a snapshot
     device = pick_device(cfg.trainer.device, local_rank, world_size)

@@ -10,6 +10,10 @@ uninterrupted run's. The snapshot also records what fixes the data order
 (the sampler and its version, the train split's size and, for prepared
 tokens, the corpus's fingerprint), and check_resumable refuses to continue
 with another.
+
+With ft.enabled (fault_tolerance/) each step starts with the replica groups' quorum,
+which deals this group its shares of the global batch; the groups' gradients are summed
+across them before clipping, and a step they do not all commit is dropped and redone.
 """
 
 import math
@@ -26,6 +30,7 @@ from checkpoint.async_snapshot import AsyncSnapshots
 from checkpoint.resume import snapshot_location
 from checkpoint.snapshot_writer import save_sharded
 from errors import UserError
+from fault_tolerance.shares import share_micro_batches
 from launch import preemption
 from parallel.compile import compile_events
 from parallel.grid import together
@@ -116,8 +121,8 @@ def lr_at(step: int, t: TrainerConfig) -> float:
 class Trainer:
     def __init__(self, cfg, strategy, grid, train_set, val_set, snapshot_meta):
         """snapshot_meta: what the snapshot carries beyond the training state (the
-        config as a dict, GPT shape, tokenizer). Then restore() (optional) and
-        open_metrics() before train()."""
+        config as a dict, GPT shape, tokenizer). Then restore() (optional),
+        open_metrics() and (ft.enabled) join_replicas() before train()."""
         self.cfg, self.t = cfg, cfg.trainer
         self.strategy, self.grid = strategy, grid
         self.train_set, self.val_set = train_set, val_set
@@ -146,6 +151,7 @@ class Trainer:
         self.clock = DeviceClock(grid.device)  # step_ms: CUDA events on a GPU, else the host's
         self.losses = LossWatch(grid.device)
         self.profiler = StepProfiler(self.t, grid)  # trainer.profile_from / memory_snapshot
+        self.replicas = None  # ft.enabled: this launch's fault_tolerance.ReplicaGroup
 
     def restore(self, reader):
         """Take model, optimizer and step from a snapshot (checked by check_resumable)."""
@@ -155,6 +161,11 @@ class Trainer:
         self.resumed_record = reader.meta.get("metrics_record")
         if self.grid.is_main:
             print(f"resuming from snapshot {self.snapshot_path} at step {self.step}", flush=True)
+
+    def join_replicas(self, replica_group):
+        """ft.enabled: from now on each step starts with the groups' quorum, takes this
+        group's shares of the global batch, sums across groups and steps only if committed."""
+        self.replicas = replica_group
 
     def open_metrics(self):
         self.metrics = MetricsLog(self.cfg, self.snapshot_meta["config"], self.grid.is_main,
@@ -166,24 +177,37 @@ class Trainer:
         self.strategy.reseed((self.t.seed * 1_000_003 + step) * 1_009)
 
     def train(self):
-        t, g = self.t, self.grid
-        if self.step < t.max_steps:
+        t, g, ft = self.t, self.grid, self.replicas
+        if self.step < t.max_steps and ft is None:
             micro, data_ms, error = self._read_step(self.step)
             if not g.all_ok(error is None):
                 raise error or UserError(AGREED_READ_FAILURE)
         while self.step < t.max_steps:
             self.profiler.before_step(self.step + 1)
             started = self.clock.mark()  # the device's clock: CUDA events on a GPU
+            if ft is not None:  # the quorum first: it says which shares this group computes
+                self.step, shares = ft.begin_step()  # (a joining group heals: step jumps)
+                micro, data_ms, error = self._read_step(self.step, shares)
+                if not g.all_ok(error is None):
+                    raise error or UserError(AGREED_READ_FAILURE)
             self._reseed(self.step)
             if self.activations is not None:
                 with self.activations:
                     loss = self.strategy.loss_and_gradients(micro)
             else:
                 loss = self.strategy.loss_and_gradients(micro)
+            if ft is not None:  # this group's shares -> the global batch, over the live groups
+                loss = ft.sum_across(loss, self.strategy.grads())
+                scale = self.strategy.precision.state()  # fp16: a dropped step keeps its scale
             lr = lr_at(self.step, t)
             # the pre-clip global norm, logged: it exposes summed-instead-of-averaged
             # gradients, which AdamW's scale invariance hides from the loss
             grad_norm = self.strategy.clip_gradients(t.grad_clip if t.grad_clip > 0 else math.inf)
+            if ft is not None and not ft.commit():  # a group failed in it: redone
+                self.strategy.drop_step(lr)
+                self.strategy.precision.load_state(scale)
+                self.strategy.comm_stats()  # the dropped step's traffic is not the next one's
+                continue
             self.strategy.optimizer_step(lr)
             ended = self.clock.mark()  # after the optimizer's kernels, not before them
             self.step += 1
@@ -191,6 +215,8 @@ class Trainer:
 
             last = self.step == t.max_steps
             saved = bool(t.save_every and self.step % t.save_every == 0) or last
+            if ft is not None:  # one group writes (trainer.snapshot_path may be shared)
+                saved = saved and ft.writes_snapshots()
             logged = bool(t.log_every and (self.step % t.log_every == 0 or last))
             evaluated = bool(t.eval_every and (self.step % t.eval_every == 0 or last))
             # the steps every rank measures alike (their figures take collectives); only
@@ -199,7 +225,10 @@ class Trainer:
             comm = self.strategy.comm_stats()
             stats, files = self.strategy.step_stats(last, measure=measured or last)
             compiled = self.compiles.pop_ms() if self.compiles is not None else 0.0
-            written = measured or bool(compiled)  # a step that compiled shows its cost
+            ft_figures, ft_event = ft.figures() if ft is not None else ({}, False)
+            # a step that compiled shows its cost; one with a membership change or after a
+            # recovery shows it
+            written = measured or bool(compiled) or ft_event
             record = None
             if written or saved:  # never snapshot a model a non-finite loss has trained
                 loss, grad_norm = self.losses.read(loss, grad_norm)  # raises on a non-finite loss
@@ -211,7 +240,7 @@ class Trainer:
                           "step_ms": 1000 * elapsed, "data_ms": data_ms,
                           **peak_memory(g.device),
                           **(self.strategy.state_figures() if measured else {}),  # state_bytes (and host_state_bytes)
-                          **comm, **stats, **self.strategy.precision.metrics()}
+                          **comm, **stats, **self.strategy.precision.metrics(), **ft_figures}
                 if self.peak_flops:
                     record["mfu"] = mfu.mfu(self.flops_per_token, record["tokens_per_s"],
                                             self.peak_flops, g.world_size)
@@ -237,7 +266,8 @@ class Trainer:
             self.profiler.after_step(self.step, last)
             if not last:  # read the next step's windows, then agree (every rank) on them, a
                 # stop signal and the progress of a background snapshot, in one all-reduce
-                micro, data_ms, error = self._read_step(self.step)
+                micro, data_ms, error = self._read_step(self.step) if ft is None else \
+                    (None, 0.0, None)  # ft: read after the next quorum deals the shares
                 signum, failed, progress = preemption.agreed_signal(
                     g, failed=error is not None,
                     extra=self.async_snapshots.flags() if self.async_snapshots else ())
@@ -249,15 +279,22 @@ class Trainer:
                     raise error or UserError(AGREED_READ_FAILURE)
         return self.step
 
-    def _read_step(self, step):
-        """(micro-batches of `step` for this rank, ms it took, error or None). An error is
+    def _read_step(self, step, shares=None):
+        """(micro-batches of `step` for this rank, ms it took, error or None); shares
+        (ft.enabled): of the ft.replicas shares of the global batch, those this replica
+        group computes (fault_tolerance/shares.py). An error is
         returned, not raised: a damaged shard shows on one rank only, and the ranks agree
         on it in the step's one scalar all-reduce (preemption.agreed_signal) before the
         next collective, instead of leaving the others waiting in it."""
         started = time.perf_counter()
         try:
-            micro = self.batches.local_micro_batches(self.train_set, step, self.grid.data_rank,
-                                                     self.grid.data_size, self.t.grad_accum)
+            if shares is None:
+                micro = self.batches.local_micro_batches(self.train_set, step, self.grid.data_rank,
+                                                         self.grid.data_size, self.t.grad_accum)
+            else:
+                micro = share_micro_batches(self.batches, self.train_set, step, shares,
+                                            self.cfg.ft.replicas, self.grid.data_rank,
+                                            self.grid.data_size, self.t.grad_accum)
         except UserError as e:
             return None, 0.0, e
         except Exception as e:  # s3 errors, a vanished file, ...

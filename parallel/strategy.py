@@ -229,6 +229,13 @@ class Strategy:
                 torch._foreach_mul_([g for g in grads if g.device == device], coef.to(device))
         return norm
 
+    def drop_step(self, lr):
+        """End a step without updating anything (fault tolerance: the groups did not
+        commit it): the optimizer skips it as after an fp16 overflow, and the gradients are
+        dropped as after any step."""
+        self.precision.skip_step = True
+        self.optimizer_step(lr)
+
     def step_optimizer(self):
         """optimizer.step(), unless fp16 gradients overflowed on some rank this step
         (then every rank skips it; the gradients are dropped as usual)."""

@@ -10,7 +10,7 @@ from statistics import median
 
 import pytest
 
-from bench import cp_balance, data, snapshot, snapshot_async
+from bench import cp_balance, data, fault_tolerance, snapshot, snapshot_async
 from bench.run_engine import stats, tables
 from bench.run_engine.jobs import check
 from bench.run_engine.tables import fmt_ms
@@ -223,7 +223,8 @@ def table_rows(lines):
 
 # every committed results.json but the standalone commands' is bench.run's
 RUN_RESULTS = sorted({os.path.basename(os.path.dirname(p)) for p in glob.glob(
-    committed("*", "results.json"))} - {"data", "snapshot", "snapshot_async", "cp_balance"})
+    committed("*", "results.json"))} - {"data", "snapshot", "snapshot_async", "cp_balance",
+                                         "fault_tolerance"})
 
 
 @pytest.mark.parametrize("name", RUN_RESULTS)
@@ -244,6 +245,14 @@ def test_committed_cp_balance_results_render_as_committed():
     doc = json.loads(open(committed("cp_balance", "results.json")).read())
     want = open(committed("cp_balance", "results.md")).read().splitlines()
     assert cp_balance_rows(doc) == table_rows(want)
+
+
+def test_committed_fault_tolerance_results_render_as_committed():
+    """bench.fault_tolerance's tables and lines, rendered from its committed results.json,
+    are those of its committed results.md."""
+    doc = json.loads(open(committed("fault_tolerance", "results.json")).read())
+    want = open(committed("fault_tolerance", "results.md")).read()
+    assert all(line in want for line in fault_tolerance.tables(doc["summary"]) if line)
 
 
 def test_committed_snapshot_and_data_results_render_as_committed():

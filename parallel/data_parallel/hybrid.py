@@ -9,9 +9,9 @@ once whatever trainer.grad_accum is), one all-reduce of each unit's gradient sha
 grid.dp_replicate_group. Only that crosses the slow links (torchtitan's dp_replicate x
 dp_shard, DeepSpeed's MiCS / ZeRO++ hpZ, Megatron's distributed-optimizer instances).
 
-`ReplicaMean` is that reduction and nothing else, on a group of its own, so that a
-reconfigurable group (torchft's fault-tolerant replica groups) can replace it without
-touching fsdp. Per step each rank sends R's all-reduce of its gradient shards:
+`ReplicaMean` is that reduction and nothing else, on a group of its own. (Fault-tolerant
+replica groups, fault_tolerance/, are another thing: each group its own launch, summed
+across after the group's strategy is done, through torchft's reconfigurable group.) Per step each rank sends R's all-reduce of its gradient shards:
 2(R-1)/R x 4 bytes x Φ / dp on the wire (fp32; half with parallel.reduce_dtype=bf16).
 
 `refuse` is the layout rule: only a strategy that shards (`Strategy.hybrid_shards`)

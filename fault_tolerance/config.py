@@ -1,0 +1,56 @@
+"""The `ft:` section: fault-tolerant replica groups, and the rules its keys obey."""
+
+from dataclasses import dataclass
+
+from errors import UserError
+
+
+@dataclass
+class FTConfig:
+    """The `ft:` section of gpt2_train_cfg.yaml."""
+    enabled: bool = False       # this launch is one fault-tolerant replica group of ft.replicas (torchft):
+                                # groups agree on who is alive before every step through the lighthouse
+    lighthouse: str = "localhost:29510"  # HOST:PORT of the lighthouse (mode=lighthouse runs it there)
+    replica_id: int = 0         # this group's index, 0..ft.replicas-1 (one launch per index)
+    replicas: int = 1           # R: the replica groups of the run; each step's global batch is cut into
+                                # R shares, dealt to the live groups (survivors take a lost group's)
+    min_replicas: int = 1       # fewest live groups a step may commit with (mode=lighthouse: its quorum)
+    timeout_s: float = 60.0     # how long to wait for the lighthouse, a quorum, a collective across
+                                # groups or a state transfer before giving up
+
+
+def check(cfg, data_size=None):
+    """One clear error for an impossible ft: section. data_size: the data-parallel ranks of
+    one group (None where the layout does not matter: mode=lighthouse)."""
+    f, t = cfg.ft, cfg.trainer
+    if f.replicas < 1:
+        raise UserError(f"ft.replicas must be >= 1, got {f.replicas}")
+    if not 0 <= f.replica_id < f.replicas:
+        raise UserError(f"ft.replica_id must be in 0..{f.replicas - 1} (ft.replicas={f.replicas}), "
+                        f"got {f.replica_id}")
+    if f.min_replicas < 1:
+        raise UserError(f"ft.min_replicas must be >= 1, got {f.min_replicas}")
+    # the lighthouse serves whatever groups come (it never reads ft.replicas)
+    if cfg.mode != "lighthouse" and f.min_replicas > f.replicas:
+        raise UserError(f"ft.min_replicas must be in 1..ft.replicas={f.replicas}, got "
+                        f"{f.min_replicas}: a quorum cannot need more groups than the run has")
+    if f.timeout_s <= 0:
+        raise UserError(f"ft.timeout_s must be > 0, got {f.timeout_s}")
+    host_port(f.lighthouse)
+    if not f.enabled or data_size is None:
+        return
+    per_share = f.replicas * data_size * t.grad_accum
+    if t.batch_size % per_share:
+        raise UserError(
+            f"trainer.batch_size={t.batch_size} must be divisible by ft.replicas * data-parallel "
+            f"ranks * trainer.grad_accum = {f.replicas} * {data_size} * {t.grad_accum} = "
+            f"{per_share}: each step's batch is cut into ft.replicas equal shares, each split "
+            "over a group's data-parallel ranks and micro-steps")
+
+
+def host_port(address):
+    """(host, port) of a HOST:PORT address, or a UserError."""
+    host, _, port = address.rpartition(":")
+    if not host or not port.isdigit() or not 0 < int(port) < 65536:
+        raise UserError(f"ft.lighthouse must be HOST:PORT (e.g. localhost:29510), got {address!r}")
+    return host.strip("[]"), int(port)

@@ -1,0 +1,204 @@
+"""One replica group's side of fault tolerance: quorum, sum across groups, commit.
+
+Per step the trainer calls
+
+    step, shares = group.begin_step()     # quorum (torchft Manager.start_quorum): who is
+                                          # live; a group behind the others heals here
+    ... this group's shares of the global batch, reduced inside it by its strategy ...
+    loss = group.sum_across(loss, strategy.grads())   # weighted sum over torchft's group
+    if group.commit(): optimizer step     # torchft's vote: not if any group failed
+
+A group that computed k of the R shares holds the mean over its k/R of the batch: scaled
+by k/R and summed over the live groups, the gradients and the loss are the global batch's
+mean, as one process would compute it. What crosses groups is one all-reduce of the
+flattened gradients this rank holds (a shard, under fsdp) with the loss and, at the
+group's ft.replica_id, a token of this start of the group appended (so every group learns
+who took part, and tells a restarted group from the one it replaces).
+"""
+
+import logging
+import os
+import random
+import time
+from datetime import timedelta
+
+import torch
+
+from errors import UserError
+from fault_tolerance import lighthouse, logs
+from fault_tolerance.shares import shares_of
+from fault_tolerance.state_transfer import held_state, load_held_state
+
+
+class ReplicaGroup:
+    def __init__(self, ft, grid, strategy, run_dir, step):
+        """Waits for the lighthouse (at most ft.timeout_s), then starts torchft's Manager:
+        this rank's end of the process group that spans the groups. step: where this
+        group starts (a snapshot's step, or 0)."""
+        lighthouse.wait_for(ft.lighthouse, ft.timeout_s,
+                            say=(lambda line: print(line, flush=True)) if grid.is_main else None)
+        # torchft's Rust side logs every quorum to stderr: warnings only on the console (its
+        # Python side's lines go to the run directory's file: logs.py); RUST_LOG overrides
+        os.environ.setdefault("RUST_LOG", "warn")
+        from torchft.checkpointing import HTTPTransport
+        from torchft.manager import Manager
+        from torchft.process_group import ProcessGroupGloo, ProcessGroupNCCL
+        self.ft, self.grid, self.strategy = ft, grid, strategy
+        self.log = logs.to_file(run_dir, grid.rank)
+        timeout = timedelta(seconds=ft.timeout_s)
+        self.store = None
+        store = {}
+        if "MASTER_ADDR" not in os.environ:  # plain `python main.py`: the group's store is ours
+            self.store = torch.distributed.TCPStore("localhost", 0, is_master=True,
+                                                    wait_for_workers=False)
+            store = {"store_addr": "localhost", "store_port": self.store.port}
+        pg = ProcessGroupNCCL(timeout) if grid.device.type == "cuda" else ProcessGroupGloo(timeout)
+        # the live state goes to a joining group over HTTP; its server's access line per
+        # request would land on the console: into torchft's log file instead
+        transport = HTTPTransport(timeout=timeout, num_chunks=0)
+        transport._server.RequestHandlerClass.log_message = \
+            lambda _, fmt, *args: logging.getLogger("torchft").info(fmt % args)
+        self.healed_from = None
+        self.manager = Manager(
+            pg=pg, load_state_dict=self._load, state_dict=self._state,
+            min_replica_size=ft.min_replicas, use_async_quorum=False,  # heal before the forward
+            timeout=timeout, quorum_timeout=timeout, connect_timeout=timeout,
+            rank=grid.rank, world_size=grid.world_size, lighthouse_addr=f"http://{ft.lighthouse}",
+            replica_id=f"replica_{ft.replica_id}", init_sync=False,  # weights from the seed
+            checkpoint_transport=transport, **store)
+        self.manager.load_state_dict({"step": step, "batches_committed": 0})
+        self.live = None            # {ft.replica_id: start token} of the last committed step
+        # tells this start of the group from an earlier one with the same ft.replica_id (a
+        # group killed and started again between two steps is a leave and a join)
+        self.token = random.SystemRandom().randrange(1, 2**20)  # exact in fp32 sums
+        self.shares = []
+        self.failed_at = None       # when the first uncommitted step of a failure started
+        self.started = None
+        self.uncommitted = 0        # steps not committed since the start, each redone
+        self.events = {}            # figures for the next committed step's metrics record
+
+    # ------------------------------------------------------------------ the step
+
+    def begin_step(self):
+        """The quorum of the next step. Returns (step, shares): the step to compute (a
+        group that healed jumps to the live groups') and the shares this group computes."""
+        self.started = time.perf_counter()
+        try:
+            self.manager.start_quorum()
+        except Exception as e:  # the lighthouse gone, or no quorum within ft.timeout_s
+            first = str(e).strip().splitlines()[0][:200] if str(e).strip() else type(e).__name__
+            raise UserError(f"no quorum of replica groups from the lighthouse at ft.lighthouse="
+                            f"{self.ft.lighthouse} within ft.timeout_s={self.ft.timeout_s:g} s "
+                            f"({first}): is it running, with ft.min_replicas groups up?") from None
+        if self.manager.errored():  # the quorum could not reconfigure the group: the step is
+            self.shares = [0]           # computed on some share and voted down (commit)
+            return self.manager.current_step(), self.shares
+        rank, live = self.manager.participating_rank(), self.manager.num_participants()
+        if self.healed_from is not None:
+            seconds = time.perf_counter() - self.started
+            self._say(f"ft: group {self.ft.replica_id} healed from group {self.healed_from} at "
+                      f"step {self.manager.current_step()} in {seconds:.2f} s (weights, optimizer "
+                      "state, step; the data position and random state follow from the step)")
+            self.events["ft_heal_s"] = seconds
+            self.healed_from = None
+        self.shares = shares_of(self.ft.replicas, rank, live)
+        return self.manager.current_step(), self.shares
+
+    def sum_across(self, loss, grads):
+        """The global batch's loss and gradients from this group's (each the mean over its
+        shares): scaled by shares/R, summed over the live groups in one all-reduce."""
+        from torch.distributed import ReduceOp
+        device = self.grid.device
+        weight = len(self.shares) / self.ft.replicas
+        who = torch.zeros(self.ft.replicas, device=device)
+        who[self.ft.replica_id] = self.token
+        flat = torch.cat([g.reshape(-1).to(device) for g in grads] + [loss.reshape(1).to(device)])
+        flat = torch.cat([flat * weight, who])
+        self.manager.allreduce(flat, reduce_op=ReduceOp.SUM).wait()
+        at = 0
+        for g in grads:
+            g.copy_(flat[at:at + g.numel()].view_as(g))
+            at += g.numel()
+        self._who = flat[at + 1:]
+        return flat[at].clone()
+
+    def commit(self):
+        """torchft's vote: True if every rank of every live group finished the step (then
+        step the optimizer); False: a group failed during it, the step is redone."""
+        if self.manager.should_commit():
+            self._membership({i: int(n) for i, n in enumerate(self._who.round().tolist()) if n > 0})
+            if self.failed_at is not None:
+                self.events["ft_recovery_s"] = time.perf_counter() - self.failed_at
+                self.failed_at = None
+            return True
+        self.uncommitted += 1
+        if self.failed_at is None:
+            self.failed_at = self.started
+        error = self.manager.errored()
+        why = str(getattr(error, "original_exception", error) or "a group failed").splitlines()[0]
+        self._say(f"ft: step {self.manager.current_step() + 1} not committed ({why[:160]}); "
+                  "redoing it with the next quorum")
+        return False
+
+    def figures(self):
+        """(fields for the committed step's metrics record, whether something happened
+        that the record must show): the live groups, steps redone so far, when it was
+        committed, and once each the membership change, recovery and healing times."""
+        out = {"ft_live_groups": len(self.live or ()), "ft_uncommitted_steps": self.uncommitted,
+               "ft_committed_at": time.time(), **self.events}
+        eventful, self.events = bool(self.events), {}
+        return out, eventful
+
+    def writes_snapshots(self):
+        """Whether this group writes the step's snapshot: the first of the quorum does, so
+        a trainer.snapshot_path shared by the groups has one writer."""
+        return self.manager.participating_rank() == 0
+
+    def close(self):
+        self.manager.shutdown(wait=False)
+        logs.close_file(self.log)
+
+    # ------------------------------------------------------------------ membership
+
+    def _membership(self, live):
+        """live: {ft.replica_id: start token} of the groups that committed this step."""
+        if live == self.live:
+            return
+        step = self.manager.current_step()
+        shares = f"{self.ft.replicas} shares of the batch over {len(live)} live group" + \
+            ("s" if len(live) > 1 else "")
+        if self.live is None:
+            line = f"ft: group {self.ft.replica_id} in the quorum at step {step}: groups " \
+                   f"{sorted(live)} live, " + shares
+        else:
+            left = sorted(i for i in self.live if live.get(i) != self.live[i])
+            joined = sorted(i for i in live if self.live.get(i) != live[i])
+            said = ([f"group{'s' if len(left) > 1 else ''} {left} left"] if left else []) + \
+                ([f"group{'s' if len(joined) > 1 else ''} {joined} joined"] if joined else [])
+            line = f"ft: {' and '.join(said)} at step {step}: " + shares
+        self.events["ft_membership_changed"] = 1
+        self.live = live
+        self._say(line)
+
+    def _say(self, line):
+        if self.grid.is_main:
+            print(line, flush=True)
+
+    # ------------------------------------------------------------------ state transfer
+
+    def _state(self):
+        return held_state(self.strategy, self.manager.current_step(), self.ft.replica_id)
+
+    def _load(self, sent):
+        load_held_state(self.strategy, sent)
+        self.healed_from = sent["replica_id"]
+
+
+def start(cfg, grid, strategy, step):
+    """The ReplicaGroup of this launch, or None without ft.enabled."""
+    if not cfg.ft.enabled:
+        return None
+    if cfg.parallel.tp_impl == "torch":
+        raise UserError("ft.enabled with parallel.tp_impl=torch: PyTorch's DTensor TP reference "
+                        "cannot drop an uncommitted step; use the own tensor parallelism")
+    return ReplicaGroup(cfg.ft, grid, strategy, cfg.trainer.run_dir, step)

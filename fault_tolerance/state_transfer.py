@@ -1,0 +1,62 @@
+"""The training state a live replica group sends to one that joins (torchft's healing).
+
+Rank r of the joining group receives from rank r of a live one: the groups run the same
+layout, so each rank holds the same parts of every parameter and of AdamW's state.
+What it sends is what a snapshot would hold of this rank (weights, AdamW moments and
+step, the fp16 loss scale, the trainer's step) but every part it holds, not only the
+parts it would write (Region.writes leaves replicated copies to one writer). The data
+position and the random state are functions of the step (trainer.py), so the step
+carries them. The receiver loads it through the snapshot path (Strategy.load_shards),
+so whatever a strategy does after a load (ZeRO-1/2's gather, offload's copy to the
+device) happens here too.
+"""
+
+import torch
+
+from parallel.placement import OPTIM_FIELDS
+
+
+@torch.no_grad()
+def held_state(strategy, step, replica_id):
+    """This rank's state as a dict of tensors and ints (copies: torchft serves it while
+    this group computes the step)."""
+    tensors = {}
+    for r in strategy.regions():
+        name = r.placement.name
+        state = strategy.optimizer.state.get(r.opt_param, {})
+        for box, idx in r.canonical_parts():
+            where = box_key(box)
+            tensors[f"model/{name}@{where}"] = r.values()[idx].cpu().clone()
+            for field in OPTIM_FIELDS:
+                if field in state:
+                    tensors[f"optim/{name}/{field}@{where}"] = \
+                        r.values(state[field])[idx].cpu().clone()
+        if "step" in state:
+            tensors[f"optim/{name}/step"] = state["step"].reshape(()).cpu().clone()
+    return {"tensors": tensors, "step": step, "replica_id": replica_id,
+            "precision": strategy.precision.state()}
+
+
+def load_held_state(strategy, sent):
+    """Take a peer's held_state (same layout); returns its step."""
+    strategy.load_shards(HeldStateReader(sent["tensors"]))
+    strategy.precision.load_state(sent["precision"])
+    return int(sent["step"])
+
+
+def box_key(box):
+    return ",".join(f"{a}:{b}" for a, b in box)
+
+
+class HeldStateReader:
+    """held_state's tensors, read as a snapshot is (read_box: Strategy.load_shards)."""
+
+    def __init__(self, tensors):
+        self.tensors = tensors
+
+    def read_box(self, key, box):
+        found = self.tensors.get(key if key.endswith("/step") else f"{key}@{box_key(box)}")
+        if found is None:
+            raise RuntimeError(f"the peer's state has no {key} {box}: the replica groups must "
+                               "run the same layout")
+        return found

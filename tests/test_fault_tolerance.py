@@ -1,0 +1,201 @@
+"""Fault-tolerant replica groups (fault_tolerance/, torchft) on gloo, real launches.
+
+A lighthouse (`mode=lighthouse`) and two replica groups of 2 ranks each (fsdp, ZeRO-3
+inside), each its own torchrun. Once both are in the quorum, group 1 is SIGKILLed (its
+whole process tree) at a random step; group 0 goes on without a restart, taking group 1's
+share of every batch; group 1 started again heals from group 0 (weights, AdamW state,
+step) and trains beside it. Every step either group logs equals the single-process run
+with the same global batch: loss and pre-clip gradient norm within rtol 1e-5.
+
+Start-up is what a loaded machine stretches (a minute here at times, while a step takes
+0.1 s), and the survivor trains on meanwhile. So the start-ups are taken out of the race:
+a group waits for the lighthouse with its model built and its data open (ft: waiting
+...), the lighthouse starts once both groups wait, and the restarted group is launched at
+the beginning, on a port that reaches the lighthouse only once group 1 is killed (a
+forwarder the test opens then; otherwise its command is group 1's). The learning rate is
+constant after warm-up (min_lr = lr: the schedule does not depend on max_steps), the jobs
+run open-ended and are SIGKILLed once they logged what is compared; the reference runs
+alongside as far as the groups got.
+"""
+
+import os
+import random
+import re
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+
+from harness import (MAIN, TINY, assert_parity, command, job_env, kill_tree, our_frames,
+                     read_metrics, run_job)
+
+OPEN_ENDED = ["trainer.max_steps=100000", "trainer.min_lr=0.002", "trainer.lr=0.002"]
+GROUP = ["parallel.dp=fsdp", "parallel.zero_stage=3", "ft.enabled=true", "ft.replicas=2",
+         "ft.timeout_s=400"]  # the restarted group waits for its lighthouse from the start
+JOINT_STEPS = 3  # steps the restarted group trains beside the survivor before the end
+WAITING = "ft: waiting up to"
+
+
+def free_port():
+    with socket.socket() as s:
+        s.bind(("localhost", 0))
+        return s.getsockname()[1]
+
+
+class Job:
+    """A launch in a directory of its own, its console in console.log there."""
+
+    def __init__(self, workdir, cmd):
+        os.makedirs(workdir, exist_ok=True)
+        self.workdir = workdir
+        with open(os.path.join(workdir, "console.log"), "w") as log:
+            self.proc = subprocess.Popen(cmd, cwd=workdir, env=job_env(), stdout=log,
+                                         stderr=subprocess.STDOUT, start_new_session=True)
+
+    def console(self):
+        with open(os.path.join(self.workdir, "console.log")) as f:
+            return f.read()
+
+    def records(self):
+        try:
+            return read_metrics(os.path.join(self.workdir, "runs", "default"))
+        except (OSError, ValueError):  # not there yet, or a line being written
+            return []
+
+    def last_step(self):
+        return max((r["step"] for r in self.records()), default=0)
+
+    def stop(self):
+        if self.proc.poll() is None:
+            kill_tree(self.proc.pid)
+
+
+def forward(listen_port, to_port):
+    """Accept on listen_port and pipe every connection to to_port (daemon threads)."""
+    server = socket.create_server(("localhost", listen_port))
+
+    def pipe(a, b):
+        try:
+            while data := a.recv(65536):
+                b.sendall(data)
+        except OSError:
+            pass
+        finally:
+            for s in (a, b):
+                try:
+                    s.shutdown(socket.SHUT_RDWR)
+                except OSError:
+                    pass
+
+    def serve():
+        while True:
+            client, _ = server.accept()
+            upstream = socket.create_connection(("localhost", to_port))
+            for a, b in ((client, upstream), (upstream, client)):
+                threading.Thread(target=pipe, args=(a, b), daemon=True).start()
+    threading.Thread(target=serve, daemon=True).start()
+    return server
+
+
+def wait_until(what, ok, jobs, timeout=300):
+    deadline = time.time() + timeout
+    while not ok():
+        gone = [j for j in jobs if j.proc.poll() is not None]
+        assert not gone and time.time() < deadline, f"gave up waiting for {what}\n" + \
+            "\n".join(j.console()[-3000:] for j in jobs)
+        time.sleep(0.05)
+
+
+def test_lost_group_costs_a_step_and_heals_from_its_peer(tmp_path):
+    port, later = free_port(), free_port()
+    group = lambda i, name, port: Job(str(tmp_path / name), command(  # noqa: E731
+        2, TINY + OPEN_ENDED + GROUP + [f"ft.replica_id={i}", f"ft.lighthouse=localhost:{port}"]))
+    jobs, forwarder = [], None
+    try:
+        jobs += [group(0, "group0", port), group(1, "group1", port),
+                 group(1, "group1-restarted", later),
+                 # the reference: one process, the same global batch, alongside
+                 Job(str(tmp_path / "reference"),
+                     command(1, TINY + OPEN_ENDED + ["parallel.dp=single"]))]
+        g0, g1, again, ref = jobs
+        wait_until("the groups waiting for the lighthouse",
+                   lambda: all(WAITING in j.console() for j in (g0, g1, again)), jobs)
+        beacon = Job(str(tmp_path / "lighthouse"), [sys.executable, MAIN, "mode=lighthouse",
+                                                    f"ft.lighthouse=localhost:{port}",
+                                                    "ft.min_replicas=1"])
+        jobs.append(beacon)
+        wait_until("both groups in one quorum",
+                   lambda: any(r.get("ft_live_groups") == 2 for r in g0.records()), jobs)
+        kill_at = g0.last_step() + random.randint(1, 4)
+        wait_until(f"step {kill_at}", lambda: g0.last_step() >= kill_at, jobs)
+        g1.stop()
+        jobs.remove(g1)
+        print(f"group 1 killed after step {kill_at}")
+        wait_until("the survivor training alone", lambda: sum(
+            r["ft_live_groups"] == 1 and r["step"] > kill_at for r in g0.records()) >= 2, jobs)
+        forwarder = forward(later, port)  # the restarted group reaches the lighthouse now
+        wait_until("the restarted group training beside the survivor",
+                   lambda: len(again.records()) >= JOINT_STEPS, jobs)
+        g0.stop()
+        again.stop()
+        end = min(g0.last_step(), again.last_step())  # a kill between a commit and its record
+        wait_until(f"the reference at step {end}", lambda: ref.last_step() >= end, [beacon, ref])
+        ref.stop()
+        beacon.proc.send_signal(signal.SIGTERM)
+        assert beacon.proc.wait(timeout=30) == 0, beacon.console()
+    finally:
+        for job in jobs:
+            job.stop()
+        if forwarder is not None:
+            forwarder.close()
+    out0, out1 = g0.console(), again.console()
+    print(out0[-1500:], out1[-1500:], sep="\n")
+    assert re.search(rf"^lighthouse: serving \S+ \(ft.lighthouse=localhost:{port}\)",
+                     beacon.console(), re.M), beacon.console()
+    reference = {r["step"]: r for r in ref.records()}
+
+    # the survivor: never restarted, saw group 1 leave and join, logged every step
+    assert out0.count("ProcessGrid(") == 1 and "resuming from snapshot" not in out0, out0
+    left = re.search(r"^ft: group \[1\] left at step (\d+)", out0, re.M)
+    assert left and int(left.group(1)) >= kill_at, out0
+    assert re.search(r"^ft: group \[1\] joined at step \d+", out0[left.end():], re.M), out0
+    survivor = [r for r in g0.records() if r["step"] <= end]
+    # from step 1, or from where it healed if it joined the quorum after group 1 had begun
+    assert [r["step"] for r in survivor] == list(range(survivor[0]["step"], end + 1))
+    assert survivor[0]["step"] == 1 or "ft: group 0 healed from group 1" in out0, out0
+    alone = [r["step"] for r in survivor if r["ft_live_groups"] == 1 and r["step"] > kill_at]
+    assert alone, "the survivor never trained alone"
+    print(f"group 0 trained steps {alone[0]}-{alone[-1]} alone")
+    assert_parity([reference[r["step"]] for r in survivor], survivor)
+
+    # the restarted group: healed from group 0, then the same losses
+    healed = re.search(r"^ft: group 1 healed from group 0 at step (\d+) in ([\d.]+) s", out1, re.M)
+    assert healed, out1
+    rejoined = [r for r in again.records() if r["step"] <= end]
+    assert [r["step"] for r in rejoined] == list(range(int(healed.group(1)) + 1, end + 1)), out1
+    assert all(r["ft_live_groups"] == 2 for r in rejoined)
+    assert_parity([reference[r["step"]] for r in rejoined], rejoined)
+    # torchft's per-step lines are in the run directory, not on the console
+    assert os.path.getsize(os.path.join(g0.workdir, "runs", "default", "torchft-rank0.log")) > 0
+    assert "should_commit" not in out0 and "Quorum" not in out0
+
+
+def test_every_share_is_computed_once_by_the_live_groups():
+    from fault_tolerance.shares import shares_of
+    for replicas in range(1, 6):
+        for live in range(1, replicas + 1):
+            taken = sorted(s for rank in range(live) for s in shares_of(replicas, rank, live))
+            assert taken == list(range(replicas)), (replicas, live)
+
+
+def test_no_lighthouse_is_one_error_on_every_rank(tmp_path):
+    result = run_job(str(tmp_path / "job"), 2, ["ft.enabled=true", "ft.timeout_s=1",
+                                                f"ft.lighthouse=localhost:{free_port()}"],
+                     fresh=True, timeout=120)
+    assert result.returncode != 0
+    errors = re.findall(r"^error on rank (\d): no lighthouse at ft.lighthouse=\S+ after "
+                        r"ft.timeout_s=1 s .*mode=lighthouse", result.stderr, re.M)
+    assert sorted(errors) == ["0", "1"], result.stderr[-3000:]
+    assert not our_frames(result.stderr), result.stderr[-3000:]  # torchrun's own report aside
