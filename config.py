@@ -41,6 +41,7 @@ MODES = {
     "export": "write the newest snapshot as a Hugging Face GPT-2 folder to export.path",
     "prepare": "tokenize data.path into token shards at data.tokens_path (prepare:)",
     "plan": "predict memory, traffic and step time of every layout on the cluster of plan:",
+    "dryrun": "one step of a few ranks of the layout on plan.nodes x plan.gpus_per_node, in this process",
 }
 
 
@@ -68,7 +69,7 @@ class ExportConfig:
 @dataclass
 class Config:
     config: str = ""        # the YAML file read instead of gpt2_train_cfg.yaml (command line only)
-    mode: str = "train"     # train | sample | export | prepare | plan (see the modes above)
+    mode: str = "train"     # train | sample | export | prepare | plan | dryrun (see the modes above)
     model: ModelConfig = field(default_factory=ModelConfig)  # the GPT's shape (model.py)
     data: DataConfig = field(default_factory=DataConfig)  # text, tokens, tokenizer (char_dataset.py)
     trainer: TrainerConfig = field(default_factory=TrainerConfig)  # the training loop (trainer.py)
@@ -183,8 +184,8 @@ def validate(cfg: Config, world_size: int):
         if not ok:
             raise UserError(message)
     check_keys(p)
-    if cfg.mode in ("sample", "export", "prepare", "plan"):  # the layout of this job does not matter
-        return
+    if cfg.mode in ("sample", "export", "prepare", "plan", "dryrun"):  # not this job's layout
+        return  # (dryrun checks it on its world: planner/dryrun.py)
     check_layout(cfg, world_size)  # parallel/layout.py: the grid, and each dimension's rules
 
 

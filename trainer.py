@@ -174,17 +174,7 @@ class Trainer:
         while self.step < t.max_steps:
             self.profiler.before_step(self.step + 1)
             started = self.clock.mark()  # the device's clock: CUDA events on a GPU
-            self._reseed(self.step)
-            if self.activations is not None:
-                with self.activations:
-                    loss = self.strategy.loss_and_gradients(micro)
-            else:
-                loss = self.strategy.loss_and_gradients(micro)
-            lr = lr_at(self.step, t)
-            # the pre-clip global norm, logged: it exposes summed-instead-of-averaged
-            # gradients, which AdamW's scale invariance hides from the loss
-            grad_norm = self.strategy.clip_gradients(t.grad_clip if t.grad_clip > 0 else math.inf)
-            self.strategy.optimizer_step(lr)
+            loss, grad_norm, lr = self.compute_step(micro)
             ended = self.clock.mark()  # after the optimizer's kernels, not before them
             self.step += 1
             self.losses.watch(loss, self.step)  # on the device: read at the steps below
@@ -248,6 +238,24 @@ class Trainer:
                 if failed:  # one rank's windows are damaged: all stop before any collective
                     raise error or UserError(AGREED_READ_FAILURE)
         return self.step
+
+    def compute_step(self, micro):
+        """The step's computation on this rank's micro-batches: forward and backward (under
+        the activation meter when measured), the clip, the optimizer step. Returns (loss,
+        pre-clip gradient norm, lr), on the device, unread. mode=dryrun runs just this."""
+        t = self.t
+        self._reseed(self.step)
+        if self.activations is not None:
+            with self.activations:
+                loss = self.strategy.loss_and_gradients(micro)
+        else:
+            loss = self.strategy.loss_and_gradients(micro)
+        lr = lr_at(self.step, t)
+        # the pre-clip global norm, logged: it exposes summed-instead-of-averaged
+        # gradients, which AdamW's scale invariance hides from the loss
+        grad_norm = self.strategy.clip_gradients(t.grad_clip if t.grad_clip > 0 else math.inf)
+        self.strategy.optimizer_step(lr)
+        return loss, grad_norm, lr
 
     def _read_step(self, step):
         """(micro-batches of `step` for this rank, ms it took, error or None). An error is
