@@ -64,6 +64,52 @@ def test_planner_equals_what_the_run_counts(world, name):
         assert {got[measured] for got in ranks} == {planned_max}, measured
 
 
+def modelled(case):
+    """A tests/layout_worker.py Case as the planner's (Workload, Layout), or None where the
+    planner does not model it (PyTorch's references count no traffic; the ring all-reduce,
+    an explicit pp_layers split and cp_impl=allgather are not planned)."""
+    from layout_worker import BATCH as L_BATCH, BLOCK as L_BLOCK, N_EMBD as L_EMBD, N_HEAD as L_HEAD
+    p = case.parallel
+    if case.dp_kind.startswith("torch") or p.get("allreduce") == "ring" or p.get("pp_layers") \
+            or p.get("cp_impl", "ring") != "ring" or p.get("reduce_dtype", "fp32") != "fp32":
+        return None
+    R, schedule = p.get("dp_replicate", 1), p.get("pp_schedule", "1f1b")
+    V = 2 if schedule == "zbv" else p.get("pp_virtual_stages", 1) if schedule == "interleaved" else 1
+    fsdp = case.dp_kind == "fsdp"
+    L = Layout(dp_kind=case.dp_kind, zero_stage=p.get("zero_stage", 3) if fsdp else 0,
+               dp=case.dp * R, pp=case.pp, cp=case.cp, tp=case.tp,
+               sp=p.get("sequence_parallel", False), schedule=schedule if case.pp > 1 else "1f1b",
+               V=V if case.pp > 1 else 1, M=p.get("microbatches", 1) if case.pp > 1 else 1,
+               grad_accum=case.accum, R=R, offload=p.get("offload", False))
+    return Workload(n_layer=case.n_layer, n_head=L_HEAD, n_embd=L_EMBD, vocab=case.vocab,
+                    block=L_BLOCK, batch=L_BATCH), L
+
+
+def layout_matrix():
+    from layout_worker import CASES as MATRIX
+    return [(world, case.name) for world in MATRIX for case in MATRIX[world] if modelled(case)]
+
+
+@pytest.mark.parametrize("world,name", layout_matrix(), ids=[n for _, n in layout_matrix()])
+def test_plan_out_equals_metrics_of_the_layout_matrix(world, name):
+    """plan.out's figures under metrics.jsonl's names (planner/figures.metrics_names) equal,
+    as integers, what a run of that layout logs: every layout of tests/layout_worker.py's
+    matrix the planner models, on its 2, 4 or 8 ranks (results shared with test_tp, test_pp,
+    test_cp and test_hsdp). A run logs rank 0's collectives (`comm_<kind>_bytes`,
+    `comm_bytes`) and the fullest rank's `state_bytes` (and `host_state_bytes`)."""
+    from harness import layout_worker_result
+    from layout_worker import CASES as MATRIX
+    from planner.figures import metrics_names, rank_figures
+    case = next(c for c in MATRIX[world] if c.name == name)
+    w, L = modelled(case)
+    got = layout_worker_result(world)["cases"][name]
+    logged = {k: v for k, v in got["comm"][-1].items() if k.endswith("_bytes") and v}
+    logged.update(got["state"])
+    planned = metrics_names(rank_figures(w, L)["fullest"])
+    planned = {k: v for k, v in planned.items() if k.endswith("_bytes") and v}
+    assert planned == logged, f"{L.name()}: planned {planned}, logged {logged}"
+
+
 @pytest.mark.parametrize("ckpt", [False, True], ids=["plain", "checkpointed"])
 def test_planner_equals_one_process_counts(ckpt):
     """In this process (no group): `single`'s state bytes exactly, its activations within
