@@ -39,7 +39,7 @@ from planner.memory import activation_bytes, memory_need, state_split
 from planner.report import workload
 from planner.shapes import Layout
 
-GB = 1e9
+GB, MB = 1e9, 1e6
 
 
 def layout_of(cfg, world) -> Layout:
@@ -157,16 +157,16 @@ def dryrun(cfg, device=None):
     print(f"dryrun: {L.name()} on {cfg.plan.nodes} x {cfg.plan.gpus_per_node} ranks; GPT "
           f"{w.n_layer} layers x {w.n_embd} wide, vocab {w.vocab}, {w.block} tokens, global "
           f"batch {w.batch}, {w.precision}", flush=True)
-    print(f"{'rank':>5}  {'pp':>3}  {'device':>6}  {'state GB':>9}  {'planned':>9}  "
-          f"{'activ. GB':>9}  {'planned':>9}  {'s':>6}", flush=True)
+    print(f"{'rank':>5}  {'pp':>3}  {'device':>6}  {'state MB':>9}  {'planned':>9}  "
+          f"{'activ. MB':>9}  {'planned':>9}  {'s':>6}", flush=True)
     results = []
     try:
         for rank in ranks_to_try(sizes):
             results.append(try_rank(cfg, w, L, sizes, rank, device))
             r = results[-1]
-            print(f"{rank:>5}  {r['pp_rank']:>3}  {r['device']:>6}  {r['state_bytes'] / GB:>9.4g}  "
-                  f"{r['plan_state_bytes'] / GB:>9.4g}  {r['activation_bytes'] / GB:>9.4g}  "
-                  f"{r['plan_activation_bytes'] / GB:>9.4g}  {r['seconds']:>6.1f}", flush=True)
+            print(f"{rank:>5}  {r['pp_rank']:>3}  {r['device']:>6}  {r['state_bytes'] / MB:>9.4g}  "
+                  f"{r['plan_state_bytes'] / MB:>9.4g}  {r['activation_bytes'] / MB:>9.4g}  "
+                  f"{r['plan_activation_bytes'] / MB:>9.4g}  {r['seconds']:>6.1f}", flush=True)
     finally:
         if cfg.plan.out:
             with open(cfg.plan.out, "w") as f:
