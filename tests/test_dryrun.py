@@ -6,7 +6,8 @@ in one process under the fake process-group backend.
   the measured state and activation bytes within issue 34's goals of the planner's
   (2% and 15%; they are equal here);
 - in process, on the meta device (what a rank too large for this machine runs on):
-  cp2 x tp2 with sequence parallelism under fsdp stage 3, and zbv, within the same goals;
+  cp2 x tp2 with sequence parallelism under fsdp stage 3, and pp4 zb1p with GPT-2's
+  vocabulary, within the same goals;
 - a rank whose step fails stops the dryrun: one line naming the rank and the error,
   exit status 2, and the ranks tried before it in plan.out.
 """
@@ -52,9 +53,11 @@ def test_dryrun_command_tries_first_last_and_each_stage(tmp_path):
 @pytest.mark.parametrize("layout", [
     ["parallel.dp=fsdp", "parallel.zero_stage=3", "parallel.cp=2", "parallel.tp=2",
      "parallel.sequence_parallel=true"],
-    ["parallel.dp=ddp_bucket", "parallel.pp=2", "parallel.pp_schedule=zbv",
-     "parallel.microbatches=4", "model.n_layer=4", "trainer.batch_size=32"],
-], ids=["dp2cp2tp2sp-fsdp3", "dp4pp2-zbv-m4"])
+    # GPT-2's vocabulary: the last stage's loss (its softmax) dominates, and a zero-bubble
+    # schedule frees it at the next F, long before the chunk's W (planner/memory.py)
+    ["parallel.dp=ddp_bucket", "parallel.pp=4", "parallel.pp_schedule=zb1p",
+     "parallel.microbatches=4", "model.n_layer=4", "data.tokenizer=gpt2"],
+], ids=["dp2cp2tp2sp-fsdp3", "dp2pp4-zb1p-m4-gpt2vocab"])
 def test_dryrun_on_the_meta_device(layout):
     from config import load_config
     from planner.dryrun import dryrun
