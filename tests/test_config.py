@@ -89,7 +89,7 @@ def test_defaults_and_overrides():
     (["parallel.pp_impl=torch", "parallel.pp=2", "trainer.activation_checkpointing=true"], 2,
      "without activation checkpointing"),
     (["mode=export"], 1, "needs export.path"),
-    (["mode=serve"], 1, "mode must be train, sample, export, prepare or plan"),
+    (["mode=serve"], 1, "mode must be train, sample, export, prepare, plan or dryrun"),
     (["mode=prepare", "data.path=a.txt"], 1, "mode=prepare needs data.path .* and data.tokens_path"),
     (["mode=prepare", "data.tokens_path=tok"], 1, "mode=prepare needs data.path"),
     (["data.sampler=shuffle"], 1, "data.sampler must be one of"),
