@@ -5,7 +5,9 @@
   pipeline schedule, cp, checkpointing, hybrid sharding and offload, and compositions
   of dp, tp, pp and cp): for every rank, the planner's state bytes (device and host)
   and bytes per collective kind equal what the run counts (exactly), and its
-  activation bytes are within 10% of the meter's.
+  activation bytes are within 10% of the meter's; plan.out's collectives are rank 0's.
+- every layout of tests/layout_worker.py's parity matrix the planner models: plan.out's
+  byte figures equal, as integers, what the run logs.
 - `python main.py mode=plan` on a laptop-sized job: no process group, seconds, the
   table and `plan.out` JSON; bad input is one line and exit status 2;
 - in process: the step-time model's bubble is the simulator's idle share for every
@@ -62,6 +64,13 @@ def test_planner_equals_what_the_run_counts(world, name):
     for measured, planner in (("state_bytes", state_bytes), ("host_state_bytes", host_state_bytes)):
         planned_max = max(planner(w, L, got["coords"]["pp"], got["shard_rank"]) for got in ranks)
         assert {got[measured] for got in ranks} == {planned_max}, measured
+    # plan.out's collectives: rank 0's, the rank that logs them
+    from planner.figures import metrics_names, rank_figures
+    rank0 = next(got for got in ranks if got["rank"] == 0)
+    logged = {k: v for k, v in rank0["comm"].items() if k.endswith("_bytes") and v}
+    plan_out = {k: v for k, v in metrics_names(rank_figures(w, L)["fullest"]).items()
+                if k.startswith("comm_") and v}
+    assert plan_out == logged, f"plan.out {plan_out}, rank 0 logged {logged}"
 
 
 def modelled(case):
