@@ -24,6 +24,7 @@ arrives); the shapes, the memory and the code path are the real ones.
 
 import dataclasses
 import json
+import math
 import os
 import time
 from contextlib import contextmanager, nullcontext
@@ -48,7 +49,7 @@ def layout_of(cfg, world) -> Layout:
     dp = sizes["dp"] * sizes["dp_replicate"]
     kind = p.dp if dp * sizes["cp"] > 1 else "single"
     pipelined = sizes["pp"] > 1
-    V = 2 if p.pp_schedule == "zbv" else p.pp_virtual_stages if p.pp_schedule == "interleaved" else 1
+    V = {"zbv": 2, "interleaved": p.pp_virtual_stages}.get(p.pp_schedule, 1)
     return Layout(dp_kind=kind, zero_stage=p.zero_stage if kind == "fsdp" else 0, dp=dp,
                   pp=sizes["pp"], cp=sizes["cp"], tp=sizes["tp"], sp=p.sequence_parallel,
                   schedule=p.pp_schedule if pipelined else "1f1b", V=V if pipelined else 1,
@@ -59,16 +60,10 @@ def layout_of(cfg, world) -> Layout:
 
 def ranks_to_try(sizes) -> list:
     """The first rank, the first rank of each pipeline stage, and the last rank."""
-    grid = torch.arange(sizes_product(sizes)).view(*(sizes[d] for d in DIMS))
+    grid = torch.arange(math.prod(sizes.values())).view(*(sizes[d] for d in DIMS))
     first_of_stage = grid.select(0, 0).select(0, 0)  # dp_replicate 0, dp 0: (pp, cp, tp)
-    return sorted({0, grid.numel() - 1, *(int(first_of_stage[s, 0, 0]) for s in range(sizes["pp"]))})
-
-
-def sizes_product(sizes):
-    n = 1
-    for d in DIMS:
-        n *= sizes[d]
-    return n
+    stages = (int(first_of_stage[s, 0, 0]) for s in range(sizes["pp"]))
+    return sorted({0, grid.numel() - 1, *stages})
 
 
 def coords_of(sizes, rank) -> dict:
@@ -114,7 +109,8 @@ def meta_kernels():
     flash kernel saves (q, k, v, out and the log-sum-exp: meta would take the math
     path, which keeps the score matrices), and an `autocast` of the meta device (the
     ring attention switches it off around its blocks), and whether it is on, the CPU's."""
-    sdpa, autocast, enabled = F.scaled_dot_product_attention, torch.autocast, torch.is_autocast_enabled
+    sdpa, autocast = F.scaled_dot_product_attention, torch.autocast
+    enabled = torch.is_autocast_enabled
 
     def attention(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, **kw):
         if q.device.type == "meta" and attn_mask is None and not kw:
@@ -180,8 +176,9 @@ def try_rank(cfg, w, L, sizes, rank, device=None) -> dict:
     """One rank's first step under the fake backend: its measured and planned bytes."""
     at = coords_of(sizes, rank)
     p = at["pp"]
-    r = at["dp"] * sizes["cp"] + at["cp"]  # its place in the shard group (grid.shard_rank)
-    assert SHARD_DIMS == ("dp", "cp")
+    r = 0  # its place in the shard group, as grid.shard_rank counts it
+    for d in SHARD_DIMS:
+        r = r * sizes[d] + at[d]
     plan_state = state_split(w, L, p, r)[0]
     plan_act = activation_bytes(w, L, p)
     if device is None:
@@ -193,14 +190,14 @@ def try_rank(cfg, w, L, sizes, rank, device=None) -> dict:
                             f"machine's {host_memory_bytes() / GB:.3g} GB, and the meta device it "
                             f"would run on has no autocast: trainer.precision={w.precision} is "
                             "tried only where it fits (fp32 runs on the meta device)")
-    started = time.perf_counter()
+    started, world = time.perf_counter(), math.prod(sizes.values())
     try:
-        state, act = one_step(cfg, rank, sizes_product(sizes), w.vocab, torch.device(device))
+        state, act = one_step(cfg, rank, world, w.vocab, torch.device(device))
     except UserError as e:
-        raise UserError(f"dryrun: rank {rank} (pp {p}) of {sizes_product(sizes)}: {e}") from e
+        raise UserError(f"dryrun: rank {rank} (pp {p}) of {world}: {e}") from e
     except Exception as e:  # the step crashed: what the cluster would have shown at step 1
-        raise UserError(f"dryrun: rank {rank} (pp {p}) of {sizes_product(sizes)} failed at step "
-                        f"1: {type(e).__name__}: {e}") from e
+        raise UserError(f"dryrun: rank {rank} (pp {p}) of {world} failed at step 1: "
+                        f"{type(e).__name__}: {e}") from e
     return {"rank": rank, "pp_rank": p, "shard_rank": r, "device": device,
             "state_bytes": state, "plan_state_bytes": plan_state,
             "activation_bytes": act, "plan_activation_bytes": plan_act,

@@ -79,11 +79,12 @@ def modelled(case):
     an explicit pp_layers split and cp_impl=allgather are not planned)."""
     from layout_worker import BATCH as L_BATCH, BLOCK as L_BLOCK, N_EMBD as L_EMBD, N_HEAD as L_HEAD
     p = case.parallel
-    if case.dp_kind.startswith("torch") or p.get("allreduce") == "ring" or p.get("pp_layers") \
-            or p.get("cp_impl", "ring") != "ring" or p.get("reduce_dtype", "fp32") != "fp32":
+    if case.dp_kind.startswith("torch") or p.get("allreduce") == "ring" \
+            or p.get("pp_layers") or p.get("cp_impl", "ring") != "ring" \
+            or p.get("reduce_dtype", "fp32") != "fp32":
         return None
     R, schedule = p.get("dp_replicate", 1), p.get("pp_schedule", "1f1b")
-    V = 2 if schedule == "zbv" else p.get("pp_virtual_stages", 1) if schedule == "interleaved" else 1
+    V = {"zbv": 2, "interleaved": p.get("pp_virtual_stages", 1)}.get(schedule, 1)
     fsdp = case.dp_kind == "fsdp"
     L = Layout(dp_kind=case.dp_kind, zero_stage=p.get("zero_stage", 3) if fsdp else 0,
                dp=case.dp * R, pp=case.pp, cp=case.cp, tp=case.tp,
