@@ -11,7 +11,8 @@ with the initial weights), then the trainer's step (Trainer.compute_step: forwar
 backward under the activation meter, the clip, AdamW) on windows of random tokens of
 the real shape. Each rank's tensors are real (on the CPU) where the planner says they
 fit in half of this machine's memory; otherwise they stay on the meta device (shapes,
-no memory, no arithmetic), where the same code runs and the meter counts them by size.
+no memory, no arithmetic), where the same code runs and the meter counts them by size
+(fp32 without offload: the meta device has no autocast and no host copies).
 
 Per rank it writes the measured state bytes (parameters, gradients, AdamW state:
 Strategy.state_figures) and activation peak (telemetry/activation_meter.py) beside the
@@ -185,11 +186,12 @@ def try_rank(cfg, w, L, sizes, rank, device=None) -> dict:
         need = memory_need(w, L, {"state_bytes": plan_state, "activation_bytes": plan_act,
                                   "pp_rank": p})
         device = "cpu" if need <= host_memory_bytes() / 2 else "meta"
-        if device == "meta" and w.precision != "fp32":
-            raise UserError(f"dryrun: rank {rank} needs {need / GB:.3g} GB, more than half of this "
-                            f"machine's {host_memory_bytes() / GB:.3g} GB, and the meta device it "
-                            f"would run on has no autocast: trainer.precision={w.precision} is "
-                            "tried only where it fits (fp32 runs on the meta device)")
+    if device == "meta" and (w.precision != "fp32" or L.offload):
+        why = f"no autocast (trainer.precision={w.precision})" if w.precision != "fp32" else \
+            "no host copies of it (parallel.offload)"
+        raise UserError(f"dryrun: rank {rank} does not fit in half of this machine's "
+                        f"{host_memory_bytes() / GB:.3g} GB, and the meta device it would run on "
+                        f"has {why}: such a layout is tried only where its ranks fit")
     started, world = time.perf_counter(), math.prod(sizes.values())
     try:
         state, act = one_step(cfg, rank, world, w.vocab, torch.device(device))
