@@ -43,6 +43,7 @@ MODES = {
     "export": "write the newest snapshot as a Hugging Face GPT-2 folder to export.path",
     "prepare": "tokenize data.path into token shards at data.tokens_path (prepare:)",
     "plan": "predict memory, traffic and step time of every layout on the cluster of plan:",
+    "dryrun": "one step of a few ranks of the layout on plan.nodes x plan.gpus_per_node, in this process",
     "lighthouse": "run the fault-tolerant replica groups' lighthouse at ft.lighthouse (ft:)",
 }
 
@@ -71,7 +72,7 @@ class ExportConfig:
 @dataclass
 class Config:
     config: str = ""        # the YAML file read instead of gpt2_train_cfg.yaml (command line only)
-    mode: str = "train"     # train | sample | export | prepare | plan | lighthouse (see the modes above)
+    mode: str = "train"     # train | sample | export | prepare | plan | dryrun | lighthouse (see the modes above)
     model: ModelConfig = field(default_factory=ModelConfig)  # the GPT's shape (model.py)
     data: DataConfig = field(default_factory=DataConfig)  # text, tokens, tokenizer (char_dataset.py)
     trainer: TrainerConfig = field(default_factory=TrainerConfig)  # the training loop (trainer.py)
@@ -187,8 +188,8 @@ def validate(cfg: Config, world_size: int):
         if not ok:
             raise UserError(message)
     check_keys(p)
-    if cfg.mode in ("sample", "export", "prepare", "plan", "lighthouse"):  # no layout to check
-        ft_config.check(cfg)
+    if cfg.mode in ("sample", "export", "prepare", "plan", "dryrun", "lighthouse"):  # no layout
+        ft_config.check(cfg)  # of this job to check (dryrun checks its world: planner/dryrun.py)
         return
     check_layout(cfg, world_size)  # parallel/layout.py: the grid, and each dimension's rules
     sizes = grid_sizes(p, world_size)

@@ -6,6 +6,7 @@
     python main.py mode=export export.path=DIR     # a Hugging Face GPT-2 folder (checkpoint/export.py)
     python main.py mode=prepare data.path=SRC data.tokens_path=DST   # token shards
     python main.py mode=plan plan.nodes=8 plan.gpus_per_node=8 plan.gpu=H100-80GB  # layouts
+    python main.py mode=dryrun plan.nodes=8 plan.gpus_per_node=8 parallel.tp=4 ...   # try one
     python main.py mode=lighthouse ft.lighthouse=HOST:PORT ft.min_replicas=N  # fault tolerance
     python main.py --help                          # the modes and every key with its default
 
@@ -45,6 +46,7 @@ from parallel.parallelize import parallelize
 from parallel.grid import ProcessGrid, together, uses_cuda
 from parallel.initial import GivenWeights, InitialWeights
 from parallel.layout import grid_sizes
+from planner.dryrun import dryrun
 from planner.report import plan
 from telemetry.ranks import write_ranks
 from trainer import Trainer
@@ -298,6 +300,10 @@ def main(argv, rank, world_size, local_rank):
     if cfg.mode == "plan":  # no process group, no device: predictions only (planner/)
         if rank == 0:
             plan(cfg)
+        return
+    if cfg.mode == "dryrun":  # a few ranks of plan.nodes x plan.gpus_per_node, here, one step each
+        if rank == 0:
+            dryrun(cfg)
         return
     if cfg.mode == "export":
         if rank == 0:

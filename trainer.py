@@ -190,25 +190,10 @@ class Trainer:
                 micro, data_ms, error = self._read_step(self.step, shares)
                 if not g.all_ok(error is None):
                     raise error or UserError(AGREED_READ_FAILURE)
-            self._reseed(self.step)
-            if self.activations is not None:
-                with self.activations:
-                    loss = self.strategy.loss_and_gradients(micro)
-            else:
-                loss = self.strategy.loss_and_gradients(micro)
-            if ft is not None:  # this group's shares -> the global batch, over the live groups
-                loss = ft.sum_across(loss, self.strategy.grads())
-                scale = self.strategy.precision.state()  # fp16: a dropped step keeps its scale
-            lr = lr_at(self.step, t)
-            # the pre-clip global norm, logged: it exposes summed-instead-of-averaged
-            # gradients, which AdamW's scale invariance hides from the loss
-            grad_norm = self.strategy.clip_gradients(t.grad_clip if t.grad_clip > 0 else math.inf)
-            if ft is not None and not ft.commit():  # a group failed in it: redone
-                self.strategy.drop_step(lr)
-                self.strategy.precision.load_state(scale)
-                self.strategy.comm_stats()  # the dropped step's traffic is not the next one's
+            computed = self.compute_step(micro, ft)
+            if computed is None:  # a replica group failed in it: redone with the next quorum
                 continue
-            self.strategy.optimizer_step(lr)
+            loss, grad_norm, lr = computed
             ended = self.clock.mark()  # after the optimizer's kernels, not before them
             self.step += 1
             self.losses.watch(loss, self.step)  # on the device: read at the steps below
@@ -278,6 +263,34 @@ class Trainer:
                 if failed:  # one rank's windows are damaged: all stop before any collective
                     raise error or UserError(AGREED_READ_FAILURE)
         return self.step
+
+    def compute_step(self, micro, ft=None):
+        """The step's computation on this rank's micro-batches: forward and backward (under
+        the activation meter when measured), the clip, the optimizer step. Returns (loss,
+        pre-clip gradient norm, lr), on the device, unread. mode=dryrun runs just this.
+        ft (ft.enabled): this group's shares summed over the live replica groups before the
+        clip, and the optimizer step only if torchft's vote commits it; else None."""
+        t = self.t
+        self._reseed(self.step)
+        if self.activations is not None:
+            with self.activations:
+                loss = self.strategy.loss_and_gradients(micro)
+        else:
+            loss = self.strategy.loss_and_gradients(micro)
+        if ft is not None:  # this group's shares -> the global batch, over the live groups
+            loss = ft.sum_across(loss, self.strategy.grads())
+            scale = self.strategy.precision.state()  # fp16: a dropped step keeps its scale
+        lr = lr_at(self.step, t)
+        # the pre-clip global norm, logged: it exposes summed-instead-of-averaged
+        # gradients, which AdamW's scale invariance hides from the loss
+        grad_norm = self.strategy.clip_gradients(t.grad_clip if t.grad_clip > 0 else math.inf)
+        if ft is not None and not ft.commit():  # a group failed in it
+            self.strategy.drop_step(lr)
+            self.strategy.precision.load_state(scale)
+            self.strategy.comm_stats()  # the dropped step's traffic is not the next one's
+            return None
+        self.strategy.optimizer_step(lr)
+        return loss, grad_norm, lr
 
     def _read_step(self, step, shares=None):
         """(micro-batches of `step` for this rank, ms it took, error or None); shares

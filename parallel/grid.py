@@ -64,8 +64,11 @@ class ProcessGrid:
         # object collectives (snapshot manifests, the end-of-run state) pickle into tensors on
         # the group's device: over NCCL that stages world x the largest object on the GPU,
         # beside the model and optimizer state. They run on a gloo group, in host memory
-        # (created under gloo too, so that CPU runs take the path GPU runs take).
-        self.host_group = dist.new_group(backend="gloo", timeout=self.timeout)
+        # (created under gloo too, so that CPU runs take the path GPU runs take). Under the
+        # fake backend (mode=dryrun: one rank of a large world in this process) nothing
+        # could answer a gloo rendezvous: the host group is fake as well.
+        host = None if dist.get_backend() == "fake" else "gloo"
+        self.host_group = dist.new_group(backend=host, timeout=self.timeout)
         self.data_size, self.data_rank = self.place_in(DATA_DIMS)
         self.grad_size, self.grad_rank = self.place_in(GRAD_DIMS)
         self.shard_size, self.shard_rank = self.place_in(SHARD_DIMS)

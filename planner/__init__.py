@@ -23,8 +23,11 @@ accounting the runs report in metrics.jsonl:
     published_runs.py published training runs the time model is checked against
     figures.py   the fullest rank's figures, under metrics.jsonl's names
     report.py    ranking, the table, `plan.out` JSON; `plan(cfg)` is the mode's entry
+    dryrun.py    mode=dryrun: a layout's first step on a few ranks of the planned world,
+                 in this process under the fake backend, measured beside memory.py
 
 May import: model, errors, char_dataset (the vocabulary), telemetry.mfu (peaks),
-parallel (rules, schedules, TP placement, the model plan). Nothing in parallel/,
-the trainer or main.py's training path imports it; bench/ does (formulas.py).
+parallel (rules, schedules, TP placement, the model plan); dryrun.py also the trainer
+and the activation meter (it runs a real step). Nothing in parallel/, the trainer or
+main.py's training path imports the planner; bench/ does (formulas.py).
 """

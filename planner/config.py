@@ -23,4 +23,4 @@ class PlanConfig:
     search: bool = True         # false: evaluate only the layout of the parallel.* / trainer.* keys given
     vocab_size: int = 0         # vocabulary planned for; 0 = the tokenizer's (gpt2: 50257; char: data.path's)
     top: int = 10               # rows of the printed table
-    out: str = ""               # a JSON file: every layout that runs, its keys and predictions
+    out: str = ""               # a JSON file: mode=plan, every layout that runs (keys, predictions); mode=dryrun, each rank tried

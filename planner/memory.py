@@ -126,21 +126,27 @@ def activation_bytes(w: Workload, L: Layout, p: int) -> int:
     n = rows * (w.block // L.cp)
     keep = {c: st.layers[c] * w_part + (n * w.n_embd * F32 if c == last_chunk else 0)
             + (8 * n + 8 * (w.block // L.cp) if c == 0 else 0) for c in st.chunks}
+    # split backward: W keeps the graph below the weights' gradients; what lies above them
+    # (the last chunk's loss: its softmax, the targets) lives as long as the pipeline still
+    # holds the chunk's output, until its next F has run or its next B starts
+    top = {c: (n * -(-w.vocab // L.tp) * F32 + 8 * n + (n if L.tp > 1 else 0))
+           if c == last_chunk else 0 for c in st.chunks}
     split = SCHEDULES[L.schedule].split_backward
     live = peak = 0
-    last_b, pending = None, 0  # split backward: the rank's latest B; what it still holds
+    last_b, pending, above = None, 0, 0  # split backward: the rank's latest B; what it still holds
     for kind, c, m in build(L.schedule, L.pp, L.M, L.V, p):
         if kind == "F":
             live += size[c]
             peak = max(peak, live)
+            live, above = live - above, 0
         elif kind == "B" and not split:
             live -= size[c]
         elif kind == "B":  # retains the graph for W; releases the previous B's hold
-            live -= pending
-            last_b, pending = (c, m), 0
+            live -= pending + above
+            last_b, pending, above = (c, m), 0, top[c]
         else:  # W frees the graph; what it needed stays while its B is the rank's latest
             held = keep[c] if last_b == (c, m) else 0  # (measured: tests/test_planner.py)
-            live -= size[c] - held
+            live -= size[c] - top[c] - held
             pending += held
     return peak
 

@@ -262,7 +262,8 @@ def write_json(path, rows, fits, gpu, world, gpu_per_node):
         fig = r["fig"]
         item = {"layout": r["layout"].name(), **r["layout"].keys(), "world_size": world,
                 "rank": rank.get(id(r)), "fits": r.get("fits", "time" in r), "memory_bytes": r["need"],
-                "fullest_rank": {"pp_rank": fig["pp_rank"], "dp_rank": fig["dp_rank"]},
+                "fullest_rank": {"pp_rank": fig["pp_rank"], "dp_rank": fig["dp_rank"],
+                                 "comm_bytes": sum(fig["comm"].values())},  # what ties rank by
                 **metrics_names(fig),
                 "comm_bytes_by_link": bytes_by_link(r["layout"], fig, gpu_per_node)}
         if "time" in r:

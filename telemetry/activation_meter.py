@@ -23,9 +23,12 @@ from torch.autograd.graph import saved_tensors_hooks
 
 
 class ActivationMeter:
-    def __init__(self):
-        self.live, self.current, self.peak_bytes = {}, 0, 0  # storage ptr -> [bytes, refs]
+    def __init__(self, meta=False):
+        """meta: count tensors on the meta device too (mode=dryrun's shapes-only ranks),
+        each storage once by its identity (meta storages have no address)."""
+        self.live, self.current, self.peak_bytes = {}, 0, 0  # storage key -> [bytes, refs]
         self._hooks = None
+        self.meta = meta
 
     def __enter__(self):
         self.peak_bytes = self.current
@@ -39,12 +42,12 @@ class ActivationMeter:
 
     def _pack(self, t):
         if isinstance(t, torch.nn.Parameter) or isinstance(t._base, torch.nn.Parameter) \
-                or t.device.type == "meta":
+                or (t.device.type == "meta" and not self.meta):
             return t  # a weight (or its transpose) saved for backward is not an activation
         local = t.to_local() if hasattr(t, "to_local") else t  # a DTensor: this rank's shard
         try:
             storage = local.untyped_storage()
-            ptr = storage.data_ptr()
+            ptr = ("meta", storage._cdata) if local.device.type == "meta" else storage.data_ptr()
         except RuntimeError:  # a tensor subclass with no storage of its own
             return t
         if ptr == 0:

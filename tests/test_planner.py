@@ -5,7 +5,9 @@
   pipeline schedule, cp, checkpointing, hybrid sharding and offload, and compositions
   of dp, tp, pp and cp): for every rank, the planner's state bytes (device and host)
   and bytes per collective kind equal what the run counts (exactly), and its
-  activation bytes are within 10% of the meter's.
+  activation bytes are within 10% of the meter's; plan.out's collectives are rank 0's.
+- every layout of tests/layout_worker.py's parity matrix the planner models: plan.out's
+  byte figures equal, as integers, what the run logs.
 - `python main.py mode=plan` on a laptop-sized job: no process group, seconds, the
   table and `plan.out` JSON; bad input is one line and exit status 2;
 - in process: the step-time model's bubble is the simulator's idle share for every
@@ -62,6 +64,60 @@ def test_planner_equals_what_the_run_counts(world, name):
     for measured, planner in (("state_bytes", state_bytes), ("host_state_bytes", host_state_bytes)):
         planned_max = max(planner(w, L, got["coords"]["pp"], got["shard_rank"]) for got in ranks)
         assert {got[measured] for got in ranks} == {planned_max}, measured
+    # plan.out's collectives: rank 0's, the rank that logs them
+    from planner.figures import metrics_names, rank_figures
+    rank0 = next(got for got in ranks if got["rank"] == 0)
+    logged = {k: v for k, v in rank0["comm"].items() if k.endswith("_bytes") and v}
+    plan_out = {k: v for k, v in metrics_names(rank_figures(w, L)["fullest"]).items()
+                if k.startswith("comm_") and v}
+    assert plan_out == logged, f"plan.out {plan_out}, rank 0 logged {logged}"
+
+
+def modelled(case):
+    """A tests/layout_worker.py Case as the planner's (Workload, Layout), or None where the
+    planner does not model it (PyTorch's references count no traffic; the ring all-reduce,
+    an explicit pp_layers split and cp_impl=allgather are not planned)."""
+    from layout_worker import BATCH as L_BATCH, BLOCK as L_BLOCK, N_EMBD as L_EMBD, N_HEAD as L_HEAD
+    p = case.parallel
+    if case.dp_kind.startswith("torch") or p.get("allreduce") == "ring" \
+            or p.get("pp_layers") or p.get("cp_impl", "ring") != "ring" \
+            or p.get("reduce_dtype", "fp32") != "fp32":
+        return None
+    R, schedule = p.get("dp_replicate", 1), p.get("pp_schedule", "1f1b")
+    V = {"zbv": 2, "interleaved": p.get("pp_virtual_stages", 1)}.get(schedule, 1)
+    fsdp = case.dp_kind == "fsdp"
+    L = Layout(dp_kind=case.dp_kind, zero_stage=p.get("zero_stage", 3) if fsdp else 0,
+               dp=case.dp * R, pp=case.pp, cp=case.cp, tp=case.tp,
+               sp=p.get("sequence_parallel", False), schedule=schedule if case.pp > 1 else "1f1b",
+               V=V if case.pp > 1 else 1, M=p.get("microbatches", 1) if case.pp > 1 else 1,
+               grad_accum=case.accum, R=R, offload=p.get("offload", False))
+    return Workload(n_layer=case.n_layer, n_head=L_HEAD, n_embd=L_EMBD, vocab=case.vocab,
+                    block=L_BLOCK, batch=L_BATCH), L
+
+
+def layout_matrix():
+    from layout_worker import CASES as MATRIX
+    return [(world, case.name) for world in MATRIX for case in MATRIX[world] if modelled(case)]
+
+
+@pytest.mark.parametrize("world,name", layout_matrix(), ids=[n for _, n in layout_matrix()])
+def test_plan_out_equals_metrics_of_the_layout_matrix(world, name):
+    """plan.out's figures under metrics.jsonl's names (planner/figures.metrics_names) equal,
+    as integers, what a run of that layout logs: every layout of tests/layout_worker.py's
+    matrix the planner models, on its 2, 4 or 8 ranks (results shared with test_tp, test_pp,
+    test_cp and test_hsdp). A run logs rank 0's collectives (`comm_<kind>_bytes`,
+    `comm_bytes`) and the fullest rank's `state_bytes` (and `host_state_bytes`)."""
+    from harness import layout_worker_result
+    from layout_worker import CASES as MATRIX
+    from planner.figures import metrics_names, rank_figures
+    case = next(c for c in MATRIX[world] if c.name == name)
+    w, L = modelled(case)
+    got = layout_worker_result(world)["cases"][name]
+    logged = {k: v for k, v in got["comm"][-1].items() if k.endswith("_bytes") and v}
+    logged.update(got["state"])
+    planned = metrics_names(rank_figures(w, L)["fullest"])
+    planned = {k: v for k, v in planned.items() if k.endswith("_bytes") and v}
+    assert planned == logged, f"{L.name()}: planned {planned}, logged {logged}"
 
 
 @pytest.mark.parametrize("ckpt", [False, True], ids=["plain", "checkpointed"])
@@ -263,7 +319,8 @@ def test_plan_breaks_ties_by_bytes_moved_then_memory(tmp_path, capsys):
     memory: in process, the example of docs/planner.md (GPT-2 small on 2 x 8 A100s) ranks
     as the page shows it (dp16 fsdp3 first: ZeRO-3's sharded optimizer step is shorter
     than ddp_bucket's, its gathers hide behind compute), and every pair of ranked layouts
-    in plan.out is in (step_ms, comm_bytes, memory_bytes) order, with ties in step time
+    in plan.out is in (step_ms, the fullest rank's comm_bytes, memory_bytes)
+    order, with ties in step time
     (fsdp stages 1 and 2 of one layout, whose optimizer shards are the same) that the
     bytes or the memory decide."""
     from config import load_config
@@ -278,7 +335,8 @@ def test_plan_breaks_ties_by_bytes_moved_then_memory(tmp_path, capsys):
                if re.match(r"\s+\d+\s{2}", line)]
     assert printed == readme_layouts, f"docs/planner.md's example ranks {readme_layouts}, the plan {printed}"
     ranked = [o for o in json.loads(out.read_text()) if o["rank"]]
-    keys = [(o["step_ms"], o["comm_bytes"], o["memory_bytes"]) for o in ranked]
+    # the bytes the fullest rank moves (plan.out's comm_bytes are rank 0's, as a run logs them)
+    keys = [(o["step_ms"], o["fullest_rank"]["comm_bytes"], o["memory_bytes"]) for o in ranked]
     for i, (a, b) in enumerate(zip(keys, keys[1:])):
         assert a <= b, f"rank {i + 1} {ranked[i]['layout']} {a} before rank {i + 2} {ranked[i + 1]['layout']} {b}"
     decided = sum(a[0] == b[0] and a[1:] != b[1:] for a, b in zip(keys, keys[1:]))

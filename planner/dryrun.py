@@ -1,0 +1,251 @@
+"""mode=dryrun: one training step of a planned layout, tried at full size in this process.
+
+    python main.py mode=dryrun plan.nodes=N plan.gpus_per_node=G <the layout's keys> plan.out=FILE
+
+A layout that crashes at step 1 should not be found on the cluster. For a world of
+N x G ranks, a few of them (the first and the last rank, and the first rank of each
+pipeline stage) run one after the other in this process, each under PyTorch's fake
+process-group backend (collectives return at once and move no data), on the code a
+real rank runs: main.py's wiring (the grid, the GPT on the meta device, parallelize
+with the initial weights), then the trainer's step (Trainer.compute_step: forward and
+backward under the activation meter, the clip, AdamW) on windows of random tokens of
+the real shape. Each rank's tensors are real (on the CPU) where the planner says they
+fit in half of this machine's memory; otherwise they stay on the meta device (shapes,
+no memory, no arithmetic), where the same code runs and the meter counts them by size
+(fp32 without offload: the meta device has no autocast and no host copies).
+
+Per rank it writes the measured state bytes (parameters, gradients, AdamW state:
+Strategy.state_figures) and activation peak (telemetry/activation_meter.py) beside the
+planner's predictions for that rank (planner/memory.py). A rank whose step fails stops
+the run: a UserError naming the rank and the error (main.py: one line, exit status 2).
+
+The values computed are meaningless (what a collective should have brought never
+arrives); the shapes, the memory and the code path are the real ones.
+"""
+
+import dataclasses
+import json
+import math
+import os
+import time
+from contextlib import contextmanager, nullcontext
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from errors import UserError
+from parallel.grid import DIMS, SHARD_DIMS
+from parallel.layout import check_layout, grid_sizes
+from planner.memory import activation_bytes, memory_need, state_split
+from planner.report import workload
+from planner.shapes import Layout
+
+GB, MB = 1e9, 1e6
+
+
+def layout_of(cfg, world) -> Layout:
+    """The planner's Layout for the config's parallel keys on `world` ranks."""
+    p, sizes = cfg.parallel, grid_sizes(cfg.parallel, world)
+    dp = sizes["dp"] * sizes["dp_replicate"]
+    kind = p.dp if dp * sizes["cp"] > 1 else "single"
+    pipelined = sizes["pp"] > 1
+    V = {"zbv": 2, "interleaved": p.pp_virtual_stages}.get(p.pp_schedule, 1)
+    return Layout(dp_kind=kind, zero_stage=p.zero_stage if kind == "fsdp" else 0, dp=dp,
+                  pp=sizes["pp"], cp=sizes["cp"], tp=sizes["tp"], sp=p.sequence_parallel,
+                  schedule=p.pp_schedule if pipelined else "1f1b", V=V if pipelined else 1,
+                  M=p.microbatches if pipelined else 1, grad_accum=cfg.trainer.grad_accum,
+                  ckpt=cfg.trainer.activation_checkpointing, R=sizes["dp_replicate"],
+                  offload=p.offload)
+
+
+def ranks_to_try(sizes) -> list:
+    """The first rank, the first rank of each pipeline stage, and the last rank."""
+    grid = torch.arange(math.prod(sizes.values())).view(*(sizes[d] for d in DIMS))
+    first_of_stage = grid.select(0, 0).select(0, 0)  # dp_replicate 0, dp 0: (pp, cp, tp)
+    stages = (int(first_of_stage[s, 0, 0]) for s in range(sizes["pp"]))
+    return sorted({0, grid.numel() - 1, *stages})
+
+
+def coords_of(sizes, rank) -> dict:
+    out = {}
+    for d in reversed(DIMS):
+        rank, out[d] = divmod(rank, sizes[d])
+    return out
+
+
+class RandomWindows:
+    """A dataset of token windows of the real shape, drawn at random (no corpus is read):
+    what the sampler (data/sampling.py) asks of a train split."""
+
+    def __init__(self, vocab, block_size, n=1 << 24):
+        self.vocab, self.block_size, self.n = vocab, block_size, n
+
+    def __len__(self):
+        return self.n
+
+    def batch(self, starts):
+        gen = torch.Generator().manual_seed(int(starts[0]))
+        windows = torch.randint(self.vocab, (len(starts), self.block_size + 1), generator=gen)
+        return windows[:, :-1], windows[:, 1:]
+
+
+class ShapesOnly:
+    """Initial weights on the meta device (parallel/initial.py's reader interface): a rank
+    whose tensors do not fit loads shapes, not values."""
+
+    def __init__(self, model):
+        self.shapes = {n: tuple(p.shape) for n, p in model.named_parameters()}
+
+    def read_full(self, key):
+        return torch.empty(self.shapes[key[len("model/"):]], device="meta")
+
+    def read_box(self, key, box):
+        return self.read_full(key)[tuple(slice(a, b) for a, b in box)]
+
+
+@contextmanager
+def meta_kernels():
+    """What the meta device lacks, for a shapes-only rank: attention saves what the CPU's
+    flash kernel saves (q, k, v, out and the log-sum-exp: meta would take the math
+    path, which keeps the score matrices), and an `autocast` of the meta device (the
+    ring attention switches it off around its blocks), and whether it is on, the CPU's."""
+    sdpa, autocast = F.scaled_dot_product_attention, torch.autocast
+    enabled = torch.is_autocast_enabled
+
+    def attention(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, **kw):
+        if q.device.type == "meta" and attn_mask is None and not kw:
+            return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+                q, k, v, dropout_p, is_causal)[0]
+        return sdpa(q, k, v, attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal, **kw)
+
+    def meta_autocast(device_type, *args, **kw):
+        return autocast("cpu" if device_type == "meta" else device_type, *args, **kw)
+
+    def meta_enabled(*args):
+        device = args[0] if args else None
+        return enabled(*(("cpu",) if device == "meta" or getattr(device, "type", "") == "meta"
+                         else args))
+
+    F.scaled_dot_product_attention, torch.autocast = attention, meta_autocast
+    torch.is_autocast_enabled = meta_enabled
+    try:
+        yield
+    finally:
+        F.scaled_dot_product_attention, torch.autocast = sdpa, autocast
+        torch.is_autocast_enabled = enabled
+
+
+def host_memory_bytes():
+    return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+
+
+def dryrun(cfg, device=None):
+    """mode=dryrun: try the layout of cfg.parallel on plan.nodes x plan.gpus_per_node ranks.
+    device: "cpu" or "meta" for every rank tried; None: per rank, real tensors (CPU)
+    where the planner's need for it fits in half of this machine's memory."""
+    world = cfg.plan.nodes * cfg.plan.gpus_per_node
+    if cfg.plan.nodes < 1 or cfg.plan.gpus_per_node < 1:
+        raise UserError(f"plan.nodes={cfg.plan.nodes} and plan.gpus_per_node="
+                        f"{cfg.plan.gpus_per_node} must be >= 1")
+    check_layout(cfg, world)  # the rules a run on that world checks
+    sizes = grid_sizes(cfg.parallel, world)
+    w, L = workload(cfg), layout_of(cfg, world)
+    print(f"dryrun: {L.name()} on {cfg.plan.nodes} x {cfg.plan.gpus_per_node} ranks; GPT "
+          f"{w.n_layer} layers x {w.n_embd} wide, vocab {w.vocab}, {w.block} tokens, global "
+          f"batch {w.batch}, {w.precision}", flush=True)
+    print(f"{'rank':>5}  {'pp':>3}  {'device':>6}  {'state MB':>9}  {'planned':>9}  "
+          f"{'activ. MB':>9}  {'planned':>9}  {'s':>6}", flush=True)
+    results = []
+    try:
+        for rank in ranks_to_try(sizes):
+            results.append(try_rank(cfg, w, L, sizes, rank, device))
+            r = results[-1]
+            print(f"{rank:>5}  {r['pp_rank']:>3}  {r['device']:>6}  {r['state_bytes'] / MB:>9.4g}  "
+                  f"{r['plan_state_bytes'] / MB:>9.4g}  {r['activation_bytes'] / MB:>9.4g}  "
+                  f"{r['plan_activation_bytes'] / MB:>9.4g}  {r['seconds']:>6.1f}", flush=True)
+    finally:
+        if cfg.plan.out:
+            with open(cfg.plan.out, "w") as f:
+                json.dump(results, f, indent=1)
+    if cfg.plan.out:
+        print(f"{len(results)} ranks written to {cfg.plan.out}", flush=True)
+    return results
+
+
+def try_rank(cfg, w, L, sizes, rank, device=None) -> dict:
+    """One rank's first step under the fake backend: its measured and planned bytes."""
+    at = coords_of(sizes, rank)
+    p = at["pp"]
+    r = 0  # its place in the shard group, as grid.shard_rank counts it
+    for d in SHARD_DIMS:
+        r = r * sizes[d] + at[d]
+    plan_state = state_split(w, L, p, r)[0]
+    plan_act = activation_bytes(w, L, p)
+    if device is None:
+        need = memory_need(w, L, {"state_bytes": plan_state, "activation_bytes": plan_act,
+                                  "pp_rank": p})
+        device = "cpu" if need <= host_memory_bytes() / 2 else "meta"
+    if device == "meta" and (w.precision != "fp32" or L.offload):
+        why = f"no autocast (trainer.precision={w.precision})" if w.precision != "fp32" else \
+            "no host copies of it (parallel.offload)"
+        raise UserError(f"dryrun: rank {rank} does not fit in half of this machine's "
+                        f"{host_memory_bytes() / GB:.3g} GB, and the meta device it would run on "
+                        f"has {why}: such a layout is tried only where its ranks fit")
+    started, world = time.perf_counter(), math.prod(sizes.values())
+    try:
+        state, act = one_step(cfg, rank, world, w.vocab, torch.device(device))
+    except UserError as e:
+        raise UserError(f"dryrun: rank {rank} (pp {p}) of {world}: {e}") from e
+    except Exception as e:  # the step crashed: what the cluster would have shown at step 1
+        raise UserError(f"dryrun: rank {rank} (pp {p}) of {world} failed at step 1: "
+                        f"{type(e).__name__}: {e}") from e
+    return {"rank": rank, "pp_rank": p, "shard_rank": r, "device": device,
+            "state_bytes": state, "plan_state_bytes": plan_state,
+            "activation_bytes": act, "plan_activation_bytes": plan_act,
+            "seconds": time.perf_counter() - started}
+
+
+def one_step(cfg, rank, world, vocab, device):
+    """(state bytes, activation peak) of `rank` after one trainer step, as main.train
+    builds it, under the fake backend."""
+    from torch.testing._internal.distributed.fake_pg import FakeStore  # registers "fake"
+
+    from model import GPT, GPTConfig
+    from parallel.grid import ProcessGrid
+    from parallel.initial import InitialWeights
+    from parallel.parallelize import parallelize
+    from telemetry.activation_meter import ActivationMeter
+    from trainer import Trainer
+
+    capable = dist.Backend.backend_capability["fake"]
+    if device.type not in capable:  # meta tensors' sends and receives: the fake group too
+        dist.Backend.backend_capability["fake"] = capable + [device.type]
+    dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world)
+    try:
+        t = dataclasses.replace(cfg.trainer, measure_activations=True, compile=False,
+                                snapshot_async=False, profile_from=0, memory_snapshot=False,
+                                max_steps=1)
+        run = dataclasses.replace(cfg, trainer=t)
+        grid = ProcessGrid(grid_sizes(cfg.parallel, world), device, cfg.parallel.timeout_s)
+        gpt_config = GPTConfig(**{k: v for k, v in dataclasses.asdict(cfg.model).items()
+                                  if k != "init_from"},
+                               vocab_size=vocab, block_size=cfg.data.block_size)
+        with torch.device("meta"):  # main.train: shapes only, each rank materializes its share
+            model = GPT(gpt_config)
+        init = ShapesOnly(model) if device.type == "meta" else InitialWeights(model, t.seed)
+        strategy = parallelize(model, grid, cfg.parallel, init)
+        data = RandomWindows(vocab, cfg.data.block_size)
+        trainer = Trainer(run, strategy, grid, data, data,
+                          {"config": {}, "gpt_config": dataclasses.asdict(gpt_config)})
+        trainer.activations = ActivationMeter(meta=device.type == "meta")
+        micro, _, error = trainer._read_step(0)
+        if error is not None:
+            raise error
+        with meta_kernels() if device.type == "meta" else nullcontext():
+            trainer.compute_step(micro)
+        state = strategy.state_figures()["state_bytes"]
+        return state, trainer.activations.peak_bytes
+    finally:
+        dist.destroy_process_group()
+        dist.Backend.backend_capability["fake"] = capable
