@@ -33,6 +33,9 @@ CONSTRUCTORS = {"tensor", "as_tensor", "asarray", "scalar_tensor", "zeros", "one
 HOST_ONLY = {  # a directory, a file, or "file:function" -> why its tensors stay on the host
     "data/": "the data pipeline reads and orders windows on the host; the strategy moves "
              "each micro-batch to the device",
+    "planner/dryrun.py:ranks_to_try": "rank arithmetic of the world tried, never a tensor of a rank",
+    "planner/dryrun.py:RandomWindows.batch": "mode=dryrun's stand-in for the data pipeline, which "
+                                             "makes batches on the host (as data/ does)",
     "checkpoint/hf_gpt2.py:to_hf": "the export's zero biases, written to a safetensors file "
                                    "beside the CPU tensors of the canonical state",
     "checkpoint/snapshot_reader.py:SnapshotReader.read_box": "the box is filled from bytes read off "

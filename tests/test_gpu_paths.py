@@ -63,6 +63,7 @@ class FakeDist:
         import parallel.grid as grid
         monkeypatch.setattr(grid.dist, "get_rank", lambda: self.rank)
         monkeypatch.setattr(grid.dist, "get_world_size", lambda: self.world)
+        monkeypatch.setattr(grid.dist, "get_backend", lambda group=None: "nccl" if self.splits else "gloo")
         monkeypatch.setattr(grid.dist, "new_group", self.new_group)
         monkeypatch.setattr(grid.dist, "split_group", self.split_group)
         monkeypatch.setattr(grid, "can_split", lambda device: self.splits)
