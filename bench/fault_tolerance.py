@@ -28,7 +28,6 @@ restarted. Results: --out's results.json (every job) and results.md (bench/repor
 
 import argparse
 import os
-import signal
 import socket
 import statistics
 import subprocess
@@ -41,6 +40,7 @@ if REPO not in sys.path:
     sys.path.insert(0, REPO)
 
 from bench import report  # noqa: E402
+from launch import process_tree  # noqa: E402
 
 MAIN = os.path.join(REPO, "main.py")
 MODEL = ["model.n_layer=4", "model.n_head=4", "model.n_embd=128", "data.block_size=64",
@@ -92,31 +92,10 @@ class Launch:
             return []
 
     def stop(self):
-        """SIGKILL the session (torchrun and its ranks: each rank runs in a session of its
-        own under torch 2.13, so every process below the launcher)."""
-        if self.proc.poll() is not None:
-            return
-        os.kill(self.proc.pid, signal.SIGSTOP)  # no worker restarted while we collect them
-        tree, todo = [self.proc.pid], [self.proc.pid]
-        while todo:
-            parent = todo.pop()
-            children = [int(p) for p in os.listdir("/proc") if p.isdigit() and _parent(p) == parent]
-            tree += children
-            todo += children
-        for pid in tree:
-            try:
-                os.kill(pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
+        """SIGKILL the launch with every process below it (launch/process_tree.py)."""
+        if self.proc.poll() is None:
+            process_tree.kill_tree(self.proc.pid)
         self.proc.wait()
-
-
-def _parent(pid):
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return int(f.read().rsplit(")", 1)[1].split()[1])
-    except (OSError, IndexError, ValueError):
-        return None
 
 
 def wait_until(what, ok, launches, timeout=900):

@@ -3,6 +3,7 @@
     preemption.py  SIGTERM / SIGUSR1: every rank stops after the same step, with a snapshot
     exit.py        flush, then os._exit: past torch's teardown, which can abort after a
                    finished job
+    process_tree.py  kill a torchrun launch and every rank below it (tests, benchmarks)
 
 May import: nothing of the project but errors.
 """

@@ -13,12 +13,10 @@ kills the job's whole process tree (kill_tree: torchrun's workers run in
 sessions of their own, so killing the launcher alone leaves them running).
 """
 
-import glob
 import json
 import os
 import re
 import shutil
-import signal
 import subprocess
 import sys
 import time
@@ -26,6 +24,10 @@ import uuid
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 MAIN = os.path.join(REPO, "main.py")
+if REPO not in sys.path:  # a worker started as a script has only tests/ on its path
+    sys.path.insert(1, REPO)
+from launch import process_tree  # noqa: E402
+from launch.process_tree import alive as _alive, workers_of  # noqa: E402,F401 (tests import them here)
 
 # batch 12 divides by dp 1, 2, 3, 4 and 6; a 2-layer model keeps every job short
 TINY = ["model.n_layer=2", "model.n_head=2", "model.n_embd=32", "data.block_size=16",
@@ -205,56 +207,12 @@ def stop_job_servers():
     _servers.clear()
 
 
-def workers_of(launcher_pid):
-    """PIDs of the processes whose parent is `launcher_pid` (for torchrun: the ranks)."""
-    pids = []
-    for stat in glob.glob("/proc/[0-9]*/stat"):
-        try:
-            with open(stat) as f:
-                fields = f.read().rsplit(")", 1)[1].split()
-        except OSError:
-            continue
-        if int(fields[1]) == launcher_pid:
-            pids.append(int(stat.split("/")[2]))
-    return sorted(pids)
-
-
-def _alive(pid):
-    """Running (not gone, not a zombie waiting for its parent)."""
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except OSError:
-        return False
-
-
 def kill_tree(launcher_pid, timeout=10):
-    """SIGKILL a launcher and every process below it, and wait until they are gone.
-
-    torchrun starts each worker in a session of its own (torch 2.13), so killing the
-    launcher's process group leaves the ranks running: they would finish the job and
-    write its last snapshot. The launcher is stopped first, so it can neither start
-    nor restart a worker while we collect its tree."""
-    try:
-        os.kill(launcher_pid, signal.SIGSTOP)
-    except ProcessLookupError:
-        return []
-    tree, todo = [launcher_pid], [launcher_pid]
-    while todo:
-        children = workers_of(todo.pop())
-        tree += children
-        todo += children
-    for pid in tree:
-        try:
-            os.kill(pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-    deadline = time.time() + timeout
-    while any(_alive(pid) for pid in tree[1:]) and time.time() < deadline:
-        time.sleep(0.01)
-    survivors = [pid for pid in tree[1:] if _alive(pid)]
+    """SIGKILL a launcher and every process below it (launch/process_tree.py), and fail
+    if any survives."""
+    killed, survivors = process_tree.kill_tree(launcher_pid, timeout)
     assert not survivors, f"processes {survivors} survived SIGKILL"
-    return tree[1:]
+    return killed
 
 
 def read_metrics(run_dir):
