@@ -28,7 +28,8 @@ The constants are the model's only free parameters. MATMUL_EFF, ATTN_EFF and the
 efficiencies were set once, from the vendors' and NCCL's published figures (cuBLAS's
 large bf16 products reach ~75-80% of the A100's and H100's dense peak; FlashAttention-2
 reports 50-73% forward, less backward; NCCL's bus bandwidth reaches ~80% of NVLink and
-~90% of an InfiniBand NIC's line rate),
+~90% of the network's line rate: ~360 GB/s over two HGX H100 nodes' 8 x 400 Gb/s
+NICs, NVIDIA/nccl issue #1277),
 then checked, not fitted per row, against planner/published_runs.py (docs/planner.md
 shows every row).
 

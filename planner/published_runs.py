@@ -166,7 +166,8 @@ RUNS = [
                               "trainer.grad_accum": 1, "trainer.activation_checkpointing": False},
      "recompute": "none", "flash": True, "published": (0.140, "s/iter"),
      "note": "\"The mean per-step time was 140ms\"; 10.26B tokens at 524,288 a step (-b 64 x 8 "
-             "GPUs, -z 1, -r 0, as in discussion #481)"},
+             "GPUs, ZeRO-1 -z 1, as discussion #481 runs it); GELU recomputation (-r), if "
+             "on, is one element-wise kernel more, not modelled"},
     {"name": "nanoGPT GPT-2 124M", "source": NANOGPT, "gpu": "A100-40GB", "gpus": 8,
      "gpus_per_node": 8, "precision": "bf16",
      "model": {"n_layer": 12, "n_head": 12, "n_embd": 768, "vocab": 50304, "block": 1024,
