@@ -22,12 +22,14 @@ kernels a fused GPT step launches:
 Communication, per collective: a latency of `hops` x the link's per-hop latency (a ring
 or tree: 2 log2 n hops for an all-reduce, log2 n for a gather or scatter, 1 for a send)
 plus the wire bytes (formulas.WIRE_PER_PAYLOAD: the algorithm's factor for the group
-size) over the link's bandwidth x `LINK_EFF`.
+size) over the link's bandwidth x `LINK_EFF` (NVLink, PCIe) or `NET_EFF` (across nodes).
 
 The constants are the model's only free parameters. MATMUL_EFF, ATTN_EFF and the
 efficiencies were set once, from the vendors' and NCCL's published figures (cuBLAS's
 large bf16 products reach ~75-80% of the A100's and H100's dense peak; FlashAttention-2
-reports 50-73% forward, less backward; NCCL's bus bandwidth reaches ~80% of the link),
+reports 50-73% forward, less backward; NCCL's bus bandwidth reaches ~80% of NVLink and
+~90% of the network's line rate: ~360 GB/s over two HGX H100 nodes' 8 x 400 Gb/s
+NICs, NVIDIA/nccl issue #1277),
 then checked, not fitted per row, against planner/published_runs.py (docs/planner.md
 shows every row).
 
@@ -43,7 +45,8 @@ from planner.stages import stage
 MATMUL_EFF = 0.75   # share of the dense peak a large matrix product reaches
 ATTN_EFF = 0.45     # share of the peak fused causal attention reaches, forward and backward
 HBM_EFF = 0.8       # share of the memory bandwidth element-wise kernels reach
-LINK_EFF = 0.8      # share of a link's bandwidth a collective's bus bandwidth reaches
+LINK_EFF = 0.8      # share of NVLink's (or PCIe's) bandwidth a collective's bus bandwidth reaches
+NET_EFF = 0.9       # the same across nodes: NCCL over InfiniBand with GPUDirect RDMA, per NIC
 RAMP_US = 4.0       # a matrix product's fixed cost: fill and tail of its waves
 LAUNCH_US = 5.0     # the least a kernel costs: its launch (PyTorch eager dispatch and launch)
 
@@ -132,7 +135,8 @@ def hops(kind, n):
     return 2 * depth if kind == "all_reduce" else depth
 
 
-def collective_seconds(kind, payload, n, count, link_gbps, latency_us):
-    """`count` collectives of `kind` over n ranks moving `payload` bytes together."""
+def collective_seconds(kind, payload, n, count, link_gbps, latency_us, efficiency=LINK_EFF):
+    """`count` collectives of `kind` over n ranks moving `payload` bytes together, on a
+    link of which the collective reaches `efficiency` (LINK_EFF in a node, NET_EFF across)."""
     wire = payload * WIRE_PER_PAYLOAD[kind](n)
-    return count * hops(kind, n) * latency_us * 1e-6 + wire / (link_gbps * 1e9 * LINK_EFF)
+    return count * hops(kind, n) * latency_us * 1e-6 + wire / (link_gbps * 1e9 * efficiency)

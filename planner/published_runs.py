@@ -1,9 +1,9 @@
 """Published training runs the step-time model is checked against (tests/test_published_runs.py,
-docs/planner.md's table): each row is a run's shape, cluster and layout as this
+docs/published-runs.md's table): each row is a run's shape, cluster and layout as this
 product's config keys, and the figure its source publishes, with where it says so.
 
 Every row is replayed by tests/test_published_runs.py and must be within 25%, except a
-row whose `checked` says why not (shown in docs/planner.md all the same).
+row whose `checked` says why not (shown in docs/published-runs.md all the same).
 
 `published` is what the source gives: seconds per iteration ("s/iter"), TFLOP/s per GPU
 ("TFLOP/s/GPU") or model FLOPs utilisation ("MFU"); `published_seconds` turns the last
@@ -11,10 +11,12 @@ two into seconds per iteration with the source's own FLOP count, so every row co
 seconds. Where a figure is derived (a run's total time over its steps), `note` says how.
 
 Layouts are the sources' own (tensor and pipeline degrees, micro-batch size, virtual
-stages, recomputation) where they give them; `_megatron` says what Table 1 leaves out. Mapped onto this product's keys: Megatron's selective
-recomputation is `activation_checkpointing=false` (it recomputes only the attention
-scores, which the fused attention the model assumes never stores), its full
-recomputation `activation_checkpointing=true`; a micro-batch of b sequences is
+stages, recomputation) where they give them; `_megatron` and `_mcore` say what their
+tables leave out. A layout may set `plan.*` keys for what the source's system does and
+this product does not (Megatron-Core's overlaps: `_mcore`). Mapped onto this product's
+keys: Megatron's selective recomputation is `activation_checkpointing=false` (it
+recomputes only the attention scores, which the fused attention the model assumes
+never stores), its full recomputation `activation_checkpointing=true`; a micro-batch of b sequences is
 `parallel.microbatches` = the pipeline's micro-batches (or `trainer.grad_accum` without
 a pipeline); the pipeline schedule, where a source does not name it, is 1F1B
 (Megatron's default without virtual stages).
@@ -29,7 +31,12 @@ KORTHIKANTI = ("Korthikanti et al. 2022, Reducing Activation Recomputation in La
 LLMC_124M = "karpathy/llm.c scripts/run_gpt2_124M.sh (header comment)"
 LLMC_1558M = ("karpathy/llm.c discussion #677 (GPT-2 1558M on 8 x H100 in 24 hours) and "
               "scripts/run_gpt2_1558M.sh (-x 32000 steps)")
-NANOGPT = "karpathy/nanoGPT README (reproducing GPT-2) and config/train_gpt2.py"
+MCORE = ("NVIDIA/Megatron-LM README, Training Speed and Scalability (images/model_table.png, "
+         "Megatron-Core r0.8.0 weak scaling on H100)")
+LLMC_124M_H100 = ("KellerJordan/modded-nanogpt records/track_1_short/2024-10-13_llmc/README.md "
+                  "(llm.c as of 2024-10-13 on 8 x H100, run as llm.c discussion #481 says)")
+NANOGPT = ("karpathy/nanoGPT issue #110 (Expected iteration speed for the small 125M model) and "
+           "README (reproducing GPT-2)")
 
 MEGATRON_SHAPE = {"vocab": 51200, "block": 2048}
 
@@ -78,6 +85,33 @@ def _korthikanti(size, heads, hidden, layers, tp, pp, batch, micro, V, seconds, 
             + ("; sequence parallelism" if selective else "")}
 
 
+def _mcore(params, layers, heads, hidden, tp, pp, gpus, batch, tflops):
+    """A row of Megatron-Core's H100 weak-scaling table (r0.8.0): bf16 (41% MFU = 408.8 of
+    989 TFLOP/s), vocabulary 131,072, 4,096 tokens, data parallel 48, the distributed
+    optimizer (ZeRO-1), and what the README says it overlaps: `--tp-comm-overlap`
+    (plan.tp_comm_overlap), `--overlap-grad-reduce` (as ours: behind the last backward)
+    and `--overlap-param-gather` (plan.param_gather_overlap), the gather of its bf16
+    parameter copy (plan.param_gather_bytes=2; Megatron reduces the gradients in fp32,
+    as we do). The table gives no micro-batch size, schedule or recomputation:
+    micro-batch 1 (the batch per pipeline is 4 x pp micro-batches in every row), 1F1B
+    and none assumed."""
+    per_pipeline = batch // 48
+    layout = {"parallel.tp": tp, "parallel.pp": pp, "parallel.dp": "fsdp", "parallel.zero_stage": 1,
+              "parallel.sequence_parallel": tp > 1, "trainer.activation_checkpointing": False,
+              "plan.tp_comm_overlap": True, "plan.param_gather_overlap": True,
+              "plan.param_gather_bytes": 2}
+    layout.update({"parallel.microbatches": per_pipeline, "parallel.pp_schedule": "1f1b",
+                   "trainer.grad_accum": 1} if pp > 1 else {"trainer.grad_accum": per_pipeline})
+    return {"name": f"Megatron-Core {params}", "source": MCORE, "gpu": "H100-80GB", "gpus": gpus,
+            "gpus_per_node": 8, "precision": "bf16",
+            "model": {"n_layer": layers, "n_head": heads, "n_embd": hidden, "vocab": 131072,
+                      "block": 4096, "bias": True},
+            "batch": batch, "layout": layout, "recompute": "none", "flash": True,
+            "published": (tflops, "TFLOP/s/GPU"), "flops": "megatron-core",
+            "note": "micro-batch 1, 1F1B, no recomputation assumed; sequence parallelism with "
+                    "TP (required by --tp-comm-overlap); Transformer Engine's fused attention"}
+
+
 RUNS = [
     _megatron("1.7B", 24, 2304, 24, 1, 1, 32, 512, 137),
     _megatron("3.6B", 32, 3072, 30, 2, 1, 64, 512, 138),
@@ -89,6 +123,15 @@ RUNS = [
     _megatron("310.1B", 128, 16384, 96, 8, 16, 1920, 2160, 155),
     _megatron("529.6B", 128, 20480, 105, 8, 35, 2520, 2520, 163),
     _megatron("1008B", 160, 25600, 128, 8, 64, 3072, 3072, 163),
+    _mcore("1.7B", 24, 16, 2048, 1, 1, 48, 192, 408.8),
+    _mcore("7.1B", 30, 32, 4096, 2, 1, 96, 192, 465.9),
+    _mcore("16B", 32, 48, 6144, 4, 1, 192, 192, 489.1),
+    _mcore("32B", 48, 56, 7168, 8, 1, 384, 192, 459.6),
+    _mcore("70B", 84, 64, 8192, 8, 2, 768, 384, 419.7),
+    _mcore("119B", 92, 80, 10240, 8, 4, 1536, 768, 420.5),
+    _mcore("177B", 96, 96, 12288, 8, 6, 2304, 1152, 432.8),
+    _mcore("314B", 96, 128, 16384, 8, 8, 3072, 1536, 474.4),
+    _mcore("462B", 112, 144, 18432, 8, 16, 6144, 3072, 459.9),
     _korthikanti("22B", 64, 6144, 48, 8, 1, 4, 4, 1, 1.42, False),
     _korthikanti("22B", 64, 6144, 48, 8, 1, 4, 4, 1, 1.10, True),
     _korthikanti("175B", 96, 12288, 96, 8, 8, 64, 1, 3, 18.13, False),
@@ -115,28 +158,44 @@ RUNS = [
      "recompute": "none", "flash": True, "published": (24 * 3600 / 32000, "s/iter"),
      "note": "derived: 24 hours / 32,000 steps; -b 16 x 8 GPUs x 8 accumulation = 1,048,576 "
              "tokens (-d), ZeRO-1, -r 0"},
+    {"name": "llm.c GPT-2 124M (H100)", "source": LLMC_124M_H100, "gpu": "H100-80GB", "gpus": 8,
+     "gpus_per_node": 8, "precision": "bf16",
+     "model": {"n_layer": 12, "n_head": 12, "n_embd": 768, "vocab": 50304, "block": 1024,
+               "bias": True},
+     "batch": 512, "layout": {"parallel.dp": "fsdp", "parallel.zero_stage": 1,
+                              "trainer.grad_accum": 1, "trainer.activation_checkpointing": False},
+     "recompute": "none", "flash": True, "published": (0.140, "s/iter"),
+     "note": "\"The mean per-step time was 140ms\"; 10.26B tokens at 524,288 a step (-b 64 x 8 "
+             "GPUs, ZeRO-1 -z 1, as discussion #481 runs it); GELU recomputation (-r), if "
+             "on, is one element-wise kernel more, not modelled"},
     {"name": "nanoGPT GPT-2 124M", "source": NANOGPT, "gpu": "A100-40GB", "gpus": 8,
      "gpus_per_node": 8, "precision": "bf16",
      "model": {"n_layer": 12, "n_head": 12, "n_embd": 768, "vocab": 50304, "block": 1024,
                "bias": False},
      "batch": 480, "layout": {"parallel.dp": "ddp_bucket", "trainer.grad_accum": 5,
                               "trainer.activation_checkpointing": False},
-     "recompute": "none", "flash": True, "published": (4 * 86400 / 600000, "s/iter"),
-     "checked": "no: a round figure for a whole run (evaluations and checkpoints included) that "
-                "its own config comment puts at ~5 days, 25% more; nanoGPT's eager/early "
-                "torch.compile kernels reach about half llm.c's speed on the same model, which "
-                "one set of constants for fused kernels cannot be, and is not, fitted to",
-     "note": "derived: \"about 4 days\" (README) / max_iters 600,000; 12 x 1024 tokens x 5 "
-             "accumulation x 8 GPUs (config comment, which says ~5 days); torch.compile, DDP"},
+     "recompute": "none", "flash": True, "published": (0.562, "s/iter"),
+     "checked": "no: nanoGPT's step of early 2023 (a PyTorch 2.0 nightly, torch.compile, "
+                "SDPA's flash kernel, 30% MFU) is 1.8 x what the same model's kernels take in "
+                "llm.c, which this model predicts within 11%; no mechanism the planner models "
+                "(attention, element-wise bytes, launches, collectives) accounts for the "
+                "difference, and a factor fitted to it would be a per-row constant",
+     "note": "nanoGPT issue #110 (8 x A100, train.py of 2023-02-02): \"iter 1631 ... time "
+             "561.94ms\" to 567.31; 12 x 1024 tokens x 5 accumulation steps per GPU x 8 GPUs; "
+             "bf16, torch.compile, flash attention (SDPA), DDP; the README's \"about 4 days\" for "
+             "600,000 iterations (0.576 s) agrees; 40 GB A100s assumed (the README's)"},
 ]
 
 
 def megatron_flops(row, recompute):
     """The source's FLOPs per iteration (Narayanan et al. Eq. 3; Korthikanti et al. Sec. 6):
-    72 B s l h^2 (1 + s/6h + V/16lh), x 4/3 with full recomputation (96 instead of 72)."""
+    72 B s l h^2 (1 + s/6h + V/16lh), x 4/3 with full recomputation (96 instead of 72);
+    Megatron-Core's (megatron/training/training.py, num_floating_point_operations, which
+    counts the LM head forward and backward): 72 B s l h^2 (1 + s/6h + V/12lh)."""
     m, B = row["model"], row["batch"]
     s, h, l, V = m["block"], m["n_embd"], m["n_layer"], m["vocab"]
-    return (96 if recompute else 72) * B * s * l * h * h * (1 + s / (6 * h) + V / (16 * l * h))
+    logits = 12 if row.get("flops") == "megatron-core" else 16
+    return (96 if recompute else 72) * B * s * l * h * h * (1 + s / (6 * h) + V / (logits * l * h))
 
 
 def published_seconds(row) -> float:

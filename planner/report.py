@@ -45,6 +45,10 @@ def check(cfg, gpu):
     if cfg.trainer.precision not in gpu.peak:
         raise UserError(f"plan.gpu={gpu.name} has no {cfg.trainer.precision} peak (it has "
                         f"{', '.join(gpu.peak)}): set trainer.precision or plan.peak_*_tflops")
+    if p.param_gather_bytes not in (2, 4):
+        raise UserError(f"plan.param_gather_bytes={p.param_gather_bytes} must be 4 (fp32 parameters "
+                        "gathered, as this product does) or 2 (a bf16 copy, as Megatron's distributed "
+                        "optimizer does)")
     if min(p.gpu_memory_gb, p.peak_bf16_tflops, p.peak_fp32_tflops, p.intra_node_gbps,
            p.inter_node_gbps, p.pcie_gbps, p.host_gbps, p.hbm_gbps, p.intra_latency_us,
            p.inter_latency_us) < 0 or p.top < 1:

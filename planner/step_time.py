@@ -15,7 +15,7 @@ import math
 from functools import lru_cache
 
 from parallel.pipeline_parallel.simulator import unit_time
-from planner.efficiency import collective_seconds, compute_seconds
+from planner.efficiency import LINK_EFF, NET_EFF, collective_seconds, compute_seconds
 from planner.shapes import F32, Layout, Workload, micro_rows
 from planner.stages import shard_pieces, stage, units
 from planner.traffic import comm_by_dim
@@ -67,9 +67,11 @@ BUCKET = 25e6  # bytes a data-parallel collective carries at most (ddp's bucket,
 
 
 def _link(L, dim, machine, G):
+    """(GB/s, per-hop latency in us, the share of the bandwidth a collective reaches) of
+    the link the group over `dim` crosses."""
     far = spans_nodes(L, SPAN[dim], G)
-    return (machine.inter_node_gbps, machine.inter_latency_us) if far else \
-        (machine.intra_node_gbps, machine.intra_latency_us)
+    return (machine.inter_node_gbps, machine.inter_latency_us, NET_EFF) if far else \
+        (machine.intra_node_gbps, machine.intra_latency_us, LINK_EFF)
 
 
 def _count(w, L, st, dim, kind, payload):
@@ -128,6 +130,14 @@ def step_time(w: Workload, L: Layout, fig: dict, machine, pcfg) -> dict:
       backward of the last pass (ZeRO-3's gathers the whole step) and cost only what is
       longer; ZeRO-1/2's all-gather after the optimizer step is exposed, and so is HSDP's
       all-reduce across replica groups (after the last backward);
+    - what this product does not do but a replayed system does (off by default):
+      `plan.tp_comm_overlap`, TP's per-layer gathers and scatters cut in tp chunks and
+      pipelined with their GEMMs' chunks (Transformer Engine's userbuffers), so a
+      collective costs its first (or last) chunk, 1/tp of it, plus what the step's
+      matrix products cannot cover; `plan.param_gather_overlap`, ZeRO-1/2's parameter
+      all-gather waited for by the next step's first forward, so it costs only what
+      outlasts one pass's forward; `plan.param_gather_bytes=2`, that gather moving a
+      bf16 copy (Megatron's distributed optimizer) instead of our fp32 parameters;
     - parallel.offload: the host's AdamW and the PCIe copies (host_seconds).
 
     "mfu" (not a part): the model's FLOPs (no recomputation) over step_ms x world x peak.
@@ -141,6 +151,7 @@ def step_time(w: Workload, L: Layout, fig: dict, machine, pcfg) -> dict:
         kinds = slowest_stage(w, L, fig, machine, pcfg.flash_attention)
         compute = sum(kinds.values())
         backward = (compute - kinds["optimizer"]) * (2 / 3) / (L.grad_accum * L.M)
+    matmul = compute if pcfg.mfu else kinds["matmul"]
     b = bubble(L.schedule, L.pp, L.M, L.V)
     G = pcfg.gpus_per_node
     size = {"tp": L.tp, "cp": L.cp, "pp": L.pp, "dp": L.dp // L.R * L.cp, "dpr": L.R, "embed": 2,
@@ -148,28 +159,38 @@ def step_time(w: Workload, L: Layout, fig: dict, machine, pcfg) -> dict:
     parts = {"compute": compute, "bubble": compute * b / (1 - b), "tp": 0.0, "cp": 0.0, "pp": 0.0,
              "dp": 0.0, "host": host_seconds(w, L, fig, machine)}
     st = stage(w, L, fig["pp_rank"])
-    dp_overlapped = 0.0
+    dp_overlapped = gather = pipelined = 0.0
     for (dim, kind), payload in comm_by_dim(w, L, fig["pp_rank"], fig["dp_rank"]).items():
         if dim == "norm":
             continue
-        gbps, latency = _link(L, dim, machine, G)
+        gbps, latency, eff = _link(L, dim, machine, G)
         if dim == "pp":  # per schedule pass, the fill and drain path's 2(P x V - 1) messages
             one = micro_rows(w, L) * (w.block // L.cp // (L.tp if L.sp else 1)) * w.n_embd * F32
             n = L.grad_accum * 2 * (L.pp * L.V - 1)
-            parts["pp"] += collective_seconds("send", n * one, 2, n, gbps, latency)
+            parts["pp"] += collective_seconds("send", n * one, 2, n, gbps, latency, eff)
             continue
+        param_gather = dim == "dp" and kind == "all_gather" and L.zero_stage in (1, 2)
+        if param_gather:  # ZeRO-1/2's gather of the updated parameters
+            payload = payload * pcfg.param_gather_bytes // F32
         seconds = collective_seconds(kind, payload, size[dim], _count(w, L, st, dim, kind, payload),
-                                     gbps, latency)
-        if dim == "dpr":  # across the replica groups, after the step's last backward: exposed
+                                     gbps, latency, eff)
+        if param_gather:
+            gather += seconds
+        elif dim == "tp" and kind != "all_reduce" and pcfg.tp_comm_overlap:  # SP's per layer
+            pipelined += seconds
+        elif dim == "dpr":  # across the replica groups, after the step's last backward: exposed
             parts["dp"] += seconds
         elif dim == "embed":
             parts["pp"] += seconds
-        elif dim == "dp" and not (kind == "all_gather" and L.zero_stage in (1, 2)):
+        elif dim == "dp":
             dp_overlapped += seconds
         else:
             parts[dim if dim in parts else "dp"] += seconds
     window = compute if L.zero_stage == 3 else backward
     parts["dp"] += max(0.0, dp_overlapped - window)
+    forward = backward / 2  # one pass's forward: a third of its compute, the backward two
+    parts["dp"] += max(0.0, gather - forward) if pcfg.param_gather_overlap else gather
+    parts["tp"] += pipelined / L.tp + max(0.0, pipelined * (L.tp - 1) / L.tp - matmul)
     ms = {k: 1000 * v for k, v in parts.items()}
     ms["step_ms"] = sum(ms.values())
     ms["mfu"] = model_flops(w) / (ms["step_ms"] / 1000 * world * peak)

@@ -1,4 +1,4 @@
-"""docs/planner.md's "Checked against published runs" table: every row of
+"""docs/published-runs.md's table: every row of
 planner/published_runs.py replayed with `mode=plan plan.search=false`, predicted beside
 published seconds per iteration:
 
@@ -33,6 +33,8 @@ def layout_words(row):
         words.append(f"V{keys['parallel.pp_virtual_stages']}")
     if keys.get("parallel.dp") == "fsdp":
         words.append(f"ZeRO-{keys['parallel.zero_stage']}")
+    if keys.get("plan.tp_comm_overlap") or keys.get("plan.param_gather_overlap"):
+        words.append("overlapped")  # the source system's overlaps (plan.* keys)
     return " ".join(words)
 
 

@@ -399,7 +399,9 @@ def test_plan_proposes_hsdp_across_nodes_where_it_wins_and_offload_where_nothing
     (["plan.nodes=0"], "plan.nodes=0 and plan.gpus_per_node=8 must be >= 1"),
     (["plan.search=false", "parallel.dp=ddp_naive"],
      "plan.search=false models parallel.dp=single, ddp_bucket or fsdp, not 'ddp_naive'"),
-], ids=["unknown-gpu", "does-not-fit", "no-nodes", "search-false-strategy"])
+    (["plan.search=false", "plan.param_gather_bytes=3"],
+     "plan.param_gather_bytes=3 must be 4 (fp32 parameters gathered, as this product does) or 2"),
+], ids=["unknown-gpu", "does-not-fit", "no-nodes", "search-false-strategy", "gather-bytes"])
 def test_plan_bad_input_is_one_line_and_status_2(tmp_path, overrides, message):
     result = plan_command(tmp_path, *overrides)
     assert result.returncode == 2, result.stdout[-2000:] + result.stderr[-2000:]

@@ -1,10 +1,11 @@
 """The step-time model against published training runs (planner/published_runs.py).
 
 Every row (Megatron-LM's 2021 weak-scaling table, the 2022 sequence-parallel and
-selective-recomputation paper's end-to-end times, llm.c on A100 and H100, nanoGPT) is
+selective-recomputation paper's end-to-end times, Megatron-Core's H100 weak-scaling
+table, llm.c on A100 and H100, nanoGPT) is
 replayed in process as `mode=plan plan.search=false` with its own shape, cluster and
 layout; the predicted seconds per iteration must be within 25% of what the source
-publishes, except a row whose `checked` field says why not. docs/planner.md shows the
+publishes, except a row whose `checked` field says why not. docs/published-runs.md shows the
 same table (scripts/published_runs_table.py): its predicted column must be this run's,
 to its three printed digits.
 """
@@ -20,8 +21,8 @@ WITHIN = 0.25
 
 
 def docs_predictions():
-    """{run name: predicted seconds} from docs/planner.md's published-runs table."""
-    text = open(os.path.join(REPO, "docs", "planner.md")).read()
+    """{run name: predicted seconds} from docs/published-runs.md's table."""
+    text = open(os.path.join(REPO, "docs", "published-runs.md")).read()
     out = {}
     for line in text.splitlines():
         cells = [c.strip() for c in line.strip().strip("|").split("|")]
@@ -46,7 +47,7 @@ def test_every_published_run_is_predicted_within_25_percent():
                 misses.append(f"{row['name']}: {ratio:.2f}")
         shown = documented.get(row["name"])
         if shown is None or abs(shown / predicted - 1) > 0.005 + 0.5e-3 / predicted:
-            stale.append(f"{row['name']}: docs/planner.md says {shown} s, the model {predicted:.4g}")
+            stale.append(f"{row['name']}: docs/published-runs.md says {shown} s, the model {predicted:.4g}")
     assert checked >= 12, checked
     assert not misses, "outside 25% of the published figure: " + ", ".join(misses)
     assert not stale, "python -m scripts.published_runs_table: " + "; ".join(stale)
