@@ -181,19 +181,34 @@ def _read(path):
 _servers = {}
 
 
-MAX_SERVERS = 3  # idle servers hold memory (about 330 MB a rank), not CPU
+RANK_BYTES = 400 << 20  # what an idle server's rank holds (about 330 MB), with a margin
+
+
+def _rank_budget():
+    """Ranks the idle servers may hold together: half the memory free when the session
+    starts. Each process count the suite uses (1, 2, 3, 4, 8) keeps its server where that
+    fits: a server stopped for room costs a new launch (about 3.5 CPU-s a rank) when its
+    process count comes back."""
+    try:
+        free = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (ValueError, OSError, AttributeError):
+        return 8
+    return max(8, int(free // 2 // RANK_BYTES))
+
+
+RANK_BUDGET = _rank_budget()
 
 
 def job_server(nproc):
     """This session's job server for `nproc` ranks (started on first use, or again after
-    a job ended the last one); past MAX_SERVERS the least recently used one stops."""
+    a job ended the last one); past RANK_BUDGET ranks the least recently used ones stop."""
     server = _servers.pop(nproc, None)
     if server is not None and not (server.alive() and server.job_fds):
         if server.job_fds:
             server.stop()
         server = None
     if server is None:
-        while len(_servers) >= MAX_SERVERS:
+        while _servers and sum(_servers) + nproc > RANK_BUDGET:
             _servers.pop(next(iter(_servers))).stop()
         server = JobServer(nproc)
     _servers[nproc] = server  # most recently used last
