@@ -74,8 +74,8 @@ def run_job(workdir, nproc, overrides, timeout=240, tiny=True, fresh=False):
 
     By default the job runs in this session's job server for `nproc` ranks (JobServer:
     main.py's own code in long-lived torchrun workers, a fraction of a fresh job's CPU);
-    `fresh=True` starts torchrun (or python) for this job alone: for jobs that must fail,
-    whose exit status and console are what the test checks."""
+    `fresh=True` starts torchrun (or python) for this job alone: for jobs whose exit through
+    a real launch (its status, its console) is what the test checks."""
     os.makedirs(workdir, exist_ok=True)
     args = (TINY if tiny else []) + list(overrides)
     if not fresh and not needs_own_process(args):
