@@ -184,7 +184,11 @@ def _read(path):
 _servers = {}
 
 
-MAX_SERVERS = 3  # idle servers hold memory (about 330 MB a rank), not CPU
+# idle servers hold memory (about 400 MB a rank), not CPU: 4 keeps one for each of 1, 2, 3
+# and 4 ranks, the counts the suite's jobs mix (test_resume_matrix.py's chain goes
+# 1-2-3-2-3-2-2-4-4-1: with 3 servers the 1-rank one is started again, and the 3-rank
+# one is gone for the next file); an 8-rank job evicts one for a while
+MAX_SERVERS = 4
 
 
 def job_server(nproc):
