@@ -74,8 +74,8 @@ def run_job(workdir, nproc, overrides, timeout=240, tiny=True, fresh=False):
 
     By default the job runs in this session's job server for `nproc` ranks (JobServer:
     main.py's own code in long-lived torchrun workers, a fraction of a fresh job's CPU);
-    `fresh=True` starts torchrun (or python) for this job alone: for jobs that must fail,
-    whose exit status and console are what the test checks."""
+    `fresh=True` starts torchrun (or python) for this job alone: for jobs whose exit through
+    a real launch (its status, its console) is what the test checks."""
     os.makedirs(workdir, exist_ok=True)
     args = (TINY if tiny else []) + list(overrides)
     if not fresh and not needs_own_process(args):
@@ -101,8 +101,9 @@ LAUNCHER_ENV = re.compile(r"^(RANK|WORLD_SIZE|LOCAL_RANK|LOCAL_WORLD_SIZE|GROUP_
 class JobServer:
     """One torchrun launch of tests/job_server.py on `nproc` ranks that runs main.py's jobs
     one after another (its docstring says why and what it leaves to fresh jobs). Each rank
-    reads a job from its FIFO and answers with the exit status on another; a job that
-    fails anywhere, or hangs (its whole tree killed), ends the server, and the next job
+    reads a job from its FIFO and answers on another with the exit status and whether it
+    can run the next job (0, or 2 with its process group destroyed); a job after which a
+    rank cannot, or that hangs (its whole tree killed), ends the server, and the next job
     starts a new one."""
 
     def __init__(self, nproc):
@@ -136,13 +137,15 @@ class JobServer:
         line = (json.dumps(job) + "\n").encode()
         for fd in self.job_fds:
             os.write(fd, line)
-        codes, pending = {}, dict(zip(self.done_fds, range(self.nproc)))
+        codes, again, pending = {}, {}, dict(zip(self.done_fds, range(self.nproc)))
         deadline = time.time() + timeout
         try:
             while pending and self.alive() and time.time() < deadline:
                 ready, _, _ = select.select(list(pending), [], [], min(1.0, deadline - time.time()))
                 for fd in ready:
-                    codes[pending.pop(fd)] = int(os.read(fd, 64).decode().split()[0])
+                    rank = pending.pop(fd)
+                    code, then = os.read(fd, 64).decode().split()[:2]
+                    codes[rank], again[rank] = int(code), then == "next"
         except BaseException:  # pytest's timeout, Ctrl-C: the job may still be running
             self.stop()
             raise
@@ -154,7 +157,7 @@ class JobServer:
                                  f"{output('out')[-3000:]}\n{output('err')[-5000:]}\n"
                                  f"torchrun: {self.launcher_log[-3000:]}")
         code = next((c for c in codes.values() if c != 0), 0)
-        if code != 0:
+        if not all(again.values()):  # a rank has left the server: no next job here
             self.stop()
         return subprocess.CompletedProcess(["job-server", *args], code, output("out"), output("err"))
 
@@ -192,8 +195,10 @@ def _rank_budget():
     try:
         free = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
     except (ValueError, OSError, AttributeError):
-        return 8
-    return max(8, int(free // 2 // RANK_BYTES))
+        return 10
+    # at least 10: one server for each of 1, 2, 3 and 4 ranks, the counts jobs mix
+    # (test_resume_matrix.py's chain goes 1-2-3-2-3-2-2-4-4-1)
+    return max(10, int(free // 2 // RANK_BYTES))
 
 
 RANK_BUDGET = _rank_budget()

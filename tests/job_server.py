@@ -13,8 +13,14 @@ rendezvous; what it does not exercise is starting and leaving an interpreter, wh
 tests of exit statuses, signals, kills and restarts check with jobs of their own
 (run_job(..., fresh=True), and every test that starts torchrun itself).
 
-A job that does not end with status 0 on every rank may leave a rank inside a
-collective, so the harness then stops the server and the next job starts a new one.
+After a job each rank says whether it can run the next: yes when main.run returned 0, or
+2 (a UserError: every rank says one line and returns; main leaves its process group
+started then, and the rank destroys it here, as a process exiting would). The harness
+keeps the server only when every rank returned and said yes: a rank that returned is in
+no collective, so none is left waiting in one. Any other status (a traceback, a signal's
+status), a rank that never answers or a server that died ends it, and the next job
+starts a new one. Bad input in the server thus costs no new server; the tests of how a
+bad-input job leaves through torchrun (exit status, console) run fresh jobs.
 """
 
 import json
@@ -22,6 +28,8 @@ import os
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import torch.distributed as dist  # noqa: E402
 
 import main as entry  # noqa: E402  (every import a job needs, once)
 from harness import LAUNCHER_ENV  # noqa: E402  (this directory is the script's: on sys.path)
@@ -54,6 +62,19 @@ def run_one(job, rank, world_size, local_rank):
             os.environ.update(environ)
 
 
+def can_run_another(code):
+    """After a job that returned `code` on this rank: 0, or 2 with the job's process group
+    (if it got that far) destroyed; anything else may have left state behind."""
+    if code not in (0, 2):
+        return False
+    if dist.is_initialized():  # a UserError after main's init_process_group
+        try:
+            dist.destroy_process_group()
+        except Exception:  # noqa: BLE001  (a group that cannot be left: a new server)
+            return False
+    return True
+
+
 def serve(control):
     rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     local_rank = int(os.environ.get("LOCAL_RANK", 0))
@@ -61,10 +82,11 @@ def serve(control):
             open(os.path.join(control, f"done-{rank}.fifo"), "w") as done:
         for line in jobs:  # blocks until the harness sends a job; ends when it closes
             code = run_one(json.loads(line), rank, world_size, local_rank)
-            done.write(f"{code}\n")
+            again = can_run_another(code)
+            done.write(f"{code} {'next' if again else 'end'}\n")
             done.flush()
-            if code != 0:
-                break  # a rank may be left in a collective: the harness starts a new server
+            if not again:
+                break  # the harness stops the server, and the next job starts a new one
 
 
 if __name__ == "__main__":

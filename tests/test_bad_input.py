@@ -1,7 +1,11 @@
-"""Bad input in a real 2-rank torchrun job: one clear error naming the file on every
-rank, a non-zero exit, no hang (run_job's timeout), and no snapshot touched. Damaged
-snapshots whose damage the reader's opening finds (as every rank's does) are checked
-in process after three of them have gone through the whole job."""
+"""Bad input in a real 2-rank job: one clear error naming the file on every rank, a
+non-zero exit, no hang (run_job's timeout), and no snapshot touched. Two jobs run under
+a torchrun of their own (fresh: the exit status and console of a real launch), one
+failing before main.py starts its process group (a config) and one after (a data file:
+it leaves with the group started); the others run in the job server, the same main.run
+on 2 real ranks, which goes on after a UserError on every rank. Damaged snapshots whose
+damage the reader's opening finds (as every rank's does) are checked in process after
+three of them have gone through the whole job."""
 
 import json
 import shutil
@@ -31,18 +35,18 @@ def assert_clean_failure(result, *needles):
     assert not our_frames(result.stderr), result.stderr
 
 
-@pytest.mark.parametrize("name,content,needle", [
-    ("missing.txt", None, "data file not found"),
-    ("short.txt", "tiny text", "too short"),
-    ("latin1.txt", "caf\u00e9 ".encode("latin-1") * 50, "not UTF-8"),
+@pytest.mark.parametrize("name,content,needle,fresh", [
+    ("missing.txt", None, "data file not found", True),
+    ("short.txt", "tiny text", "too short", False),
+    ("latin1.txt", "caf\u00e9 ".encode("latin-1") * 50, "not UTF-8", False),
 ])
-def test_bad_data(tmp_path, name, content, needle):
+def test_bad_data(tmp_path, name, content, needle, fresh):
     path = tmp_path / name
     if isinstance(content, str):
         path.write_text(content)
     elif content is not None:
         path.write_bytes(content)
-    result = run_job(tmp_path / "job", 2, [f"data.path={path}"], timeout=120, fresh=True)
+    result = run_job(tmp_path / "job", 2, [f"data.path={path}"], fresh=fresh)
     assert_clean_failure(result, needle, str(path))
 
 
@@ -105,8 +109,9 @@ def damage(snap, how):
     return snap
 
 
-# through a real 2-rank job (every rank says it, exit status, snapshot untouched): a part
-# found damaged on opening, a manifest the model check refuses, a config that differs
+# through a real 2-rank job, in the job server (every rank says it, its status, snapshot
+# untouched): a part found damaged on opening, a manifest the model check refuses, a
+# config that differs
 @pytest.mark.parametrize("how,overrides,needle", [
     ("truncated part", [], "truncated"),
     ("manifest of another shape", [], "another shape"),
@@ -117,8 +122,7 @@ def test_bad_snapshot(tmp_path, good_snapshot, how, overrides, needle):
     shutil.copytree(good_snapshot, snap)
     broken = damage(snap, how)
     before = tree_bytes(snap)
-    result = run_job(tmp_path / "job", 2, [f"trainer.snapshot_path={snap}", *overrides], timeout=120,
-                     fresh=True)
+    result = run_job(tmp_path / "job", 2, [f"trainer.snapshot_path={snap}", *overrides])
     assert_clean_failure(result, needle, str(broken))
     assert tree_bytes(snap) == before  # nothing overwritten, nothing lost
 

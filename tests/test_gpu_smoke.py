@@ -12,9 +12,9 @@ import importlib.util
 import json
 import os
 import re
+import shlex
+import shutil
 import subprocess
-import sys
-import time
 
 import pytest
 
@@ -112,24 +112,38 @@ def test_gpu_smoke_passes_on_cpu(tmp_path):
 
 def hang_hook(directory):
     """A sitecustomize.py that makes rank SMOKE_HANG_RANK of a torchrun job hang at start
-    (ignoring SIGTERM, as a worker stuck in a collective may) and say so in a file."""
+    (ignoring SIGTERM, as a worker stuck in a collective may) and say so in a file (written
+    whole, then named hung-<pid>: the job's deadline comes once that name shows)."""
     directory.mkdir()
     (directory / "sitecustomize.py").write_text(
         "import os, signal, time\n"
         "if 'TORCHELASTIC_RUN_ID' in os.environ and os.environ.get('RANK') == os.environ.get('SMOKE_HANG_RANK'):\n"
         "    signal.signal(signal.SIGTERM, signal.SIG_IGN)\n"
-        "    with open(os.path.join(os.environ['SMOKE_HANG_DIR'], f'hung-{os.getpid()}'), 'w') as f:\n"
+        "    mark = os.path.join(os.environ['SMOKE_HANG_DIR'], f'hung-{os.getpid()}')\n"
+        "    with open(mark + '.tmp', 'w') as f:\n"
         "        f.write(os.environ.get('NCCL_DEBUG', '-') + ' ' + os.environ.get('TORCH_DISTRIBUTED_DEBUG', '-'))\n"
+        "    os.rename(mark + '.tmp', mark)\n"
         "    while True:\n"
         "        time.sleep(3600)\n")
 
 
-def deadline_for_a_short_job():
-    """15 s on a quiet machine; longer on a loaded one, where torchrun alone (it imports torch)
-    may take longer than that to start the hung worker, or the reference row to finish."""
-    start = time.monotonic()
-    subprocess.run([sys.executable, "-c", "import torch"], check=True)
-    return max(15, round(6 * (time.monotonic() - start)))
+def deadline_at_the_hang(directory, marks, deadline):
+    """A `sleep` first on PATH for gpu_smoke.sh, whose job deadline is a background
+    `sleep $SMOKE_JOB_TIMEOUT`: this one ends as soon as a worker has newly hung (one more
+    hung-<pid> in `marks`), else after `deadline` seconds as the real one would; any other
+    sleep is the real one. So a hung row costs no fixed wait, while the deadline stays long
+    enough for the reference row on a loaded machine."""
+    real = shutil.which("sleep")
+    directory.mkdir()
+    hung = f"ls {shlex.quote(str(marks))} | grep -c -v '[.]tmp$'"
+    (directory / "sleep").write_text(
+        "#!/bin/sh\n"
+        f'[ "$*" = "{deadline}" ] || exec {real} "$@"\n'
+        f"before=$({hung}); waited=0\n"
+        f'while [ "$({hung})" -le "$before" ] && [ $waited -lt {deadline * 10} ]; do\n'
+        f"  {real} 0.1; waited=$((waited + 1))\n"
+        "done\n")
+    (directory / "sleep").chmod(0o755)
 
 
 def test_a_hung_worker_is_killed_with_its_job_and_the_row_reruns_with_debug_output(tmp_path):
@@ -140,14 +154,17 @@ def test_a_hung_worker_is_killed_with_its_job_and_the_row_reruns_with_debug_outp
     TORCH_DISTRIBUTED_DEBUG=DETAIL (it hangs again, and is killed again), its logs kept."""
     from harness import _alive
     script = os.path.join(REPO, "scripts", "gpu_smoke.sh")
-    hook, marks = tmp_path / "hook", tmp_path / "hung"
+    hook, marks, timer = tmp_path / "hook", tmp_path / "hung", tmp_path / "timer"
     hang_hook(hook)
     marks.mkdir()
-    deadline = deadline_for_a_short_job()
+    # the reference row's, long enough on a loaded machine: the hung rows' comes when they hang
+    deadline = 600
+    deadline_at_the_hang(timer, marks, deadline)
     env = dict(job_env(), TMPDIR=str(tmp_path), SMOKE_LAYOUTS="single ddp_bucket", SMOKE_RERUN="",
                SMOKE_JOB_TIMEOUT=str(deadline), PYTHONPATH=str(hook), SMOKE_HANG_RANK="1",
-               SMOKE_HANG_DIR=str(marks))
-    result = run_tree(["bash", script, "--cpu"], 300, "gpu_smoke.sh --cpu", cwd=tmp_path, env=env)
+               SMOKE_HANG_DIR=str(marks), PATH=f"{timer}{os.pathsep}{os.environ['PATH']}")
+    result = run_tree(["bash", script, "--cpu"], 3 * deadline + 60, "gpu_smoke.sh --cpu",
+                      cwd=tmp_path, env=env)
     hung = {int(p.name.split("-")[1]): p.read_text() for p in marks.iterdir()}
     alive = [pid for pid in hung if _alive(pid)]
     for pid in alive:  # ours: left behind by the script, cleaned up here

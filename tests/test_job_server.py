@@ -3,8 +3,10 @@ long-lived torchrun workers. What a test sees from it must be what a fresh job g
 
 - the same job, fresh and in the server (after another job there), writes the same
   metrics.jsonl to the bit and the same snapshot;
-- a job that fails in the server returns its status and its one line, and the next job
-  runs in a new server; a job past its timeout fails the test and ends its server.
+- a job that fails in the server with a UserError (status 2 on every rank, its process
+  group left started) returns its status and its one line per rank, and the server runs
+  the next job as a fresh one would; a rank that cannot go on (any other status) leaves
+  the server, and a job past its timeout fails the test and ends its server.
 """
 
 import json
@@ -17,6 +19,11 @@ JOB = ["parallel.dp=fsdp", "parallel.zero_stage=3", "model.dropout=0.1", "traine
 
 def test_a_job_in_the_server_equals_the_same_job_fresh(tmp_path):
     run_job(tmp_path / "before", 2, ["parallel.dp=ddp_bucket"])  # the server has run a job
+    server = job_server(2)
+    # and one that failed on every rank after main.py had started its process group
+    failed = run_job(tmp_path / "failed", 2, [f"data.path={tmp_path / 'missing.txt'}"])
+    assert failed.returncode == 2 and "data file not found" in failed.stderr, failed.stderr
+    assert job_server(2) is server and server.alive()
     runs = {}
     for how in ("fresh", "server"):
         result = run_job(tmp_path / how, 2, JOB, fresh=how == "fresh")
@@ -30,16 +37,28 @@ def test_a_job_in_the_server_equals_the_same_job_fresh(tmp_path):
         assert served_state["model"][name].equal(t), name
 
 
-def test_a_failed_job_returns_its_status_and_the_next_job_gets_a_new_server(tmp_path):
+def test_a_failed_job_returns_its_status_and_its_lines_and_the_server_goes_on(tmp_path):
     first = job_server(2)
     bad = run_job(tmp_path / "bad", 2, ["trainer.batch_size=7"])  # 7 is not divisible by dp 2
     assert bad.returncode == 2, bad.stderr
     assert sorted(ln[:15] for ln in bad.stderr.splitlines() if ln.startswith("error on rank")) \
         == ["error on rank 0", "error on rank 1"], bad.stderr
-    assert not first.alive()
+    assert first.alive()
     good = run_job(tmp_path / "good", 2, [])
     assert good.returncode == 0, good.stderr[-3000:]
-    assert job_server(2) is not first
+    assert job_server(2) is first
+
+
+def test_a_rank_goes_on_after_status_0_or_2_only_with_its_process_group_gone():
+    """tests/job_server.py's rule, in process on a one-rank gloo group: a UserError's
+    status (2) with the group main.py left started, the group destroyed; a traceback's (1)
+    or a signal's status ends the rank's server."""
+    import torch.distributed as dist
+    from job_server import can_run_another
+    assert can_run_another(0) and not dist.is_initialized()
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    assert can_run_another(2) and not dist.is_initialized()
+    assert not any(can_run_another(code) for code in (1, 130, 143))
 
 
 def test_a_job_past_its_timeout_fails_the_test_and_ends_its_server(tmp_path):

@@ -53,11 +53,12 @@ def test_old_steps_are_removed_even_with_glob_characters_in_the_path(tmp_path, o
 
 def test_a_failure_on_the_main_rank_alone_stops_every_rank(tmp_path):
     """Only rank 0 creates the run directory; when it cannot, rank 1 must not go on
-    training and wait for it forever: both exit non-zero, quickly."""
+    training and wait for it forever: both exit non-zero, quickly. (In the job server:
+    each rank's status is its own there; how such a job leaves through torchrun is
+    tests/test_bad_input.py's fresh bad-data job, failing at the same point.)"""
     blocker = tmp_path / "not-a-directory"
     blocker.write_text("")
-    result = run_job(tmp_path / "job", 2, [f"trainer.run_dir={blocker}/run"], timeout=120,
-                     fresh=True)
+    result = run_job(tmp_path / "job", 2, [f"trainer.run_dir={blocker}/run"])
     assert result.returncode != 0
     rank0 = [ln for ln in result.stderr.splitlines() if "error on rank 0:" in ln]
     assert len(rank0) == 1 and str(blocker) in rank0[0], result.stderr[-3000:]

@@ -120,7 +120,7 @@ def test_resume_from_a_kept_older_step_reproduces_the_run(tmp_path):
     reference = read_metrics(workdir / "runs" / "default")
     assert step_dirs(snap) == ["step-00000006", "step-00000008", "step-00000010"]
 
-    bad = run_job(workdir, 2, ARGS + ["trainer.resume_step=5"], timeout=120, fresh=True)
+    bad = run_job(workdir, 2, ARGS + ["trainer.resume_step=5"])
     assert bad.returncode != 0
     lines = [ln for ln in bad.stderr.splitlines() if ln.startswith("error on rank")]
     assert lines and all("keeps steps 6, 8, 10" in ln for ln in lines), bad.stderr[-3000:]
