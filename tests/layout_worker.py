@@ -19,6 +19,10 @@ Then the random streams under dropout (RNG): a digest of the generator state
 at every Dropout module and at every attention call, per TP rank and per CP
 rank, and at every Dropout of every stage of a pipeline.
 
+On 2 and 4 ranks the session also runs tests/planner_worker.py's measurements, on 2
+ranks tests/dp_worker.py's checks, on 4 ranks tests/precision_worker.py's `recompute4`:
+one launch instead of several.
+
 The worker only measures and reports (rank 0 prints `RESULT <json>`), so all
 ranks always reach the same collectives and a wrong result cannot hang.
 """
@@ -469,6 +473,17 @@ def compute():
             result["random"][f"sp={sp}"] = check_random_streams(sp)
         result["random"]["pp"] = check_pipeline_streams()
         result["random"]["cp"] = check_cp_streams()
+    if not only:  # other workers' checks for this rank count, sharing this launch (each
+        # torchrun launch costs its interpreters' start-up, more than these checks)
+        if world in (2, 4):  # tests/test_planner.py's measurements
+            import planner_worker
+            result["planner"] = planner_worker.compute()
+        if world == 2:  # tests/test_ddp_own.py's 2-rank checks
+            import dp_worker
+            result["dp"] = dp_worker.compute()
+        if world == 4:  # tests/test_precision.py's recompute under tp2 x pp2
+            from precision_worker import RECOMPUTE4, check_recompute
+            result["recompute4"] = check_recompute(RECOMPUTE4)
     return result
 
 
