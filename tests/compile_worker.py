@@ -2,8 +2,8 @@
 
     python -m torch.distributed.run --standalone --nproc_per_node=2 tests/compile_worker.py
 
-For each layout of LAYOUTS every rank builds the strategy by hand twice, eager and
-compiled (backend aot_eager: dynamo's capture and AOT autograd, as inductor gets
+For each layout of LAYOUTS every rank (a one-process layout: one rank, and the
+others gather its result) builds the strategy by hand twice, eager and compiled (backend aot_eager: dynamo's capture and AOT autograd, as inductor gets
 them, without inductor's minutes of code generation on this CPU), and trains both
 STEPS steps on the same fixed global batches, evaluating at EVAL_AT:
 - per-step losses and pre-clip gradient norms, compiled against eager;
@@ -23,6 +23,7 @@ import os
 import sys
 
 import torch
+import torch.distributed as dist
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -138,9 +139,22 @@ def check(layout):
     }
 
 
+def one_process(name):
+    dp, pp, tp, cp = LAYOUTS[name][1]
+    return dp * pp * tp * cp == 1
+
+
 def compute():
+    """Layouts over every rank in order; the one-process layouts (no collectives) shared
+    out, one rank each, and their results gathered: each is compiled once, not on every rank."""
     names = sys.argv[1].split(",") if sys.argv[1:] else list(LAYOUTS)
-    return {name: check(LAYOUTS[name]) for name in names}
+    rank, world = dist.get_rank(), dist.get_world_size()
+    alone = [n for n in names if one_process(n)]
+    mine = {n: check(LAYOUTS[n]) for i, n in enumerate(alone) if i % world == rank}
+    everyone = [None] * world
+    dist.all_gather_object(everyone, mine)
+    done = {n: r for results in everyone for n, r in results.items()}
+    return {name: done[name] if name in done else check(LAYOUTS[name]) for name in names}
 
 
 if __name__ == "__main__":

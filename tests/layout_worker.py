@@ -7,7 +7,7 @@ sequence parallelism, vocabulary, accumulation, clipping; hybrid sharding and of
 every rank builds
 the strategy by hand, trains STEPS steps on fixed global batches and measures
 against a single-process replica of the same run (same initial weights, same
-global batch) that it trains itself:
+global batch) that it trains itself (once for all cases that share one: replica_run):
 - per-step loss and pre-clip gradient norm (relative differences);
 - after every step, whether every tensor TP does not split is bitwise equal
   on all ranks of the TP group, and whether the tied embedding's two copies
@@ -18,6 +18,10 @@ global batch) that it trains itself:
 Then the random streams under dropout (RNG): a digest of the generator state
 at every Dropout module and at every attention call, per TP rank and per CP
 rank, and at every Dropout of every stage of a pipeline.
+
+On 2 and 4 ranks the session also runs tests/planner_worker.py's measurements, on 2
+ranks tests/dp_worker.py's checks, on 4 ranks tests/precision_worker.py's `recompute4`:
+one launch instead of several.
 
 The worker only measures and reports (rank 0 prints `RESULT <json>`), so all
 ranks always reach the same collectives and a wrong result cannot hang.
@@ -41,7 +45,9 @@ from parallel.config import ParallelConfig  # noqa: E402
 from parallel.grid import ProcessGrid  # noqa: E402
 from trainer import TrainerConfig  # noqa: E402
 
-N_HEAD, N_EMBD, BLOCK, BATCH, STEPS = 4, 32, 16, 16, 4
+# 3 steps: the first creates AdamW's state, the next two update it (and reuse every
+# bucket, shard and pipeline buffer), accumulation and clipping in each
+N_HEAD, N_EMBD, BLOCK, BATCH, STEPS = 4, 32, 16, 16, 3
 
 
 @dataclass(frozen=True)
@@ -265,6 +271,35 @@ def on_every_rank(flags):
     return [bool(v) if h else None for v, h in zip(value.tolist(), has.tolist())]
 
 
+_replicas = {}
+
+
+def replica_run(case):
+    """The single-process run every case of the same (vocabulary, layers, accumulation,
+    clipping) is measured against: per step its loss and pre-clip gradient norm, the
+    validation loss after STEPS steps and the final parameters. It depends on nothing
+    else (same seed, same global batches, no dropout), so each rank trains it once per
+    such key and every case with that key compares against the same numbers."""
+    key = (case.vocab, case.n_layer, case.accum, case.clip)
+    if key not in _replicas:
+        tcfg = TrainerConfig(lr=3e-3, weight_decay=0.1)
+        torch.manual_seed(1234)
+        ref = parallelize(GPT(gpt_config(case.vocab, case.n_layer)), OneRank(),
+                          ParallelConfig(dp="single"))
+        ref.configure_optimizer(tcfg)
+        max_norm = case.clip if case.clip > 0 else float("inf")
+        steps = []
+        for step in range(STEPS):
+            x, y = global_batch(step, case.vocab)
+            loss = ref.forward_backward(list(zip(x.chunk(case.accum), y.chunk(case.accum))))
+            steps.append((loss, ref.clip_grad_norm_(max_norm)))
+            ref.optimizer_step(tcfg.lr)
+        x, y = global_batch(STEPS, case.vocab)
+        params = {n: p.detach().clone() for n, p in ref.module.named_parameters()}
+        _replicas[key] = (steps, ref.eval_loss(x, y), params)
+    return _replicas[key]
+
+
 def check_case(case):
     grid = ProcessGrid({"dp_replicate": case.replicate, "dp": case.dp, "pp": case.pp,
                         "cp": case.cp, "tp": case.tp}, torch.device("cpu"))
@@ -274,9 +309,7 @@ def check_case(case):
     strategy = parallelize(model, grid, ParallelConfig(dp=case.dp_kind, tp=case.tp, pp=case.pp,
                                                           cp=case.cp, **case.parallel))
     strategy.configure_optimizer(tcfg)
-    torch.manual_seed(1234)
-    ref = parallelize(GPT(gpt_config(case.vocab, case.n_layer)), OneRank(), ParallelConfig(dp="single"))
-    ref.configure_optimizer(tcfg)
+    ref_steps, ref_val, ref_state = replica_run(case)
     strategy.comm_stats()  # drop start-up traffic (dp broadcasts)
     out = {"loss_rel_diff": 0.0, "norm_rel_diff": 0.0, "replicated_equal": [], "tied_equal": [],
            "comm": [], **asdict(case)}
@@ -292,9 +325,7 @@ def check_case(case):
         strategy.optimizer_step(tcfg.lr)
         out["comm"].append(strategy.comm_stats())
         strategy.step_stats()  # keeps the pipeline's per-step record from growing
-        ref_loss = ref.forward_backward(list(zip(x.chunk(case.accum), y.chunk(case.accum))))
-        ref_norm = ref.clip_grad_norm_(max_norm)
-        ref.optimizer_step(tcfg.lr)
+        ref_loss, ref_norm = ref_steps[step]
         out["loss_rel_diff"] = max(out["loss_rel_diff"], abs(loss - ref_loss) / abs(ref_loss))
         out["norm_rel_diff"] = max(out["norm_rel_diff"], abs(norm - ref_norm) / abs(ref_norm))
         out["replicated_equal"].append(replicated_equal(strategy, grid))
@@ -306,14 +337,13 @@ def check_case(case):
     # asks it: this rank's data-parallel share in, the global batch's mean out)
     x, y = global_batch(STEPS, case.vocab)
     mine = slice(grid.data_rank * per_rank, (grid.data_rank + 1) * per_rank)
-    val, ref_val = strategy.eval_loss(x[mine], y[mine]), ref.eval_loss(x, y)
+    val = strategy.eval_loss(x[mine], y[mine])
     out["eval_rel_diff"] = abs(val - ref_val) / abs(ref_val)
     state = strategy.state_dict()
     if grid.is_main:
-        ref_state = dict(ref.module.named_parameters())
         out["shapes_canonical"] = sorted(state) == sorted(ref_state) and all(
             tuple(state[n].shape) == tuple(p.shape) for n, p in ref_state.items())
-        out["param_max_abs_diff"] = max((state[n] - p.detach()).abs().max().item()
+        out["param_max_abs_diff"] = max((state[n] - p).abs().max().item()
                                         for n, p in ref_state.items())
     return out
 
@@ -443,6 +473,17 @@ def compute():
             result["random"][f"sp={sp}"] = check_random_streams(sp)
         result["random"]["pp"] = check_pipeline_streams()
         result["random"]["cp"] = check_cp_streams()
+    if not only:  # other workers' checks for this rank count, sharing this launch (each
+        # torchrun launch costs its interpreters' start-up, more than these checks)
+        if world in (2, 4):  # tests/test_planner.py's measurements
+            import planner_worker
+            result["planner"] = planner_worker.compute()
+        if world == 2:  # tests/test_ddp_own.py's 2-rank checks
+            import dp_worker
+            result["dp"] = dp_worker.compute()
+        if world == 4:  # tests/test_precision.py's recompute under tp2 x pp2
+            from precision_worker import RECOMPUTE4, check_recompute
+            result["recompute4"] = check_recompute(RECOMPUTE4)
     return result
 
 

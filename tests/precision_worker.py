@@ -27,6 +27,7 @@ result cannot hang a rank.
   left rewound.
 
     ... tests/precision_worker.py recompute4   # --nproc_per_node=4: only RECOMPUTE4
+                                               # (the tests run it in layout_worker's 4-rank session)
     ... tests/precision_worker.py sp_bytes     # only sp_bytes (quick, by hand)
 """
 

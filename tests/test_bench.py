@@ -19,18 +19,28 @@ from harness import REPO, job_env, read_metrics, run_tree
 STEPS, WARMUP = 6, 2
 
 
-def test_bench_reports_the_jobs_numbers(tmp_path):
-    out, runs = tmp_path / "out", tmp_path / "runs"
-    cmd = [sys.executable, "-m", "bench.run", "--model", "tiny", "--variants", "single,torch_ddp",
-           "--rounds", "1", "--steps", str(STEPS), "--warmup", str(WARMUP),
-           "--out", str(out), "--runs-dir", str(runs)]
-    result = run_tree(cmd, 180, "bench.run", cwd=REPO, env=job_env())
-    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+VARIANTS = "single,torch_ddp,single_compiled,single_compiled_model"
 
-    doc = json.loads((out / "results.json").read_text())
-    md = (out / "results.md").read_text()
+
+@pytest.fixture(scope="module")
+def bench_run(tmp_path_factory):
+    """One bench.run for both tests below (each bench.run and each of its jobs starts
+    interpreters): `single` and torch_ddp, and per-block and whole-model compilation
+    beside them (backend aot_eager). Returns (out, runs, results.json, results.md)."""
+    tmp_path = tmp_path_factory.mktemp("bench")
+    out, runs = tmp_path / "out", tmp_path / "runs"
+    cmd = [sys.executable, "-m", "bench.run", "--model", "tiny", "--variants", VARIANTS,
+           "--set", "trainer.compile_backend=aot_eager", "--rounds", "1", "--steps", str(STEPS),
+           "--warmup", str(WARMUP), "--out", str(out), "--runs-dir", str(runs)]
+    result = run_tree(cmd, 300, "bench.run", cwd=REPO, env=job_env())
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    return out, runs, json.loads((out / "results.json").read_text()), (out / "results.md").read_text()
+
+
+def test_bench_reports_the_jobs_numbers(bench_run):
+    out, runs, doc, md = bench_run
     assert (out / "step_time.png").stat().st_size > 0
-    assert "python -m bench.run --model tiny --variants single,torch_ddp" in md
+    assert f"python -m bench.run --model tiny --variants {VARIANTS}" in md
     # by default the embedded corpus, the same on every machine: no data.path of this one
     assert not [o for o in doc["settings"]["overrides"] if o.startswith("data.path")]
 
@@ -52,19 +62,11 @@ def test_bench_reports_the_jobs_numbers(tmp_path):
     assert doc["variants"]["torch_ddp"]["loss_rel_diff_vs_single"] <= 1e-5
 
 
-def test_bench_reports_compilation_against_eager(tmp_path):
+def test_bench_reports_compilation_against_eager(bench_run):
     """Per-block and whole-model compilation beside eager on the tiny model (aot_eager):
     the compilation table carries step 1's compile time as the job logged it, the loss
     against eager, and per-block against whole-model compilation."""
-    out, runs = tmp_path / "out", tmp_path / "runs"
-    cmd = [sys.executable, "-m", "bench.run", "--model", "tiny",
-           "--variants", "single,single_compiled,single_compiled_model",
-           "--set", "trainer.compile_backend=aot_eager", "--rounds", "1", "--steps", str(STEPS),
-           "--warmup", str(WARMUP), "--out", str(out), "--runs-dir", str(runs)]
-    result = run_tree(cmd, 240, "bench.run", cwd=REPO, env=job_env())
-    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
-    doc = json.loads((out / "results.json").read_text())
-    md = (out / "results.md").read_text()
+    out, runs, doc, md = bench_run
     for name in ("single_compiled", "single_compiled_model"):
         first = read_metrics(str(runs / f"r1-{name}"))[0]
         got = doc["variants"][name]["compile"]
@@ -72,6 +74,7 @@ def test_bench_reports_compilation_against_eager(tmp_path):
         assert got["loss_rel_diff_vs_reference"] <= 1e-4, got
         assert f"| {name} | " in md.split("## Compilation")[1]
     assert "compile" not in doc["variants"]["single"]
+    assert "compile" not in doc["variants"]["torch_ddp"]
     assert doc["variants"]["single_compiled"]["compile"]["vs_whole_model"]["median"] > 0
     assert "per block (`single_compiled`) against the whole model" in md
 

@@ -116,7 +116,11 @@ def test_losses_match_single_and_traffic_is_counted(single_losses, tmp_path,
 
 
 def dp_result(world):
-    """tests/dp_worker.py's RESULT on `world` ranks, once per test session."""
+    """tests/dp_worker.py's RESULT on `world` ranks, once per test session (on 2 ranks
+    tests/layout_worker.py's session runs it, sharing that launch)."""
+    if world == 2:
+        from harness import layout_worker_result
+        return layout_worker_result(2)["dp"]
     return worker_result("dp_worker.py", world, 240)
 
 

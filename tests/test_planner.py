@@ -30,7 +30,11 @@ from planner.traffic import comm_bytes
 
 
 def planner_result(world):
-    """tests/planner_worker.py's RESULT on `world` ranks, once per session."""
+    """tests/planner_worker.py's RESULT on `world` ranks, once per session (2 and 4:
+    tests/layout_worker.py's session runs it, sharing that launch)."""
+    if world in (2, 4):
+        from harness import layout_worker_result
+        return layout_worker_result(world)["planner"]
     return worker_result("planner_worker.py", world, 300)
 
 
