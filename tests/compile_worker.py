@@ -3,8 +3,9 @@
     python -m torch.distributed.run --standalone --nproc_per_node=2 tests/compile_worker.py
 
 For each layout of LAYOUTS every rank (a one-process layout: one rank, and the
-others gather its result) builds the strategy by hand twice, eager and compiled (backend aot_eager: dynamo's capture and AOT autograd, as inductor gets
-them, without inductor's minutes of code generation on this CPU), and trains both
+others gather its result) builds the strategy by hand twice, eager and compiled
+(backend aot_eager: dynamo's capture and AOT autograd, as inductor gets them, without
+inductor's minutes of code generation on this CPU), and trains both
 STEPS steps on the same fixed global batches, evaluating at EVAL_AT:
 - per-step losses and pre-clip gradient norms, compiled against eager;
 - every step's collectives by kind and bytes (fsdp's gathers, TP's f/g, the

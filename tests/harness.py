@@ -27,7 +27,6 @@ MAIN = os.path.join(REPO, "main.py")
 if REPO not in sys.path:  # a worker started as a script has only tests/ on its path
     sys.path.insert(1, REPO)
 from launch import process_tree  # noqa: E402
-from launch.process_tree import alive as _alive, workers_of  # noqa: E402,F401 (tests import them here)
 
 # batch 12 divides by dp 1, 2, 3, 4 and 6; a 2-layer model keeps every job short
 TINY = ["model.n_layer=2", "model.n_head=2", "model.n_embd=32", "data.block_size=16",

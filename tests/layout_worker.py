@@ -48,6 +48,7 @@ from trainer import TrainerConfig  # noqa: E402
 # 3 steps: the first creates AdamW's state, the next two update it (and reuse every
 # bucket, shard and pipeline buffer), accumulation and clipping in each
 N_HEAD, N_EMBD, BLOCK, BATCH, STEPS = 4, 32, 16, 16, 3
+TRAINER = TrainerConfig(lr=3e-3, weight_decay=0.1)  # every case's, and its replica's
 
 
 @dataclass(frozen=True)
@@ -67,6 +68,10 @@ class Case:
     @property
     def replicate(self):
         return self.parallel.get("dp_replicate", 1)
+
+    @property
+    def max_norm(self):
+        return self.clip if self.clip > 0 else float("inf")
 
     @property
     def hybrid(self):
@@ -282,18 +287,16 @@ def replica_run(case):
     such key and every case with that key compares against the same numbers."""
     key = (case.vocab, case.n_layer, case.accum, case.clip)
     if key not in _replicas:
-        tcfg = TrainerConfig(lr=3e-3, weight_decay=0.1)
         torch.manual_seed(1234)
         ref = parallelize(GPT(gpt_config(case.vocab, case.n_layer)), OneRank(),
                           ParallelConfig(dp="single"))
-        ref.configure_optimizer(tcfg)
-        max_norm = case.clip if case.clip > 0 else float("inf")
+        ref.configure_optimizer(TRAINER)
         steps = []
         for step in range(STEPS):
             x, y = global_batch(step, case.vocab)
             loss = ref.forward_backward(list(zip(x.chunk(case.accum), y.chunk(case.accum))))
-            steps.append((loss, ref.clip_grad_norm_(max_norm)))
-            ref.optimizer_step(tcfg.lr)
+            steps.append((loss, ref.clip_grad_norm_(case.max_norm)))
+            ref.optimizer_step(TRAINER.lr)
         x, y = global_batch(STEPS, case.vocab)
         params = {n: p.detach().clone() for n, p in ref.module.named_parameters()}
         _replicas[key] = (steps, ref.eval_loss(x, y), params)
@@ -303,17 +306,15 @@ def replica_run(case):
 def check_case(case):
     grid = ProcessGrid({"dp_replicate": case.replicate, "dp": case.dp, "pp": case.pp,
                         "cp": case.cp, "tp": case.tp}, torch.device("cpu"))
-    tcfg = TrainerConfig(lr=3e-3, weight_decay=0.1)
     torch.manual_seed(1234)
     model = GPT(gpt_config(case.vocab, case.n_layer))
     strategy = parallelize(model, grid, ParallelConfig(dp=case.dp_kind, tp=case.tp, pp=case.pp,
                                                           cp=case.cp, **case.parallel))
-    strategy.configure_optimizer(tcfg)
+    strategy.configure_optimizer(TRAINER)
     ref_steps, ref_val, ref_state = replica_run(case)
     strategy.comm_stats()  # drop start-up traffic (dp broadcasts)
     out = {"loss_rel_diff": 0.0, "norm_rel_diff": 0.0, "replicated_equal": [], "tied_equal": [],
            "comm": [], **asdict(case)}
-    max_norm = case.clip if case.clip > 0 else float("inf")
     per_rank = BATCH // grid.data_size  # dp_replicate x dp ranks read other rows
     for step in range(STEPS):
         x, y = global_batch(step, case.vocab)
@@ -321,8 +322,8 @@ def check_case(case):
         micro = list(zip(x[mine].chunk(case.accum), y[mine].chunk(case.accum)))
         strategy.reseed(step * 1009)
         loss = strategy.forward_backward(micro)
-        norm = strategy.clip_grad_norm_(max_norm)
-        strategy.optimizer_step(tcfg.lr)
+        norm = strategy.clip_grad_norm_(case.max_norm)
+        strategy.optimizer_step(TRAINER.lr)
         out["comm"].append(strategy.comm_stats())
         strategy.step_stats()  # keeps the pipeline's per-step record from growing
         ref_loss, ref_norm = ref_steps[step]

@@ -21,7 +21,8 @@ import uuid
 
 import pytest
 
-from harness import assert_parity, read_metrics, run_job, run_metrics, snapshot_model, worker_result
+from harness import (assert_parity, layout_worker_result, read_metrics, run_job, run_metrics,
+                     snapshot_model, worker_result)
 
 from config import load_config
 from errors import UserError
@@ -119,7 +120,6 @@ def dp_result(world):
     """tests/dp_worker.py's RESULT on `world` ranks, once per test session (on 2 ranks
     tests/layout_worker.py's session runs it, sharing that launch)."""
     if world == 2:
-        from harness import layout_worker_result
         return layout_worker_result(2)["dp"]
     return worker_result("dp_worker.py", world, 240)
 

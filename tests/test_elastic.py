@@ -10,7 +10,8 @@ import signal
 import subprocess
 import time
 
-from harness import TINY, command, job_env, kill_tree, read_metrics, run_metrics, workers_of
+from harness import TINY, command, job_env, kill_tree, read_metrics, run_metrics
+from launch.process_tree import workers_of
 
 ARGS = ["parallel.dp=torch_ddp", "trainer.max_steps=30", "trainer.save_every=5",
         "model.n_embd=64", "data.block_size=32", "model.dropout=0.1"]

@@ -152,7 +152,7 @@ def test_a_hung_worker_is_killed_with_its_job_and_the_row_reruns_with_debug_outp
     of its own, and `timeout -k` (the old way) killed torchrun and left the worker
     holding its GPU. The row is then run once more with NCCL_DEBUG=WARN and
     TORCH_DISTRIBUTED_DEBUG=DETAIL (it hangs again, and is killed again), its logs kept."""
-    from harness import _alive
+    from launch.process_tree import alive
     script = os.path.join(REPO, "scripts", "gpu_smoke.sh")
     hook, marks, timer = tmp_path / "hook", tmp_path / "hung", tmp_path / "timer"
     hang_hook(hook)
@@ -166,7 +166,7 @@ def test_a_hung_worker_is_killed_with_its_job_and_the_row_reruns_with_debug_outp
     result = run_tree(["bash", script, "--cpu"], 3 * deadline + 60, "gpu_smoke.sh --cpu",
                       cwd=tmp_path, env=env)
     hung = {int(p.name.split("-")[1]): p.read_text() for p in marks.iterdir()}
-    alive = [pid for pid in hung if _alive(pid)]
+    alive = [pid for pid in hung if alive(pid)]
     for pid in alive:  # ours: left behind by the script, cleaned up here
         os.kill(pid, 9)
     out = result.stdout

@@ -21,7 +21,7 @@ import sys
 
 import pytest
 
-from harness import REPO, job_env, run_tree, worker_result
+from harness import REPO, job_env, layout_worker_result, run_tree, worker_result
 from planner_worker import BATCH, BLOCK, CASES, N_EMBD, N_HEAD
 from planner.memory import activation_bytes, host_state_bytes, state_bytes
 from planner.shapes import Layout, Workload
@@ -33,7 +33,6 @@ def planner_result(world):
     """tests/planner_worker.py's RESULT on `world` ranks, once per session (2 and 4:
     tests/layout_worker.py's session runs it, sharing that launch)."""
     if world in (2, 4):
-        from harness import layout_worker_result
         return layout_worker_result(world)["planner"]
     return worker_result("planner_worker.py", world, 300)
 

@@ -19,7 +19,7 @@ import json
 
 import pytest
 
-from harness import read_metrics, run_job, snapshot_model, worker_result
+from harness import layout_worker_result, read_metrics, run_job, snapshot_model, worker_result
 
 
 
@@ -108,8 +108,8 @@ def test_activation_checkpointing_recomputes_the_same_gradients(layout):
 def test_activation_checkpointing_under_tp_x_pp_1f1b_leaves_the_tp_stream_where_it_was():
     """4 ranks, tp=2 x pp=2, 1F1B with 2 micro-batches, dropout 0.1: the last stage
     runs micro-batch 1's forward after micro-batch 0's recompute, so a recompute that
-    leaves the TP rank's own random stream rewound changes its attention masks."""
-    from harness import layout_worker_result  # its 4-rank session runs this check too
+    leaves the TP rank's own random stream rewound changes its attention masks
+    (layout_worker.py's 4-rank session measures it)."""
     r = layout_worker_result(4)["recompute4"]["tp2-pp2-1f1b-m2"]
     assert all(r["losses_equal"]), r
     assert r["grads_bitwise_equal_on_every_rank"], r

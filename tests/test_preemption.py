@@ -21,7 +21,8 @@ import pytest
 
 from harness import TINY, command, job_env, kill_tree, read_metrics, run_job, run_metrics
 from checkpoint.snapshot_reader import open_snapshot
-from test_elastic import rank_of, workers_of
+from launch.process_tree import workers_of
+from test_elastic import rank_of
 
 ARGS = ["trainer.max_steps=30", "trainer.save_every=8", "model.n_embd=64",
         "data.block_size=32", "model.dropout=0.1"]  # dropout: the random stream resumes too
