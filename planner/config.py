@@ -23,6 +23,7 @@ class PlanConfig:
     tp_comm_overlap: bool = False  # TP's gathers / scatters pipelined with their GEMMs (Megatron-Core's --tp-comm-overlap); ours are not
     param_gather_overlap: bool = False  # ZeRO-1/2's parameter all-gather behind the next step's first forward (Megatron's --overlap-param-gather); ours runs after the step
     param_gather_bytes: int = 4  # bytes an element of that all-gather moves: 4 = ours (fp32 parameters), 2 = Megatron's distributed optimizer (its bf16 copy)
+    kernel_slowdown: float = 1.0  # the step's kernels take this many times the efficiency model's (1 = fused kernels: llm.c, Megatron); a PyTorch GPT-2 step (nanoGPT) is 1.46 x llm.c's
     search: bool = True         # false: evaluate only the layout of the parallel.* / trainer.* keys given
     vocab_size: int = 0         # vocabulary planned for; 0 = the tokenizer's (gpt2: 50257; char: data.path's)
     top: int = 10               # rows of the printed table

@@ -7,6 +7,8 @@ kernels a fused GPT step launches:
   of the same size each) at `MATMUL_EFF` of the peak, plus `RAMP_US` each: a small
   product does not fill the GPU (tail waves, prologue), so its efficiency falls with
   its size; a product bound by memory (small inner size) takes its bytes at HBM speed;
+  a product with a dimension whose rows are not a multiple of `GEMM_ALIGN_BYTES` (an
+  unpadded vocabulary: GPT-2's 50,257) `UNALIGNED_SLOWDOWN` times slower;
 - attention as one fused (flash) kernel forward and one backward: causal, so half the
   score FLOPs, at `ATTN_EFF` of the peak (backward 2.5 x the forward's FLOPs); or, with
   `plan.flash_attention=false` (Megatron-LM before FlashAttention, for replaying its
@@ -48,6 +50,14 @@ HBM_EFF = 0.8       # share of the memory bandwidth element-wise kernels reach
 LINK_EFF = 0.8      # share of NVLink's (or PCIe's) bandwidth a collective's bus bandwidth reaches
 NET_EFF = 0.9       # the same across nodes: NCCL over InfiniBand with GPUDirect RDMA, per NIC
 RAMP_US = 4.0       # a matrix product's fixed cost: fill and tail of its waves
+# Unaligned products. NVIDIA's Matrix Multiplication Background guide: tensor cores take
+# any shape, "but efficiency is better when matrix dimensions are multiples of 16 bytes"
+# (it plots the penalty, states no figure). PyTorch's blog "Accelerating Large Language
+# Models with Accelerated Transformers" (2023-04-18) measured it on nanoGPT's LM head on
+# A100s: padding GPT-2's vocabulary, 50,257, to 50,304 "achieves nearly a 3x speedup" of
+# those products ("unaligned memory accesses significantly reduce efficiency").
+GEMM_ALIGN_BYTES = 16
+UNALIGNED_SLOWDOWN = 3.0
 LAUNCH_US = 5.0     # the least a kernel costs: its launch (PyTorch eager dispatch and launch)
 
 # kernels per block and pass: forward (4 products, attention, 8 element-wise), backward
@@ -66,11 +76,14 @@ def elementwise_bytes(w: Workload):
 
 def matmul_seconds(m, n, k, w, machine, passes=1):
     """One (m x k) @ (k x n) product, `passes` times: at MATMUL_EFF of the peak plus its
-    ramp, or its bytes at HBM speed if that is longer; never under one launch."""
+    ramp (UNALIGNED_SLOWDOWN x with a dimension off GEMM_ALIGN_BYTES), or its bytes at HBM
+    speed if that is longer; never under one launch."""
     peak = machine.peak[w.precision]
     a = act_bytes(w)
     flops = 2 * m * n * k
     compute = flops / (peak * MATMUL_EFF) + RAMP_US * 1e-6
+    if any(d * a % GEMM_ALIGN_BYTES for d in (m, n, k)):
+        compute *= UNALIGNED_SLOWDOWN
     memory = a * (m * k + k * n + m * n) / (machine.hbm_gbps * 1e9 * HBM_EFF)
     return passes * max(compute, memory, LAUNCH_US * 1e-6)
 

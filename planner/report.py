@@ -45,6 +45,9 @@ def check(cfg, gpu):
     if cfg.trainer.precision not in gpu.peak:
         raise UserError(f"plan.gpu={gpu.name} has no {cfg.trainer.precision} peak (it has "
                         f"{', '.join(gpu.peak)}): set trainer.precision or plan.peak_*_tflops")
+    if p.kernel_slowdown <= 0:
+        raise UserError(f"plan.kernel_slowdown={p.kernel_slowdown} must be > 0: how many times the "
+                        "efficiency model's kernel time this stack's kernels take (1 = fused kernels)")
     if p.param_gather_bytes not in (2, 4):
         raise UserError(f"plan.param_gather_bytes={p.param_gather_bytes} must be 4 (fp32 parameters "
                         "gathered, as this product does) or 2 (a bf16 copy, as Megatron's distributed "

@@ -138,6 +138,8 @@ def step_time(w: Workload, L: Layout, fig: dict, machine, pcfg) -> dict:
       all-gather waited for by the next step's first forward, so it costs only what
       outlasts one pass's forward; `plan.param_gather_bytes=2`, that gather moving a
       bf16 copy (Megatron's distributed optimizer) instead of our fp32 parameters;
+    - `plan.kernel_slowdown`: every kernel of the step that many times slower than the
+      efficiency model's fused ones (a stack that fuses less: nanoGPT's PyTorch step);
     - parallel.offload: the host's AdamW and the PCIe copies (host_seconds).
 
     "mfu" (not a part): the model's FLOPs (no recomputation) over step_ms x world x peak.
@@ -148,7 +150,8 @@ def step_time(w: Workload, L: Layout, fig: dict, machine, pcfg) -> dict:
         compute = model_flops(w) / world * (4 / 3 if L.ckpt else 1) / (peak * pcfg.mfu)
         backward = compute * 2 / 3 / (L.grad_accum * L.M)
     else:
-        kinds = slowest_stage(w, L, fig, machine, pcfg.flash_attention)
+        kinds = {kind: seconds * pcfg.kernel_slowdown for kind, seconds in
+                 slowest_stage(w, L, fig, machine, pcfg.flash_attention).items()}
         compute = sum(kinds.values())
         backward = (compute - kinds["optimizer"]) * (2 / 3) / (L.grad_accum * L.M)
     matmul = compute if pcfg.mfu else kinds["matmul"]

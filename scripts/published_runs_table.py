@@ -35,6 +35,8 @@ def layout_words(row):
         words.append(f"ZeRO-{keys['parallel.zero_stage']}")
     if keys.get("plan.tp_comm_overlap") or keys.get("plan.param_gather_overlap"):
         words.append("overlapped")  # the source system's overlaps (plan.* keys)
+    if keys.get("plan.kernel_slowdown", 1) != 1:
+        words.append(f"kernels x{keys['plan.kernel_slowdown']}")  # a slower stack (plan.kernel_slowdown)
     return " ".join(words)
 
 

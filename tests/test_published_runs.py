@@ -51,3 +51,38 @@ def test_every_published_run_is_predicted_within_25_percent():
     assert checked >= 12, checked
     assert not misses, "outside 25% of the published figure: " + ", ".join(misses)
     assert not stale, "python -m scripts.published_runs_table: " + "; ".join(stale)
+
+
+def test_a_product_off_16_bytes_is_unaligned_slowdown_times_slower():
+    """efficiency.matmul_seconds: GPT-2's vocabulary unpadded (50,257: rows of an odd
+    number of bf16 elements) makes each LM-head product UNALIGNED_SLOWDOWN (3) x slower
+    than padded to 50,304 (per FLOP: the 47 more columns cost their share); a 16-byte
+    multiple in fp32 (4 elements) is aligned."""
+    from planner.efficiency import UNALIGNED_SLOWDOWN, matmul_seconds
+    from planner.machines import PRESETS
+    from planner.shapes import Workload
+    a100 = PRESETS["A100-80GB"]
+    bf16 = Workload(12, 12, 768, 50257, 1024, 96, "bf16")
+    unpadded, padded = (matmul_seconds(12 * 1024, v, 768, bf16, a100) for v in (50257, 50304))
+    assert UNALIGNED_SLOWDOWN == 3.0
+    assert abs(unpadded / padded / (3.0 * 50257 / 50304) - 1) < 1e-3, unpadded / padded
+    fp32 = Workload(12, 12, 768, 50260, 1024, 96, "fp32")
+    assert matmul_seconds(12 * 1024, 50260, 768, fp32, a100) < 1.001 * 50260 / 50304 * \
+        matmul_seconds(12 * 1024, 50304, 768, fp32, a100)
+
+
+def test_kernel_slowdown_scales_the_compute_and_nothing_else():
+    """plan.kernel_slowdown (the nanoGPT rows' 1.46): every kind of the step's compute that
+    many times the model's; the communication parts unchanged; not > 0 is a UserError."""
+    import pytest
+    from errors import UserError
+    row = next(r for r in RUNS if r["name"] == "llm.c GPT-2 124M")
+    slow = dict(row, layout=dict(row["layout"], **{"plan.kernel_slowdown": 1.46}))
+    base, scaled = replay(row)["time"], replay(slow)["time"]
+    assert abs(scaled["compute"] / base["compute"] - 1.46) < 1e-9, (base, scaled)
+    assert base["dp"] > 0  # ZeRO-1's exposed gather: communication is there, and unchanged
+    for part in ("dp", "tp", "pp", "cp", "host"):
+        assert scaled[part] == base[part], part
+    bad = dict(row, layout=dict(row["layout"], **{"plan.kernel_slowdown": 0}))
+    with pytest.raises(UserError, match="plan.kernel_slowdown=0"):
+        replay(bad)
