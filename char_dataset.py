@@ -23,6 +23,7 @@
   their runs with the data they started with.
 """
 
+import functools
 import random
 from dataclasses import dataclass
 
@@ -79,6 +80,7 @@ def open_data(cfg: DataConfig, saved_tokenizer=None, saved_by="the snapshot", co
 
 # ---------------------------------------------------------------- text
 
+@functools.lru_cache(maxsize=2)  # generated once per process: tests' job servers run many jobs
 def embedded_corpus(n_chars: int = 600_000, seed: int = 1234) -> str:
     """A play-like text generated from this project's own word lists."""
     rng = random.Random(seed)

@@ -10,6 +10,7 @@ and no rank is left waiting in a collective.
 
 import ast
 import dataclasses
+import functools
 import inspect
 import io
 import json
@@ -98,7 +99,7 @@ def load_config(overrides, world_size: int, yaml_path: str = DEFAULT_YAML) -> Co
             raise UserError(f"command-line argument {o!r} is not key=value "
                             "(e.g. trainer.max_steps=100)")
     try:
-        schema = OmegaConf.structured(Config)
+        schema = _schema()
         cfg = OmegaConf.merge(schema, OmegaConf.load(yaml_path), _parse_overrides(schema, rest))
         cfg = OmegaConf.to_object(cfg)
         cfg.config = given  # as the user named it: hints quote it back
@@ -110,6 +111,13 @@ def load_config(overrides, world_size: int, yaml_path: str = DEFAULT_YAML) -> Co
         raise UserError(f"cannot read config file {yaml_path}: {_first_line(e)}") from None
     validate(cfg, world_size)
     return cfg
+
+
+@functools.lru_cache(maxsize=1)
+def _schema():
+    """The typed schema, built once per process (OmegaConf.merge copies it, never changes
+    it): building it is most of a config load, which every job of a job server repeats."""
+    return OmegaConf.structured(Config)
 
 
 def _parse_overrides(schema, overrides):

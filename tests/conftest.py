@@ -20,7 +20,24 @@ def one_rank_grid():
     dist.destroy_process_group()
 
 
+def pytest_collection_finish(session):
+    """The worker sessions the collected tests' modules declare (`pytestmark =
+    pytest.mark.worker_sessions(...)`) start ahead of them on idle CPU (tests/prefetch.py),
+    in the order the tests come."""
+    from harness import prefetch_worker_sessions
+    if session.config.option.collectonly:
+        return
+    specs = []
+    for item in session.items:
+        for mark in item.iter_markers("worker_sessions"):
+            specs += [s for s in mark.args if s not in specs]
+    prefetch_worker_sessions(specs)
+
+
 def pytest_sessionfinish(session, exitstatus):
-    """The job servers (harness.run_job's long-lived torchrun launches) end with the session."""
+    """The job servers (harness.run_job's long-lived torchrun launches) and the worker
+    sessions still running ahead end with the session."""
+    import prefetch
     from harness import stop_job_servers
+    prefetch.stop()
     stop_job_servers()

@@ -212,7 +212,10 @@ def report_and_exit(main):
 def serve(compute, timeout_s=60):
     """A torchrun test worker's whole life: gloo with one thread per rank, `compute()` on
     every rank, and its (JSON-able) result printed once, by rank 0, as the `RESULT {...}`
-    line the tests read; then report_and_exit's exit status."""
+    line the tests read; then report_and_exit's exit status. TEST_WORKER_TIMEOUT_S, when
+    set, replaces timeout_s (a session run ahead on idle CPU: prefetch.py)."""
+    timeout_s = float(os.environ.get("TEST_WORKER_TIMEOUT_S", timeout_s))
+
     def main():
         torch.set_num_threads(1)
         dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=timeout_s))

@@ -27,6 +27,7 @@ MAIN = os.path.join(REPO, "main.py")
 if REPO not in sys.path:  # a worker started as a script has only tests/ on its path
     sys.path.insert(1, REPO)
 from launch import process_tree  # noqa: E402
+import prefetch  # noqa: E402  (tests/: beside this file)
 
 # batch 12 divides by dp 1, 2, 3, 4 and 6; a 2-layer model keeps every job short
 TINY = ["model.n_layer=2", "model.n_head=2", "model.n_embd=32", "data.block_size=16",
@@ -318,24 +319,58 @@ _worker_results = {}
 def worker_result(script, world, timeout, *args):
     """The RESULT dict a torchrun test worker (tests/<script>, built on dp_worker.serve)
     prints, on `world` ranks with `args`: run once per test session and shared by every
-    test that asks; a failure or a hang (its whole process tree killed) fails the test
-    with the worker's output."""
-    key = (script, world, args)
+    test that asks (run ahead on idle CPU when a test module declares it: prefetch.py);
+    a failure or a hang (its whole process tree killed) fails every test that asks, with
+    the worker's output."""
+    key = prefetch.key((script, world, timeout, *args))
     if key not in _worker_results:
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
-               f"--nproc_per_node={world}", os.path.join(REPO, "tests", script), *args]
-        out = run_tree(cmd, timeout, f"{script} on {world} ranks", env=job_env())
-        found = re.search(r"^RESULT (.*)$", out.stdout, re.M)
-        assert out.returncode == 0 and found, \
-            f"{script} failed on {world} ranks\n{out.stdout[-3000:]}\n{out.stderr[-5000:]}"
-        _worker_results[key] = json.loads(found.group(1))
-    return _worker_results[key]
+        ran_ahead, outcome = prefetch.claim(key)
+        _worker_results[key] = outcome if ran_ahead else _run_worker((script, world, timeout, *args))
+    result, failure = _worker_results[key]
+    assert failure is None, failure
+    return result
+
+
+def _run_worker(spec, background=False):
+    """(RESULT dict, None), or (None, why it failed) for spec (script, world, timeout,
+    *args); `background`: run ahead at idle priority (prefetch.py)."""
+    script, world, timeout, *args = spec
+    what = f"{script} on {world} ranks"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
+           f"--nproc_per_node={world}", os.path.join(REPO, "tests", script), *args]
+    env = prefetch.env_for_background(job_env()) if background else job_env()
+    timeout = timeout * prefetch.SLACK if background else timeout
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
+                            preexec_fn=prefetch.idle_priority if background else None)
+    if background:
+        prefetch.started(prefetch.key(spec), proc)
+    out, err, timed_out = prefetch.communicate(proc, timeout)
+    found = re.search(r"^RESULT (.*)$", out, re.M)
+    if not timed_out and proc.returncode == 0 and found:
+        return json.loads(found.group(1)), None
+    why = f"hung for {timeout}s" if timed_out else f"failed ({proc.returncode})"
+    return None, f"{what} {why}\n{out[-3000:]}\n{err[-5000:]}"
+
+
+def prefetch_worker_sessions(specs):
+    """Start the worker sessions `specs` ((script, world, timeout, *args), in the order
+    the tests will ask) ahead, on idle CPU (conftest.py, after collection)."""
+    prefetch.start(specs, _run_worker)
+
+
+def layout_session(world):
+    """tests/layout_worker.py on `world` ranks, as worker_result and the worker_sessions
+    mark name it."""
+    return ("layout_worker.py", world, 600)
+
+
+LAYOUT_SESSIONS = [layout_session(world) for world in (2, 4, 8)]  # layout_worker.CASES' worlds
 
 
 def layout_worker_result(world):
-    """tests/layout_worker.py's RESULT on `world` ranks (tests/test_tp.py, test_pp.py and
-    test_cp.py share it)."""
-    return worker_result("layout_worker.py", world, 600)
+    """tests/layout_worker.py's RESULT on `world` ranks (tests/test_tp.py, test_pp.py,
+    test_cp.py and others share it)."""
+    return worker_result(*layout_session(world))
 
 
 def save_then_resume(tmp_path, saved, resumed, common=()):

@@ -19,12 +19,15 @@ import pytest
 
 from harness import assert_parity, run_metrics, save_then_resume, worker_result
 
+COMPILE_SESSION = ("compile_worker.py", 2, 400)
+pytestmark = pytest.mark.worker_sessions(COMPILE_SESSION)  # prefetch.py
+
 RTOL = 1e-4  # compilation may reorder floating-point sums (inductor does; aot_eager rarely)
 COMPILED = ["trainer.compile=true", "trainer.compile_backend=aot_eager"]
 
 
 def worker():
-    return worker_result("compile_worker.py", 2, 400)
+    return worker_result(*COMPILE_SESSION)
 
 
 # distinct (shapes, grad mode) a compiled code object meets: training and evaluation

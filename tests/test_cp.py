@@ -17,11 +17,13 @@
 
 import pytest
 
-from harness import (assert_layout_matches, assert_parity, layout_worker_result, run_job,
-                     run_metrics, save_then_resume)
+from harness import (LAYOUT_SESSIONS, assert_layout_matches, assert_parity, layout_worker_result,
+                     run_job, run_metrics, save_then_resume)
 from layout_worker import CASES
 from parallel.context_parallel.ring_attention import blocks, zigzag_chunks, zigzag_positions
 from test_bad_input import assert_clean_failure
+
+pytestmark = pytest.mark.worker_sessions(*LAYOUT_SESSIONS)  # prefetch.py
 
 CP_CASES = [(world, case.name) for world in CASES for case in CASES[world]
             if case.cp > 1 and not case.hybrid]

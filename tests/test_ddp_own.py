@@ -21,8 +21,11 @@ import uuid
 
 import pytest
 
-from harness import (assert_parity, layout_worker_result, read_metrics, run_job, run_metrics,
-                     snapshot_model, worker_result)
+from harness import (assert_parity, layout_session, layout_worker_result, read_metrics, run_job,
+                     run_metrics, snapshot_model, worker_result)
+
+DP3_SESSION = ("dp_worker.py", 3, 240)  # world 2's checks run in layout_worker's 2-rank session
+pytestmark = pytest.mark.worker_sessions(layout_session(2), DP3_SESSION)  # prefetch.py
 
 from config import load_config
 from errors import UserError
@@ -121,7 +124,8 @@ def dp_result(world):
     tests/layout_worker.py's session runs it, sharing that launch)."""
     if world == 2:
         return layout_worker_result(2)["dp"]
-    return worker_result("dp_worker.py", world, 240)
+    assert world == 3, world
+    return worker_result(*DP3_SESSION)
 
 
 @pytest.mark.parametrize("world", [2, 3])

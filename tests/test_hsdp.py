@@ -22,10 +22,12 @@ what a rank holds (the meta device): each against the single process.
 
 import pytest
 
-from harness import assert_layout_matches, assert_parity, layout_worker_result, max_rel_diff, \
-    run_job, run_metrics
+from harness import assert_layout_matches, assert_parity, layout_session, layout_worker_result, \
+    max_rel_diff, run_job, run_metrics
 from test_bad_input import assert_clean_failure
 from layout_worker import CASES, gpt_config
+
+pytestmark = pytest.mark.worker_sessions(layout_session(2), layout_session(4))  # prefetch.py
 
 HYBRID = [(world, case.name) for world in CASES for case in CASES[world] if case.hybrid]
 

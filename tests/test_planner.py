@@ -21,11 +21,13 @@ import sys
 
 import pytest
 
-from harness import REPO, job_env, layout_worker_result, run_tree, worker_result
+from harness import REPO, job_env, layout_session, layout_worker_result, run_tree, worker_result
 from planner_worker import BATCH, BLOCK, CASES, N_EMBD, N_HEAD
 from planner.memory import activation_bytes, host_state_bytes, state_bytes
 from planner.shapes import Layout, Workload
 from planner.traffic import comm_bytes
+
+pytestmark = pytest.mark.worker_sessions(layout_session(2), layout_session(4))  # prefetch.py
 
 
 

@@ -24,12 +24,14 @@ from types import SimpleNamespace
 
 import pytest
 
-from harness import (assert_layout_matches, assert_parity, layout_worker_result, run_job,
-                     run_metrics, save_then_resume)
+from harness import (LAYOUT_SESSIONS, assert_layout_matches, assert_parity, layout_worker_result,
+                     run_job, run_metrics, save_then_resume)
 from layout_worker import BATCH, BLOCK, CASES, N_EMBD
 from parallel.pipeline_parallel import schedules as pp_schedules
 from parallel.pipeline_parallel import simulator as pp_simulator
 from trainer import TrainerConfig
+
+pytestmark = pytest.mark.worker_sessions(*LAYOUT_SESSIONS)  # prefetch.py
 
 # ---------------------------------------------------------------- schedules, in process
 

@@ -19,16 +19,16 @@ import json
 
 import pytest
 
-from harness import layout_worker_result, read_metrics, run_job, snapshot_model, worker_result
+from harness import layout_session, layout_worker_result, read_metrics, run_job, snapshot_model, \
+    worker_result
 
+PRECISION_SESSION = ("precision_worker.py", 2, 400)
+pytestmark = pytest.mark.worker_sessions(PRECISION_SESSION, layout_session(4))  # prefetch.py
 
-
-def run_worker(nproc, *args):
-    return worker_result("precision_worker.py", nproc, 400, *args)
 
 
 def worker():
-    return run_worker(2)
+    return worker_result(*PRECISION_SESSION)
 
 
 LAYOUTS = ["ddp_naive", "ddp_bucket-ring", "fsdp1", "fsdp2", "fsdp3", "tp2-sp", "pp2-1f1b-m2"]

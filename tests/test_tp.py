@@ -23,10 +23,12 @@ import shutil
 
 import pytest
 
-from harness import (REPO, assert_layout_matches, assert_parity, layout_worker_result,
+from harness import (LAYOUT_SESSIONS, REPO, assert_layout_matches, assert_parity, layout_worker_result,
                      max_rel_diff, read_metrics, run_job, run_metrics, save_then_resume)
 from layout_worker import BATCH, BLOCK, CASES, N_EMBD
 from checkpoint.snapshot_reader import open_snapshot
+
+pytestmark = pytest.mark.worker_sessions(*LAYOUT_SESSIONS)  # prefetch.py
 
 
 # ---------------------------------------------------------------- torchrun workers

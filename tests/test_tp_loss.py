@@ -12,10 +12,13 @@ import pytest
 
 from harness import worker_result
 
+TP_LOSS_SESSION = ("tp_loss_worker.py", 2, 180)
+pytestmark = pytest.mark.worker_sessions(TP_LOSS_SESSION)  # prefetch.py
+
 
 @pytest.fixture(scope="module")
 def result():
-    return worker_result("tp_loss_worker.py", 2, 180)
+    return worker_result(*TP_LOSS_SESSION)
 
 
 @pytest.mark.parametrize("scale", ["1.0", "100.0"])
