@@ -190,5 +190,5 @@ def test_cp_snapshot_samples_like_a_single_process_snapshot(tmp_path):
 
 
 def test_block_size_the_zigzag_cannot_cut_is_refused_on_every_rank(tmp_path):
-    result = run_job(tmp_path, 2, LAYOUTS["cp2"][1] + ["data.block_size=18"], fresh=True)
+    result = run_job(tmp_path, 2, LAYOUTS["cp2"][1] + ["data.block_size=18"])
     assert_clean_failure(result, "is not divisible by 2 x parallel.cp = 4")

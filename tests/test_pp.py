@@ -420,8 +420,8 @@ def test_bad_pipeline_layout_is_one_clear_error(nproc, overrides, needle):
 
 
 def test_bad_pipeline_layout_stops_every_rank_with_one_line(tmp_path):
-    """...and under torchrun that is one line on every rank and a non-zero exit (a
-    strategy's refusal: parallel/layout.py asks fsdp)."""
+    """...and in a job that is one line on every rank and status 2 (a strategy's refusal:
+    parallel/layout.py asks fsdp; served, as test_tp's)."""
     from test_bad_input import assert_clean_failure
     nproc, overrides, needle = BAD_PP[1]
-    assert_clean_failure(run_job(tmp_path, nproc, overrides, timeout=120, fresh=True), needle)
+    assert_clean_failure(run_job(tmp_path, nproc, overrides, timeout=120), needle)

@@ -160,10 +160,11 @@ def test_bad_tp_layout_is_one_clear_error(nproc, overrides, needle):
 
 
 def test_bad_tp_layout_stops_every_rank_with_one_line(tmp_path):
-    """...and under torchrun that is one line on every rank and a non-zero exit."""
+    """...and in a job that is one line on every rank and status 2 (served: the exit through
+    torchrun of a refusal before the process group is test_bad_input's fresh bad config)."""
     from test_bad_input import assert_clean_failure
     nproc, overrides, needle = BAD_TP[0]
-    assert_clean_failure(run_job(tmp_path, nproc, overrides, timeout=120, fresh=True), needle)
+    assert_clean_failure(run_job(tmp_path, nproc, overrides, timeout=120), needle)
 
 
 CONSTANT = ["trainer.warmup_steps=0", "trainer.lr=0.003", "trainer.min_lr=0.003",
