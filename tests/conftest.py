@@ -25,7 +25,9 @@ def pytest_collection_finish(session):
     pytest.mark.worker_sessions(...)`) start ahead of them on idle CPU (tests/prefetch.py),
     in the order the tests come."""
     from harness import prefetch_worker_sessions
-    if session.config.option.collectonly:
+    # opt-in (TEST_PREFETCH=1): its thread in this process can deadlock a fork made here
+    # (data/prepare.py's worker pool, tests/test_prepare.py) until it runs without one
+    if session.config.option.collectonly or os.environ.get("TEST_PREFETCH") != "1":
         return
     specs = []
     for item in session.items:
