@@ -54,12 +54,15 @@ def command(nproc, overrides, launcher_args=()):
     return launcher + list(overrides)
 
 
-def run_tree(cmd, timeout, what, **popen_kw):
+def run_tree(cmd, timeout, what, started=None, **popen_kw):
     """Run `cmd` to completion, output captured; returns the CompletedProcess (never
     raises on exit code). On timeout its whole process tree is killed (torchrun's
-    workers outlive a killed launcher) and the test fails with the output so far."""
+    workers outlive a killed launcher) and the test fails with the output so far.
+    `started(proc)`, if given, is told the launcher as soon as it runs."""
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                             **popen_kw)
+    if started is not None:
+        started(proc)
     try:
         out, err = proc.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
@@ -338,18 +341,17 @@ def _run_worker(spec, background=False):
     what = f"{script} on {world} ranks"
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
            f"--nproc_per_node={world}", os.path.join(REPO, "tests", script), *args]
-    env = prefetch.env_for_background(job_env()) if background else job_env()
-    timeout = timeout * prefetch.SLACK if background else timeout
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
-                            preexec_fn=prefetch.idle_priority if background else None)
-    if background:
-        prefetch.started(prefetch.key(spec), proc)
-    out, err, timed_out = prefetch.communicate(proc, timeout)
-    found = re.search(r"^RESULT (.*)$", out, re.M)
-    if not timed_out and proc.returncode == 0 and found:
+    ahead = dict(env=prefetch.env_for_background(job_env()), preexec_fn=prefetch.idle_priority,
+                 started=lambda proc: prefetch.started(prefetch.key(spec), proc))
+    try:
+        out = run_tree(cmd, timeout * prefetch.SLACK if background else timeout, what,
+                       **(ahead if background else dict(env=job_env())))
+    except AssertionError as hung:  # run_tree killed the tree
+        return None, str(hung)
+    found = re.search(r"^RESULT (.*)$", out.stdout, re.M)
+    if out.returncode == 0 and found:
         return json.loads(found.group(1)), None
-    why = f"hung for {timeout}s" if timed_out else f"failed ({proc.returncode})"
-    return None, f"{what} {why}\n{out[-3000:]}\n{err[-5000:]}"
+    return None, f"{what} failed ({out.returncode})\n{out.stdout[-3000:]}\n{out.stderr[-5000:]}"
 
 
 def prefetch_worker_sessions(specs):

@@ -19,7 +19,6 @@ a hang still fails the test that reads the session.
 """
 
 import os
-import subprocess
 import threading
 
 from launch import process_tree
@@ -84,10 +83,6 @@ def claim(wanted):
             _lock.wait()
         if wanted in _done:
             return True, _done.pop(wanted)
-        while key in _running:
-            _lock.wait()
-        if key in _done:
-            return True, _done.pop(key)
     return False, None
 
 
@@ -125,14 +120,3 @@ def idle_priority():
 def env_for_background(env):
     return dict(env, TEST_WORKER_TIMEOUT_S=str(GLOO_TIMEOUT_S))
 
-
-def communicate(proc, timeout):
-    """proc.communicate(timeout); on timeout the whole tree is killed. Returns
-    (stdout, stderr, timed_out)."""
-    try:
-        out, err = proc.communicate(timeout=timeout)
-        return out, err, False
-    except subprocess.TimeoutExpired:
-        process_tree.kill_tree(proc.pid, 10)
-        out, err = proc.communicate()
-        return out, err, True

@@ -23,14 +23,13 @@ import pytest
 
 from harness import (assert_parity, layout_session, layout_worker_result, read_metrics, run_job,
                      run_metrics, snapshot_model, worker_result)
-
-DP3_SESSION = ("dp_worker.py", 3, 240)  # world 2's checks run in layout_worker's 2-rank session
-pytestmark = pytest.mark.worker_sessions(layout_session(2), DP3_SESSION)  # prefetch.py
-
 from config import load_config
 from errors import UserError
 from model import GPT, GPTConfig
 from parallel.data_parallel.bucket import plan_buckets
+
+DP3_SESSION = ("dp_worker.py", 3, 240)  # world 2's checks run in layout_worker's 2-rank session
+pytestmark = pytest.mark.worker_sessions(layout_session(2), DP3_SESSION)  # prefetch.py
 
 TINY_CAP = "parallel.bucket_cap_mb=0.001"  # ~262 floats: nearly one bucket per parameter
 

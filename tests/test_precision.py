@@ -26,7 +26,6 @@ PRECISION_SESSION = ("precision_worker.py", 2, 400)
 pytestmark = pytest.mark.worker_sessions(PRECISION_SESSION, layout_session(4))  # prefetch.py
 
 
-
 def worker():
     return worker_result(*PRECISION_SESSION)
 
