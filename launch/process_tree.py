@@ -35,18 +35,26 @@ def alive(pid):
         return False
 
 
-def kill_tree(launcher_pid, timeout=10):
+def kill_tree(launcher_pid, timeout=10, children=workers_of):
     """SIGKILL a launcher and every process below it, and wait up to `timeout` s until they
-    are gone. Returns (the processes below the launcher, those still alive after it)."""
+    are gone. Returns (the processes below the launcher, those still alive after it).
+    Each process is stopped before its children are listed, so none starts another
+    unseen. `children(pid)`: the processes below `pid` (the tests' fork server adds the
+    process it forked for a stand-in)."""
     try:
         os.kill(launcher_pid, signal.SIGSTOP)
     except ProcessLookupError:
         return [], []
     tree, todo = [launcher_pid], [launcher_pid]
     while todo:
-        children = workers_of(todo.pop())
-        tree += children
-        todo += children
+        found = [pid for pid in children(todo.pop()) if pid not in tree]
+        for pid in found:
+            try:
+                os.kill(pid, signal.SIGSTOP)
+            except ProcessLookupError:
+                pass
+        tree += found
+        todo += found
     for pid in tree:
         try:
             os.kill(pid, signal.SIGKILL)

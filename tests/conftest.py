@@ -37,9 +37,10 @@ def pytest_collection_finish(session):
 
 
 def pytest_sessionfinish(session, exitstatus):
-    """The job servers (harness.run_job's long-lived torchrun launches) and the worker
-    sessions still running ahead end with the session."""
+    """The job servers (harness.run_job's long-lived torchrun launches), the worker
+    sessions still running ahead and the fork server end with the session."""
     import prefetch
-    from harness import stop_job_servers
+    from harness import stop_fork_server, stop_job_servers
     prefetch.stop()
     stop_job_servers()
+    stop_fork_server()

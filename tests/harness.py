@@ -27,7 +27,8 @@ MAIN = os.path.join(REPO, "main.py")
 if REPO not in sys.path:  # a worker started as a script has only tests/ on its path
     sys.path.insert(1, REPO)
 from launch import process_tree  # noqa: E402
-import prefetch  # noqa: E402  (tests/: beside this file)
+import fork_server  # noqa: E402  (tests/: beside this file)
+import prefetch  # noqa: E402
 
 # batch 12 divides by dp 1, 2, 3, 4 and 6; a 2-layer model keeps every job short
 TINY = ["model.n_layer=2", "model.n_head=2", "model.n_embd=32", "data.block_size=16",
@@ -36,20 +37,76 @@ TINY = ["model.n_layer=2", "model.n_head=2", "model.n_embd=32", "data.block_size
         "sample.length=0", "wandb.mode=disabled", "parallel.timeout_s=60"]
 
 
-def job_env():
+def job_env(forked=True):
+    """The environment of a job's processes: one thread per rank, unbuffered output, no
+    inherited MASTER_ADDR. `forked`: its interpreters come from the session's fork server
+    (tests/fork_server.py: torch imported once, not in every process); False for a test
+    whose processes must start and leave as real interpreters."""
     # PYTHON: the interpreter scripts (scripts/gpu_smoke.sh) start jobs with; this one, not
     # whatever `python` PATH finds (without the environment activated: no torch)
     env = dict(os.environ, OMP_NUM_THREADS="1", MKL_NUM_THREADS="1", WANDB_SILENT="true",
                PYTHONUNBUFFERED="1", PYTHON=sys.executable)
-    env.pop("MASTER_ADDR", None)
+    for name in ("MASTER_ADDR", "FORK_SERVER_SOCKET", "PYTHON_EXEC"):
+        env.pop(name, None)
+    if forked and FORK_SERVER:
+        directory = _fork_server(env)
+        env.update(FORK_SERVER_SOCKET=os.path.join(directory, "socket"), PYTHON=python(),
+                   PYTHON_EXEC=python())  # PYTHON_EXEC: what torchrun starts its ranks with
     return env
+
+
+FORK_SERVER = os.environ.get("TEST_FORK_SERVER", "1") != "0"
+_fork = {}  # "proc", "dir": the session's fork server, once started
+
+
+def python():
+    """The `python` a test starts processes with: the fork server's stand-in, which
+    behaves as this interpreter (and starts it when job_env(forked=False) says so)."""
+    if not FORK_SERVER:
+        return sys.executable
+    _fork_server(job_env(forked=False))
+    return os.path.join(_fork["dir"], "python")
+
+
+def _fork_server(env):
+    """Start the session's fork server (first use); returns its directory."""
+    if "dir" in _fork:
+        return _fork["dir"]
+    import select
+    import tempfile
+    directory = tempfile.mkdtemp(prefix="fork-server-")
+    stand_in = fork_server.write_stand_in(directory, sys.executable)
+    env = dict(env, FORK_SERVER_SOCKET=os.path.join(directory, "socket"), PYTHON=stand_in,
+               PYTHON_EXEC=stand_in)
+    with open(os.path.join(directory, "server.log"), "w") as log:
+        proc = subprocess.Popen([sys.executable, fork_server.__file__, directory], env=env,
+                                stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=log,
+                                cwd=directory)
+    ready, _, _ = select.select([proc.stdout], [], [], 300)
+    if not ready or proc.stdout.readline() != b"ready\n":
+        kill_tree(proc.pid)
+        raise AssertionError(f"the fork server did not start:\n{_read(log.name)[-3000:]}")
+    _fork.update(proc=proc, dir=directory)
+    return directory
+
+
+def stop_fork_server():
+    """Its forked processes die with it (it kills them; PR_SET_PDEATHSIG besides)."""
+    proc = _fork.pop("proc", None)
+    if proc is not None:
+        proc.stdin.close()
+        try:
+            proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            kill_tree(proc.pid)
+        shutil.rmtree(_fork.pop("dir"), ignore_errors=True)
 
 
 def command(nproc, overrides, launcher_args=()):
     if nproc == 1 and not launcher_args:
-        launcher = [sys.executable, MAIN]
+        launcher = [python(), MAIN]
     else:  # --standalone picks a free port for the rendezvous
-        launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone",
+        launcher = [python(), "-m", "torch.distributed.run", "--standalone",
                     f"--nproc_per_node={nproc}", *launcher_args, MAIN]
     return launcher + list(overrides)
 
@@ -72,18 +129,20 @@ def run_tree(cmd, timeout, what, started=None, **popen_kw):
     return subprocess.CompletedProcess(cmd, proc.returncode, out, err)
 
 
-def run_job(workdir, nproc, overrides, timeout=240, tiny=True, fresh=False):
+def run_job(workdir, nproc, overrides, timeout=240, tiny=True, fresh=False, forked=True):
     """Run main.py in `workdir`; returns the CompletedProcess (never raises on exit code).
 
     By default the job runs in this session's job server for `nproc` ranks (JobServer:
     main.py's own code in long-lived torchrun workers, a fraction of a fresh job's CPU);
     `fresh=True` starts torchrun (or python) for this job alone: for jobs whose exit through
-    a real launch (its status, its console) is what the test checks."""
+    a real launch (its status, its console) is what the test checks; `forked=False`, with
+    interpreters that start and leave for real (not forked by the fork server)."""
     os.makedirs(workdir, exist_ok=True)
     args = (TINY if tiny else []) + list(overrides)
     if not fresh and not needs_own_process(args):
         return job_server(nproc).run(args, str(workdir), timeout)
-    return run_tree(command(nproc, args), timeout, f"job {args}", cwd=workdir, env=job_env())
+    return run_tree(command(nproc, args), timeout, f"job {args}", cwd=workdir,
+                    env=job_env(forked=forked))
 
 
 def needs_own_process(args):
@@ -124,7 +183,7 @@ class JobServer:
         self.env = job_env()
         self.log = open(os.path.join(self.control, "torchrun.log"), "w")
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "torch.distributed.run", "--standalone",
+            [python(), "-m", "torch.distributed.run", "--standalone",
              f"--nproc_per_node={nproc}", os.path.join(REPO, "tests", "job_server.py"), self.control],
             stdout=self.log, stderr=subprocess.STDOUT, env=self.env, cwd=self.control)
 
@@ -231,11 +290,28 @@ def stop_job_servers():
 
 
 def kill_tree(launcher_pid, timeout=10):
-    """SIGKILL a launcher and every process below it (launch/process_tree.py), and fail
-    if any survives."""
-    killed, survivors = process_tree.kill_tree(launcher_pid, timeout)
+    """SIGKILL a launcher and every process below it (launch/process_tree.py), the
+    processes forked for stand-ins included, and fail if any survives."""
+    killed, survivors = process_tree.kill_tree(launcher_pid, timeout, children=_children)
     assert not survivors, f"processes {survivors} survived SIGKILL"
     return killed
+
+
+def forked_process(pid):
+    """The process the fork server forked for stand-in `pid` (None if it is none)."""
+    return fork_server.forked_for(_fork["dir"], pid) if "dir" in _fork else None
+
+
+def workers_of(launcher_pid):
+    """A launch's ranks (torchrun's children), whether its torchrun was forked for a
+    stand-in or started for real. A rank is its stand-in where it has one: a signal sent
+    to it reaches the rank, and /proc/<pid>/environ holds the rank's RANK."""
+    return process_tree.workers_of(forked_process(launcher_pid) or launcher_pid)
+
+
+def _children(pid):
+    forked = forked_process(pid)
+    return process_tree.workers_of(pid) + ([forked] if forked else [])
 
 
 def read_metrics(run_dir):
@@ -339,7 +415,7 @@ def _run_worker(spec, background=False):
     *args); `background`: run ahead at idle priority (prefetch.py)."""
     script, world, timeout, *args = spec
     what = f"{script} on {world} ranks"
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
+    cmd = [python(), "-m", "torch.distributed.run", "--standalone",
            f"--nproc_per_node={world}", os.path.join(REPO, "tests", script), *args]
     ahead = dict(env=prefetch.env_for_background(job_env()), preexec_fn=prefetch.idle_priority,
                  started=lambda proc: prefetch.started(prefetch.key(spec), proc))
@@ -357,7 +433,7 @@ def _run_worker(spec, background=False):
 def prefetch_worker_sessions(specs):
     """Start the worker sessions `specs` ((script, world, timeout, *args), in the order
     the tests will ask) ahead, on idle CPU (conftest.py, after collection)."""
-    prefetch.start(specs, _run_worker)
+    prefetch.start(specs, _run_worker, kill_tree)
 
 
 def layout_session(world):

@@ -21,7 +21,6 @@ a hang still fails the test that reads the session.
 import os
 import threading
 
-from launch import process_tree
 
 SLACK = 4             # a session run ahead may take this many times its own timeout
 GLOO_TIMEOUT_S = 900  # dp_worker.serve's timeout for a session run ahead
@@ -32,6 +31,7 @@ _running = {}         # key -> the Popen of the session running ahead (None unti
 _done = {}            # key -> what run(spec) returned
 _thread = None
 _stopped = False
+_kill = None          # start's `kill`
 
 
 def key(spec):
@@ -40,11 +40,13 @@ def key(spec):
     return script, world, tuple(args)
 
 
-def start(specs, run):
+def start(specs, run, kill):
     """Run `run(spec, background=True)` for each spec (script, world, timeout, *args) in
     turn on a thread of its own; `run` starts the session with `idle_priority` as its
-    preexec_fn and reports its launcher with `started` (harness._run_worker)."""
-    global _thread
+    preexec_fn and reports its launcher with `started` (harness._run_worker); `kill(pid)`
+    ends a launch with every process below it (harness.kill_tree)."""
+    global _thread, _kill
+    _kill = kill
     with _lock:
         known = {key(s) for s in _queue} | set(_done) | set(_running)
         for spec in specs:
@@ -93,7 +95,7 @@ def started(session, proc):
             _running[session] = proc
         late = _stopped
     if late:  # the test session ended while this one was starting
-        process_tree.kill_tree(proc.pid, 10)
+        _kill(proc.pid)
 
 
 def stop():
@@ -104,7 +106,7 @@ def stop():
         _queue.clear()
         procs = [p for p in _running.values() if p is not None]
     for proc in procs:
-        process_tree.kill_tree(proc.pid, 10)
+        _kill(proc.pid)
     if _thread is not None:  # a session starting now kills itself (started); wait for that
         _thread.join(timeout=60)
 

@@ -21,8 +21,7 @@ import pytest
 from checkpoint.snapshot_reader import open_snapshot
 from checkpoint.snapshot_writer import save_sharded
 from errors import UserError
-from harness import command, job_env, kill_tree, read_metrics, run_job, run_metrics
-from launch.process_tree import workers_of
+from harness import command, job_env, kill_tree, read_metrics, run_job, run_metrics, workers_of
 
 FSDP = ["parallel.dp=fsdp", "parallel.zero_stage=2", "trainer.max_steps=8", "trainer.save_every=2",
         "trainer.keep_snapshots=4"]

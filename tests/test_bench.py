@@ -5,7 +5,6 @@ import glob
 import json
 import os
 import re
-import sys
 from statistics import median
 
 import pytest
@@ -14,7 +13,7 @@ from bench import cp_balance, data, fault_tolerance, snapshot, snapshot_async
 from bench.run_engine import stats, tables
 from bench.run_engine.jobs import check
 from bench.run_engine.tables import fmt_ms
-from harness import REPO, job_env, read_metrics, run_tree
+from harness import REPO, job_env, python, read_metrics, run_tree
 
 STEPS, WARMUP = 6, 2
 
@@ -29,7 +28,7 @@ def bench_run(tmp_path_factory):
     beside them (backend aot_eager). Returns (out, runs, results.json, results.md)."""
     tmp_path = tmp_path_factory.mktemp("bench")
     out, runs = tmp_path / "out", tmp_path / "runs"
-    cmd = [sys.executable, "-m", "bench.run", "--model", "tiny", "--variants", VARIANTS,
+    cmd = [python(), "-m", "bench.run", "--model", "tiny", "--variants", VARIANTS,
            "--set", "trainer.compile_backend=aot_eager", "--rounds", "1", "--steps", str(STEPS),
            "--warmup", str(WARMUP), "--out", str(out), "--runs-dir", str(runs)]
     result = run_tree(cmd, 300, "bench.run", cwd=REPO, env=job_env())
@@ -175,7 +174,7 @@ def test_cp_balance_times_the_contiguous_blocks_it_claims():
 def test_cp_balance_command_writes_its_tables(tmp_path):
     """`python -m bench.cp_balance` end to end on a tiny sequence (seconds): results.md's rows
     are its table functions' rendering of results.json, every rank of both splits timed."""
-    cmd = [sys.executable, "-m", "bench.cp_balance", "--seq", "16", "--cp", "2", "--repeats", "1",
+    cmd = [python(), "-m", "bench.cp_balance", "--seq", "16", "--cp", "2", "--repeats", "1",
            "--out", str(tmp_path)]
     result = run_tree(cmd, 120, "bench.cp_balance", cwd=REPO, env=job_env())
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]

@@ -4,17 +4,16 @@ a default run (the program's lines, not a library's), and the hints of common mi
 import ast
 import os
 import re
-import sys
 
 import pytest
 
 import config
-from harness import MAIN, REPO, command, job_env, read_metrics, run_job, run_tree
+from harness import MAIN, REPO, command, job_env, python, read_metrics, run_job, run_tree
 
 
 def test_help_lists_the_modes_and_every_key_with_its_default_and_exits_0():
     for flag in ("--help", "-h"):
-        result = run_tree([sys.executable, MAIN, flag, "trainer.max_steps=bad"], 120, flag,
+        result = run_tree([python(), MAIN, flag, "trainer.max_steps=bad"], 120, flag,
                           cwd=REPO, env=job_env())
         assert result.returncode == 0 and not result.stderr, result.stderr[-3000:]
         out = result.stdout

@@ -14,11 +14,10 @@ in one process under the fake process-group backend.
 
 import json
 import os
-import sys
 
 import pytest
 
-from harness import REPO, job_env, run_tree
+from harness import REPO, job_env, python, run_tree
 
 SMALL = ["model.n_layer=2", "model.n_head=2", "model.n_embd=32", "data.block_size=16",
          "trainer.batch_size=16", "plan.nodes=2", "plan.gpus_per_node=4"]
@@ -38,7 +37,7 @@ def within_goals(items):
 
 def test_dryrun_command_tries_first_last_and_each_stage(tmp_path):
     out = tmp_path / "dry.json"
-    result = run_tree([sys.executable, os.path.join(REPO, "main.py"), "mode=dryrun", *SMALL,
+    result = run_tree([python(), os.path.join(REPO, "main.py"), "mode=dryrun", *SMALL,
                        *LAYOUT, f"plan.out={out}"], 120, "mode=dryrun", cwd=str(tmp_path),
                       env=job_env())
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]

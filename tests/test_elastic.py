@@ -10,8 +10,7 @@ import signal
 import subprocess
 import time
 
-from harness import TINY, command, job_env, kill_tree, read_metrics, run_metrics
-from launch.process_tree import workers_of
+from harness import TINY, command, job_env, kill_tree, read_metrics, run_metrics, workers_of
 
 ARGS = ["parallel.dp=torch_ddp", "trainer.max_steps=30", "trainer.save_every=5",
         "model.n_embd=64", "data.block_size=32", "model.dropout=0.1"]
@@ -28,7 +27,7 @@ def run_and_kill(workdir, args, should_kill, timeout=240):
     says so. Returns (exit code, whether a kill happened)."""
     os.makedirs(workdir, exist_ok=True)
     proc = subprocess.Popen(command(2, TINY + args, ["--max-restarts=3"]), cwd=workdir,
-                            env=job_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            env=job_env(forked=False), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                             text=True, start_new_session=True)
     killed, deadline = False, time.time() + timeout
     try:

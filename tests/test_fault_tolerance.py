@@ -24,12 +24,11 @@ import re
 import signal
 import socket
 import subprocess
-import sys
 import threading
 import time
 
 from harness import (MAIN, TINY, assert_parity, command, job_env, kill_tree, our_frames,
-                     read_metrics, run_job, run_metrics)
+                     python, read_metrics, run_job, run_metrics)
 
 OPEN_ENDED = ["trainer.max_steps=100000", "trainer.min_lr=0.002", "trainer.lr=0.002"]
 GROUP = ["parallel.dp=fsdp", "parallel.zero_stage=3", "ft.enabled=true", "ft.replicas=2",
@@ -119,7 +118,7 @@ def test_lost_group_costs_a_step_and_heals_from_its_peer(tmp_path):
         g0, g1, again = jobs
         wait_until("the groups waiting for the lighthouse",
                    lambda: all(WAITING in j.console() for j in (g0, g1, again)), jobs)
-        beacon = Job(str(tmp_path / "lighthouse"), [sys.executable, MAIN, "mode=lighthouse",
+        beacon = Job(str(tmp_path / "lighthouse"), [python(), MAIN, "mode=lighthouse",
                                                     f"ft.lighthouse=localhost:{port}",
                                                     "ft.min_replicas=1"])
         jobs.append(beacon)

@@ -20,7 +20,7 @@ import time
 import pytest
 import torch
 
-from harness import REPO, TINY, job_env, our_frames, run_tree
+from harness import REPO, TINY, job_env, our_frames, python, run_tree
 
 
 # ---------------------------------------------------------------- 1. subgroup timeouts
@@ -33,7 +33,7 @@ def test_a_rank_skipping_a_tp_collective_stops_every_rank_within_the_timeout(tmp
     parallel.timeout_s with one line and a non-zero exit. Without the timeout on the
     subgroups they wait 30 minutes (torch's default for new_group)."""
     timeout_s = 4
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=4",
+    cmd = [python(), "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=4",
            os.path.join(REPO, "tests", "skip_worker.py"), *TINY, "parallel.tp=2",
            "parallel.dp=ddp_bucket", f"parallel.timeout_s={timeout_s}", "trainer.max_steps=2"]
     result = run_tree(cmd, 180, "a job with a skipped tp collective", cwd=tmp_path, env=job_env())

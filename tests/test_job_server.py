@@ -1,8 +1,8 @@
 """The job server (harness.run_job's default, tests/job_server.py) runs main.py's jobs in
 long-lived torchrun workers. What a test sees from it must be what a fresh job gives:
 
-- the same job, fresh and in the server (after another job there), writes the same
-  metrics.jsonl to the bit and the same snapshot;
+- the same job, fresh, forked by the fork server and in the job server (after another
+  job there), writes the same metrics.jsonl to the bit and the same snapshot;
 - a job that fails in the server with a UserError (status 2 on every rank, its process
   group left started) returns its status and its one line per rank, and the server runs
   the next job as a fresh one would; a rank that cannot go on (any other status) leaves
@@ -25,16 +25,20 @@ def test_a_job_in_the_server_equals_the_same_job_fresh(tmp_path):
     assert failed.returncode == 2 and "data file not found" in failed.stderr, failed.stderr
     assert job_server(2) is server and server.alive()
     runs = {}
-    for how in ("fresh", "server"):
-        result = run_job(tmp_path / how, 2, JOB, fresh=how == "fresh")
+    # fresh: real interpreters; forked: by the fork server (tests/fork_server.py), as the
+    # suite's other fresh jobs are; server: in the job server, after the jobs above
+    for how in ("fresh", "forked", "server"):
+        result = run_job(tmp_path / how, 2, JOB, fresh=how != "server", forked=how == "forked")
         assert result.returncode == 0 and "step 6/6" in result.stdout, result.stderr[-3000:]
         run_dir = tmp_path / how / "runs" / "default"
         runs[how] = ([json.dumps({k: r[k] for k in ("step", "loss", "grad_norm", "val_loss") if k in r})
                       for r in read_metrics(run_dir)], snapshot_state(run_dir / "snapshot"))
-    (fresh, fresh_state), (served, served_state) = runs["fresh"], runs["server"]
-    assert served == fresh
-    for name, t in fresh_state["model"].items():
-        assert served_state["model"][name].equal(t), name
+    fresh, fresh_state = runs["fresh"]
+    for how in ("forked", "server"):
+        got, state = runs[how]
+        assert got == fresh, how
+        for name, t in fresh_state["model"].items():
+            assert state["model"][name].equal(t), (how, name)
 
 
 def test_a_failed_job_returns_its_status_and_its_lines_and_the_server_goes_on(tmp_path):

@@ -5,9 +5,8 @@ the losses equal a single-node run of the same world size."""
 import os
 import socket
 import subprocess
-import sys
 
-from harness import MAIN, TINY, job_env, kill_tree, read_metrics, run_metrics
+from harness import MAIN, TINY, job_env, kill_tree, python, read_metrics, run_metrics
 from checkpoint.snapshot_reader import open_snapshot
 
 ARGS = ["parallel.dp=torch_ddp", "trainer.max_steps=6", "trainer.save_every=3"]
@@ -34,7 +33,7 @@ def test_two_nodes_match_one_node(tmp_path):
     for node in nodes:  # each "node" runs in its own directory: relative run_dirs differ
         os.makedirs(node)
         procs.append(subprocess.Popen(
-            [sys.executable, "-m", "torch.distributed.run", "--nnodes=2", "--nproc_per_node=1",
+            [python(), "-m", "torch.distributed.run", "--nnodes=2", "--nproc_per_node=1",
              "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{port}", "--rdzv-id=multinode",
              MAIN, *TINY, *ARGS, f"trainer.snapshot_path={shared}"],
             cwd=node, env=job_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))

@@ -17,11 +17,10 @@
 import json
 import os
 import re
-import sys
 
 import pytest
 
-from harness import REPO, job_env, layout_session, layout_worker_result, run_tree, worker_result
+from harness import REPO, job_env, layout_session, layout_worker_result, python, run_tree, worker_result
 from planner_worker import BATCH, BLOCK, CASES, N_EMBD, N_HEAD
 from planner.memory import activation_bytes, host_state_bytes, state_bytes
 from planner.shapes import Layout, Workload
@@ -219,7 +218,7 @@ def test_long_pipelines_bubble_is_the_simulators_too(schedule, P, M, V):
     assert abs(got - idle) <= 1e-9 * idle, (got, idle)
 
 def plan_command(tmp_path, *overrides, timeout=120):
-    cmd = [sys.executable, os.path.join(REPO, "main.py"), "mode=plan", *overrides]
+    cmd = [python(), os.path.join(REPO, "main.py"), "mode=plan", *overrides]
     return run_tree(cmd, timeout, f"mode=plan {overrides}", cwd=str(tmp_path), env=job_env())
 
 

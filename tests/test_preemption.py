@@ -14,14 +14,13 @@ import random
 import re
 import signal
 import subprocess
-import sys
 import time
 
 import pytest
 
-from harness import TINY, command, job_env, kill_tree, read_metrics, run_job, run_metrics
+from harness import (TINY, command, job_env, kill_tree, python, read_metrics, run_job, run_metrics,
+                     workers_of)
 from checkpoint.snapshot_reader import open_snapshot
-from launch.process_tree import workers_of
 from test_elastic import rank_of
 
 ARGS = ["trainer.max_steps=30", "trainer.save_every=8", "model.n_embd=64",
@@ -152,7 +151,7 @@ def test_slurm_script_requeues_a_preempted_job(tmp_path):
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir()
     (bin_dir / "srun").write_text(SRUN)
-    (bin_dir / "torchrun").write_text(f'#!/bin/bash\nexec "{sys.executable}" -m torch.distributed.run "$@"\n')
+    (bin_dir / "torchrun").write_text(f'#!/bin/bash\nexec "{python()}" -m torch.distributed.run "$@"\n')
     (bin_dir / "scontrol").write_text(
         '#!/bin/bash\nif [ "$1" = show ]; then echo localhost; else echo "$@" >> "$REQUEUED"; fi\n')
     for f in bin_dir.iterdir():

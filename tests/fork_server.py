@@ -1,0 +1,302 @@
+"""Test-only: a `python` whose `import torch` is already done (the harness's fresh jobs).
+
+    python tests/fork_server.py DIR      # serves DIR/socket; DIR/python is the stand-in
+
+Every fresh process of the suite (each torchrun launcher, each rank, each worker) spends
+about 4.7 CPU-s importing torch and dynamo before it does anything, and the suite starts
+some two hundred: more than half its CPU. This server imports them once, then forks a
+process for each `python ...` the suite starts, so a fresh job pays for its own work
+only. What a forked process runs is what `python` would: the script (or -m module, or -c
+code) as `__main__`, its argv, environment, working directory, stdin/stdout/stderr,
+scheduling policy; it is a real process of its own, on its own gloo sockets, with its
+own exit. What it skips is the imports, and that is all: whatever the interpreter's
+start sets from the environment (OMP_NUM_THREADS, TORCH_*, PYTHONPATH, ...) must equal
+this server's, or the request is refused and the stand-in starts a real interpreter.
+
+DIR/python (forked_python.py behind a shebang of this interpreter) is what the harness
+starts in place of sys.executable, and what torchrun starts for its ranks (PYTHON_EXEC).
+It sends its argv, environment and standard streams here, gets the forked pid, forwards
+the signals it receives to it (torchrun's SIGTERM to its workers, a test's SIGTERM to a
+rank) and leaves with its exit status, or dies of its signal. A stand-in that dies
+without a word (SIGKILL) has its process killed here at once. So the pid a launcher sees
+behaves as the process it stands for; tests that SIGKILL a rank and read what it left on
+disk a moment later use real interpreters (harness.command(..., forked=False)).
+
+Single-threaded by construction (the environment holds OpenMP and BLAS at one thread;
+checked before serving): a fork copies only the thread that calls it.
+"""
+
+import json
+import os
+import re
+import selectors
+import signal
+import socket
+import sys
+
+# what the interpreter's start (or a preloaded import) reads from the environment: a
+# request that differs from the server here gets a real interpreter (torchrun's
+# TORCHELASTIC_* and TORCH_NCCL_* for its ranks are read later, by the launch and by NCCL)
+STARTUP_ENV = re.compile(r"^(PYTHON(?!UNBUFFERED$).*|TORCH(?!ELASTIC_|_NCCL_).*|PYTORCH.*|OMP_.*|MKL_.*|"
+                         r"KMP_.*|GOMP_.*|OPENBLAS_.*|LD_.*|CUDA.*|NCCL.*)$")
+PRELOAD = ["torch", "torch._dynamo", "torch.distributed.run", "numpy", "omegaconf", "fsspec",
+           "tiktoken", "ctypes"]
+
+
+def write_stand_in(directory, real_python):
+    """DIR/python: forked_python.py run by `real_python` without site (milliseconds)."""
+    here = os.path.dirname(os.path.abspath(__file__))
+    with open(os.path.join(here, "forked_python.py")) as f:
+        source = f.read().replace("REAL_PYTHON = None", f"REAL_PYTHON = {real_python!r}", 1)
+    path = os.path.join(directory, "python")
+    with open(path, "w") as f:
+        f.write(f"#!{real_python} -IS\n{source}")
+    os.chmod(path, 0o755)
+    return path
+
+
+def startup_env(env):
+    return {k: v for k, v in env.items() if STARTUP_ENV.match(k)}
+
+
+def serve(directory):
+    """Answer requests until stdin closes (the harness exits); returns (request, fds) in a
+    forked child, which then runs the program."""
+    before = dict(os.environ)
+    for name in PRELOAD:
+        __import__(name)
+    # what the imports set (TORCHINDUCTOR_CACHE_DIR): a fresh interpreter would set it too
+    added = {k: v for k, v in os.environ.items() if k not in before}
+    threads = len(os.listdir("/proc/self/task"))
+    if threads != 1:
+        sys.exit(f"fork_server: {threads} threads after the imports; a fork would copy one")
+    mine = startup_env(os.environ)
+    listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    listener.bind(os.path.join(directory, "socket"))
+    listener.listen(64)
+    wake_r, wake_w = os.pipe()
+    os.set_blocking(wake_w, False)
+    signal.set_wakeup_fd(wake_w)
+    signal.signal(signal.SIGCHLD, lambda *_: None)  # wakes the selector through wake_w
+    selector = selectors.DefaultSelector()
+    selector.register(listener, selectors.EVENT_READ, "accept")
+    selector.register(wake_r, selectors.EVENT_READ, "child")
+    selector.register(sys.stdin, selectors.EVENT_READ, "stdin")
+    children = {}  # pid -> (the stand-in's connection, its pid)
+    os.mkdir(os.path.join(directory, "forked"))
+    print("ready", flush=True)
+    while True:
+        for event, _ in selector.select():
+            what = event.data
+            if what == "stdin":
+                if not os.read(sys.stdin.fileno(), 1024):  # the harness is gone: so are we
+                    for pid in children:
+                        _kill(pid)
+                    os._exit(0)
+            elif what == "child":
+                os.read(wake_r, 4096)
+                _reap(children, selector, directory)
+            elif what == "accept":
+                conn, _ = listener.accept()
+                message, fds, _, _ = socket.recv_fds(conn, 1 << 20, 8)
+                request = json.loads(message.decode())
+                request["env"] = {**added, **request["env"]}
+                refusal = _refusal(request, mine)
+                if refusal:
+                    print(f"refused {request['kind']} {request['target']}: {refusal}",
+                          file=sys.stderr, flush=True)
+                    conn.sendall(f"refused {refusal}\n".encode())
+                    conn.close()
+                    for fd in fds:
+                        os.close(fd)
+                    continue
+                pid = os.fork()
+                if pid == 0:
+                    selector.close()
+                    listener.close()
+                    for fileobj in [conn, *(c for c, _ in children.values())]:
+                        fileobj.close()
+                    signal.set_wakeup_fd(-1)
+                    signal.signal(signal.SIGCHLD, signal.SIG_DFL)
+                    os.close(wake_r)
+                    os.close(wake_w)
+                    return request, fds
+                for fd in fds:
+                    os.close(fd)
+                _record(directory, request["pid"], pid)
+                conn.sendall(f"pid {pid}\n".encode())
+                children[pid] = conn, request["pid"]
+                selector.register(conn, selectors.EVENT_READ, pid)
+            else:  # a stand-in closed its end before its process ended: it was killed
+                if not event.fileobj.recv(64):
+                    _kill(what)
+                    selector.unregister(event.fileobj)
+
+
+def _refusal(request, mine):
+    theirs = startup_env(request["env"])
+    differ = sorted(k for k in set(mine) | set(theirs) if mine.get(k) != theirs.get(k))
+    return f"startup environment differs: {differ}" if differ else ""
+
+
+def _kill(pid):
+    try:
+        os.kill(pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+
+
+def _record(directory, stand_in, pid):
+    """DIR/forked/<stand-in's pid> holds the pid forked for it, while it runs: a process
+    tree walked through the stand-ins (harness.kill_tree, harness.workers_of)."""
+    path = os.path.join(directory, "forked", str(stand_in))
+    with open(path + ".tmp", "w") as f:
+        f.write(str(pid))
+    os.replace(path + ".tmp", path)
+
+
+def forked_for(directory, stand_in):
+    """The pid forked for the stand-in `stand_in`, or None."""
+    try:
+        with open(os.path.join(directory, "forked", str(stand_in))) as f:
+            return int(f.read())
+    except (OSError, ValueError):
+        return None
+
+
+def _reap(children, selector, directory):
+    while children:
+        try:
+            pid, status = os.waitpid(-1, os.WNOHANG)
+        except ChildProcessError:
+            return
+        if pid == 0:
+            return
+        conn, stand_in = children.pop(pid, (None, None))
+        if conn is not None:
+            try:
+                os.remove(os.path.join(directory, "forked", str(stand_in)))
+            except OSError:
+                pass
+            selector.unregister(conn)
+            try:
+                conn.sendall(f"status {status}\n".encode())
+            except OSError:
+                pass
+            conn.close()
+
+
+def become(request, fds):
+    """In the forked child: take on the stand-in's streams, place and environment."""
+    for target, fd in enumerate(fds[:3]):
+        os.dup2(fd, target)
+    for fd in fds:
+        if fd > 2:
+            os.close(fd)
+    import ctypes
+    ctypes.CDLL(None).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG: never outlive the server
+    os.chdir(request["cwd"])
+    os.umask(request["umask"])
+    policy, priority = request["sched"]
+    try:  # the stand-in's priority (prefetch.py's idle sessions); never above the server's
+        if policy != os.sched_getscheduler(0):
+            os.sched_setscheduler(0, policy, os.sched_param(0))
+        os.setpriority(os.PRIO_PROCESS, 0, priority)
+    except OSError:
+        pass
+    os.environ.clear()
+    os.environ.update(request["env"])
+    import random
+    random.seed()  # a fresh interpreter seeds from the OS; a fork would share the server's
+    if "numpy.random" in sys.modules:
+        sys.modules["numpy.random"].seed()
+    unbuffered = request["unbuffered"] or bool(os.environ.get("PYTHONUNBUFFERED"))
+    import io
+    for fd, name in ((1, "stdout"), (2, "stderr")):
+        stream = io.TextIOWrapper(open(fd, "wb", buffering=0 if unbuffered else -1, closefd=False),
+                                  encoding=getattr(sys, name).encoding, errors="backslashreplace"
+                                  if fd == 2 else "strict", line_buffering=not unbuffered and fd == 2,
+                                  write_through=unbuffered)
+        setattr(sys, name, stream)
+        setattr(sys, f"__{name}__", stream)
+    sys.stdin = sys.__stdin__ = io.TextIOWrapper(open(0, "rb", closefd=False))
+
+
+def run(request):
+    """What `python -u? (SCRIPT | -m MODULE | -c CODE) ARGS` runs, as __main__; then leave."""
+    try:
+        _run_main(request)
+        code = 0
+    except SystemExit as done:  # as python reads sys.exit's argument
+        code = done.code
+        if code is None:
+            code = 0
+        elif not isinstance(code, int):
+            print(code, file=sys.stderr)
+            code = 1
+    except BaseException as error:  # python's own report: the traceback, without this file
+        tb = error.__traceback__
+        while tb is not None and tb.tb_frame.f_code.co_filename == __file__:
+            tb = tb.tb_next
+        sys.excepthook(type(error), error.with_traceback(tb), tb)
+        if isinstance(error, KeyboardInterrupt):  # python dies of the SIGINT then
+            sys.stderr.flush()
+            signal.signal(signal.SIGINT, signal.SIG_DFL)
+            os.kill(os.getpid(), signal.SIGINT)
+        code = 1
+    leave(code)
+
+
+def _run_main(request):
+    import runpy
+    import types
+    kind, target, args = request["kind"], request["target"], request["args"]
+    if kind == "module":
+        sys.argv = ["-m", *args]
+        sys.path[0] = os.getcwd()
+        sys.modules["__main__"] = types.ModuleType("__main__")  # runpy runs it in there
+        sys.modules.pop(target, None)  # preloaded: python -m runs it anew, as __main__
+        runpy._run_module_as_main(target)  # what python -m calls: the same frames in a traceback
+        return
+    if kind == "code":
+        sys.argv, sys.path[0], source, filename = ["-c", *args], "", target, "<string>"
+    else:
+        sys.argv, sys.path[0] = [target, *args], os.path.dirname(os.path.realpath(target))
+        with open(target, "rb") as f:
+            source, filename = f.read(), target
+    module = types.ModuleType("__main__")
+    module.__dict__.update(__builtins__=__builtins__, __cached__=None, __spec__=None,
+                           __package__=None)
+    if kind == "script":
+        module.__file__ = filename
+    sys.modules["__main__"] = module
+    exec(compile(source, filename, "exec"), module.__dict__)
+
+
+def leave(code):
+    """An interpreter's way out as a program sees it: non-daemon threads joined, atexit
+    handlers run, the script's objects finalized (a file left open is flushed), output
+    flushed. Not done: tearing down every module, which for torch costs about 1.3 CPU-s
+    and nothing a program can see (main.py itself leaves by os._exit past it)."""
+    import atexit
+    import gc
+    import threading
+    threading._shutdown()
+    atexit._run_exitfuncs()
+    program = sys.modules.get("__main__")
+    if program is not None and program.__dict__ is not globals():
+        program.__dict__.clear()
+    gc.collect()
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (OSError, ValueError):
+            pass
+    os._exit(code & 0xFF)
+
+
+if __name__ == "__main__":
+    request, fds = serve(sys.argv[1])
+    become(request, fds)
+    del request["env"]
+    run(request)

@@ -1,0 +1,108 @@
+"""The fork server (tests/fork_server.py) forks the suite's fresh processes from one that
+has imported torch. What a test sees of a forked process must be what the interpreter it
+stands for gives: each program below runs both ways, real (job_env(forked=False)) and
+forked, and their exit status, stdout and stderr must be equal; a signal to the stand-in
+reaches the process, a SIGKILL of the stand-in kills it, and a request whose startup
+environment differs from the server's gets a real interpreter. test_job_server.py holds
+a forked job's metrics and snapshot to a real one's, to the bit."""
+
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from harness import job_env, python
+
+PROGRAMS = {
+    "status and streams": "import sys; print('out'); print('err', file=sys.stderr); sys.exit(3)",
+    "sys.exit with a message": "import sys; sys.exit('stopped: bad input')",
+    "a traceback": "def f():\n    raise ValueError('boom')\nf()",
+    "argv, cwd, environment, path": "import os, sys; print(sys.argv, os.getcwd(), "
+                                    "os.environ['PROBE'], sys.path[0], __name__)",
+    # what an interpreter does on its way out: a non-daemon thread finishes, atexit runs,
+    # a file the program left open is flushed
+    "leaving": "import atexit, threading, time\n"
+               "atexit.register(lambda: print('atexit'))\n"
+               "def late():\n    time.sleep(0.2)\n    print('thread')\n"
+               "threading.Thread(target=late).start()\n"
+               "f = open('left-open.txt', 'w'); f.write('flushed')\n",
+    "a SIGTERM handler": "import os, signal, sys, time\n"
+                         "signal.signal(signal.SIGTERM, lambda *_: (print('term'), sys.exit(7)))\n"
+                         "open('ready', 'w').close()\n"
+                         "time.sleep(60)\n",
+    "no handler": "import time; open('ready', 'w').close(); time.sleep(60)",
+}
+SIGNALLED = ("a SIGTERM handler", "no handler")
+
+
+def run(how, args, cwd, signal_when_ready=None):
+    env = dict(job_env(forked=how == "forked"), PROBE="probe")
+    interpreter = python() if how == "forked" else sys.executable
+    proc = subprocess.Popen([interpreter, *args], cwd=cwd, env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+    if signal_when_ready:
+        deadline = time.time() + 60
+        while not os.path.exists(os.path.join(cwd, "ready")) and time.time() < deadline:
+            time.sleep(0.01)
+        proc.send_signal(signal_when_ready)
+    out, err = proc.communicate(timeout=60)
+    return proc.returncode, out.replace(str(cwd), "CWD"), err.replace(str(cwd), "CWD")
+
+
+@pytest.mark.parametrize("name", PROGRAMS)
+def test_a_forked_process_gives_what_the_interpreter_gives(tmp_path, name):
+    results = {}
+    for how in ("real", "forked"):
+        cwd = tmp_path / how
+        cwd.mkdir()
+        results[how] = run(how, ["-c", PROGRAMS[name], "an argument"], cwd,
+                           signal.SIGTERM if name in SIGNALLED else None)
+        if name == "leaving":
+            assert (cwd / "left-open.txt").read_text() == "flushed", how
+    print(results)
+    assert results["forked"] == results["real"]
+
+
+def test_a_script_and_a_module_run_as_main_with_their_argv(tmp_path):
+    (tmp_path / "probe.py").write_text(
+        "import sys\nprint(__name__, sys.argv[1:], sys.path[0] == %r, __file__.endswith('probe.py'))\n"
+        "raise SystemExit(int(sys.argv[1]))\n" % str(tmp_path))
+    for status, args in ((4, ["probe.py", "4", "x"]), (5, [str(tmp_path / "probe.py"), "5"]),
+                         (6, ["-u", "-m", "probe", "6"])):
+        real, forked = (run(how, args, tmp_path) for how in ("real", "forked"))
+        assert forked == real and real[0] == status, (args, real, forked)
+
+
+def preloaded(env_extra=None):
+    env = dict(job_env(), **(env_extra or {}))
+    out = subprocess.run([python(), "-c", "import sys; print('torch' in sys.modules)"],
+                         env=env, capture_output=True, text=True, timeout=120)
+    return out.stdout.strip()
+
+
+def test_the_stand_in_is_forked_unless_the_startup_environment_differs():
+    assert preloaded() == "True"  # the server's process: torch imported already
+    # TORCH_LOGS is read when torch is imported: the server's import did not see it
+    assert preloaded({"TORCH_LOGS": "+dynamo"}) == "False"
+    assert preloaded({"FORK_SERVER_SOCKET": ""}) == "False"
+
+
+def test_a_sigkill_of_the_stand_in_kills_the_forked_process(tmp_path):
+    from launch.process_tree import alive
+    proc = subprocess.Popen([python(), "-c", "import os, time\nopen('pid', 'w').write(str(os.getpid()))\n"
+                             "time.sleep(60)"], cwd=tmp_path, env=job_env())
+    deadline = time.time() + 60
+    while not (tmp_path / "pid").exists() or not (tmp_path / "pid").read_text():
+        assert time.time() < deadline and proc.poll() is None, "the program never started"
+        time.sleep(0.01)
+    forked = int((tmp_path / "pid").read_text())
+    assert forked != proc.pid
+    proc.kill()
+    proc.wait()
+    deadline = time.time() + 10
+    while alive(forked) and time.time() < deadline:
+        time.sleep(0.01)
+    assert not alive(forked), "the forked process outlived its stand-in"
