@@ -25,15 +25,21 @@ def pytest_collection_finish(session):
     pytest.mark.worker_sessions(...)`) start ahead of them on idle CPU (tests/prefetch.py),
     in the order the tests come."""
     from harness import prefetch_worker_sessions
-    # opt-in (TEST_PREFETCH=1): its thread in this process can deadlock a fork made here
-    # (data/prepare.py's worker pool, tests/test_prepare.py) until it runs without one
-    if session.config.option.collectonly or os.environ.get("TEST_PREFETCH") != "1":
+    # TEST_PREFETCH=0: every session runs when its first test asks (to time one alone)
+    if session.config.option.collectonly or os.environ.get("TEST_PREFETCH") == "0":
         return
     specs = []
     for item in session.items:
         for mark in item.iter_markers("worker_sessions"):
             specs += [s for s in mark.args if s not in specs]
     prefetch_worker_sessions(specs)
+
+
+def pytest_runtest_teardown(item):
+    """Between tests the sessions run ahead move on: the one that ended is collected, the
+    next one starts."""
+    import prefetch
+    prefetch.advance()
 
 
 def pytest_sessionfinish(session, exitstatus):

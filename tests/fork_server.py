@@ -98,14 +98,16 @@ def serve(directory):
                 _reap(children, selector, directory)
             elif what == "accept":
                 conn, _ = listener.accept()
-                message, fds, _, _ = socket.recv_fds(conn, 1 << 20, 8)
-                request = json.loads(message.decode())
+                request, fds = _receive(conn)
+                if request is None:  # a stand-in gone before it asked
+                    conn.close()
+                    continue
                 request["env"] = {**added, **request["env"]}
                 refusal = _refusal(request, mine)
                 if refusal:
                     print(f"refused {request['kind']} {request['target']}: {refusal}",
                           file=sys.stderr, flush=True)
-                    conn.sendall(f"refused {refusal}\n".encode())
+                    _send(conn, f"refused {refusal}")
                     conn.close()
                     for fd in fds:
                         os.close(fd)
@@ -124,13 +126,43 @@ def serve(directory):
                 for fd in fds:
                     os.close(fd)
                 _record(directory, request["pid"], pid)
-                conn.sendall(f"pid {pid}\n".encode())
                 children[pid] = conn, request["pid"]
                 selector.register(conn, selectors.EVENT_READ, pid)
+                if not _send(conn, f"pid {pid}"):
+                    _kill(pid)
             else:  # a stand-in closed its end before its process ended: it was killed
-                if not event.fileobj.recv(64):
+                try:
+                    gone = not event.fileobj.recv(64)
+                except OSError:
+                    gone = True
+                if gone:
                     _kill(what)
-                    selector.unregister(event.fileobj)
+                    selector.unregister(event.fileobj)  # _reap closes it
+
+
+def _receive(conn):
+    """A stand-in's request (one line of JSON) and its three streams; (None, []) if it
+    went away first."""
+    data, fds = b"", []
+    try:
+        while not data.endswith(b"\n"):
+            chunk, more, _, _ = socket.recv_fds(conn, 1 << 16, 8)
+            if not chunk:
+                break
+            data, fds = data + chunk, fds + more
+        return json.loads(data.decode()), fds
+    except (OSError, ValueError):
+        for fd in fds:
+            os.close(fd)
+        return None, []
+
+
+def _send(conn, line):
+    try:
+        conn.sendall(f"{line}\n".encode())
+        return True
+    except OSError:  # the stand-in is gone
+        return False
 
 
 def _refusal(request, mine):
@@ -178,11 +210,9 @@ def _reap(children, selector, directory):
                 os.remove(os.path.join(directory, "forked", str(stand_in)))
             except OSError:
                 pass
-            selector.unregister(conn)
-            try:
-                conn.sendall(f"status {status}\n".encode())
-            except OSError:
-                pass
+            if conn.fileno() in selector.get_map():  # not if its stand-in went away first
+                selector.unregister(conn)
+            _send(conn, f"status {status}")
             conn.close()
 
 

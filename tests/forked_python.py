@@ -46,7 +46,7 @@ def main(argv):
     conn = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     try:
         conn.connect(path)
-        socket.send_fds(conn, [json.dumps(request).encode()], [0, 1, 2])
+        socket.send_fds(conn, [json.dumps(request).encode() + b"\n"], [0, 1, 2])
         reply = conn.makefile("rb")
         first = reply.readline().decode().split(" ", 1)
     except OSError:

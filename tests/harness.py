@@ -111,15 +111,12 @@ def command(nproc, overrides, launcher_args=()):
     return launcher + list(overrides)
 
 
-def run_tree(cmd, timeout, what, started=None, **popen_kw):
+def run_tree(cmd, timeout, what, **popen_kw):
     """Run `cmd` to completion, output captured; returns the CompletedProcess (never
     raises on exit code). On timeout its whole process tree is killed (torchrun's
-    workers outlive a killed launcher) and the test fails with the output so far.
-    `started(proc)`, if given, is told the launcher as soon as it runs."""
+    workers outlive a killed launcher) and the test fails with the output so far."""
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                             **popen_kw)
-    if started is not None:
-        started(proc)
     try:
         out, err = proc.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
@@ -410,30 +407,55 @@ def worker_result(script, world, timeout, *args):
     return result
 
 
-def _run_worker(spec, background=False):
-    """(RESULT dict, None), or (None, why it failed) for spec (script, world, timeout,
-    *args); `background`: run ahead at idle priority (prefetch.py)."""
-    script, world, timeout, *args = spec
-    what = f"{script} on {world} ranks"
-    cmd = [python(), "-m", "torch.distributed.run", "--standalone",
-           f"--nproc_per_node={world}", os.path.join(REPO, "tests", script), *args]
-    ahead = dict(env=prefetch.env_for_background(job_env()), preexec_fn=prefetch.idle_priority,
-                 started=lambda proc: prefetch.started(prefetch.key(spec), proc))
+def _worker_command(spec):
+    script, world, _timeout, *args = spec
+    return [python(), "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={world}",
+            os.path.join(REPO, "tests", script), *args], f"{script} on {world} ranks"
+
+
+def _run_worker(spec):
+    """(RESULT dict, None), or (None, why it failed) for spec (script, world, timeout, *args)."""
+    cmd, what = _worker_command(spec)
     try:
-        out = run_tree(cmd, timeout * prefetch.SLACK if background else timeout, what,
-                       **(ahead if background else dict(env=job_env())))
+        out = run_tree(cmd, spec[2], what, env=job_env())
     except AssertionError as hung:  # run_tree killed the tree
         return None, str(hung)
+    return _worker_outcome(what, out)
+
+
+def _worker_outcome(what, out):
     found = re.search(r"^RESULT (.*)$", out.stdout, re.M)
     if out.returncode == 0 and found:
         return json.loads(found.group(1)), None
     return None, f"{what} failed ({out.returncode})\n{out.stdout[-3000:]}\n{out.stderr[-5000:]}"
 
 
+def _launch_ahead(spec):
+    """A session run ahead (prefetch.py): idle priority, its output in files."""
+    import tempfile
+    cmd, _ = _worker_command(spec)
+    out, err = tempfile.TemporaryFile(), tempfile.TemporaryFile()
+    proc = subprocess.Popen(cmd, stdout=out, stderr=err, env=prefetch.env_for_background(job_env()),
+                            preexec_fn=prefetch.idle_priority)
+    return proc, out, err
+
+
+def _finish_ahead(spec, handle, hung):
+    proc, *files = handle
+    cmd, what = _worker_command(spec)
+    if hung:
+        kill_tree(proc.pid)
+    proc.wait()
+    out, err = [(f.seek(0), f.read().decode(errors="replace"), f.close())[1] for f in files]
+    if hung:
+        return None, f"{what} hung for {spec[2] * prefetch.SLACK}s\n{out[-3000:]}\n{err[-5000:]}"
+    return _worker_outcome(what, subprocess.CompletedProcess(cmd, proc.returncode, out, err))
+
+
 def prefetch_worker_sessions(specs):
     """Start the worker sessions `specs` ((script, world, timeout, *args), in the order
     the tests will ask) ahead, on idle CPU (conftest.py, after collection)."""
-    prefetch.start(specs, _run_worker, kill_tree)
+    prefetch.start(specs, _launch_ahead, _finish_ahead, kill_tree)
 
 
 def layout_session(world):

@@ -16,22 +16,22 @@ changes. A starved rank can keep its peers waiting in a collective far longer th
 the foreground, so a session run ahead gets a longer gloo timeout
 (TEST_WORKER_TIMEOUT_S, read by dp_worker.serve) and launch timeout (SLACK x its own);
 a hang still fails the test that reads the session.
+
+No thread: the queue moves between tests (conftest.py calls advance() after each one) and
+when a test claims a session. A thread in pytest's process would hold locks that a fork
+made there (data/prepare.py's worker pool) copies locked.
 """
 
 import os
-import threading
-
+import time
 
 SLACK = 4             # a session run ahead may take this many times its own timeout
 GLOO_TIMEOUT_S = 900  # dp_worker.serve's timeout for a session run ahead
 
-_lock = threading.Condition()
 _queue = []           # specs not started yet, in the order the tests ask for them
-_running = {}         # key -> the Popen of the session running ahead (None until started)
-_done = {}            # key -> what run(spec) returned
-_thread = None
-_stopped = False
-_kill = None          # start's `kill`
+_running = None       # (spec, handle, deadline) of the session running ahead
+_done = {}            # key -> its outcome
+_hooks = {}           # start's launch, finish and kill
 
 
 def key(spec):
@@ -40,75 +40,69 @@ def key(spec):
     return script, world, tuple(args)
 
 
-def start(specs, run, kill):
-    """Run `run(spec, background=True)` for each spec (script, world, timeout, *args) in
-    turn on a thread of its own; `run` starts the session with `idle_priority` as its
-    preexec_fn and reports its launcher with `started` (harness._run_worker); `kill(pid)`
-    ends a launch with every process below it (harness.kill_tree)."""
-    global _thread, _kill
-    _kill = kill
-    with _lock:
-        known = {key(s) for s in _queue} | set(_done) | set(_running)
-        for spec in specs:
-            if key(spec) not in known:
-                _queue.append(tuple(spec))
-                known.add(key(spec))
-    if _thread is None and _queue:
-        _thread = threading.Thread(target=_work, args=(run,), daemon=True, name="prefetch")
-        _thread.start()
+def start(specs, launch, finish, kill):
+    """Queue the specs (script, world, timeout, *args) to run one after another ahead of
+    the tests: `launch(spec)` starts one in the background (idle priority, output kept)
+    and returns its handle (its launcher's Popen first); `finish(spec, handle, hung)`
+    returns its outcome; `kill(pid)` ends a launch with every process below it."""
+    _hooks.update(launch=launch, finish=finish, kill=kill)
+    known = {key(s) for s in _queue} | set(_done) | ({key(_running[0])} if _running else set())
+    for spec in specs:
+        if key(spec) not in known:
+            _queue.append(tuple(spec))
+            known.add(key(spec))
+    advance()
 
 
-def _work(run):
-    while True:
-        with _lock:
-            if not _queue:
-                return
-            spec = _queue.pop(0)
-            _running[key(spec)] = None
-        result = run(spec, background=True)
-        with _lock:
-            _running.pop(key(spec), None)
-            _done[key(spec)] = result
-            _lock.notify_all()
+def advance():
+    """Between tests: collect the session running ahead if it has ended (or passed its
+    deadline), and start the next one."""
+    global _running
+    if _running is not None:
+        spec, handle, deadline = _running
+        if handle[0].poll() is None and time.time() < deadline:
+            return
+        _collect(handle[0].poll() is None)
+    if _queue:
+        spec = _queue.pop(0)
+        _running = spec, _hooks["launch"](spec), time.time() + spec[2] * SLACK
+
+
+def _collect(hung):
+    global _running
+    spec, handle, _ = _running
+    _running = None
+    _done[key(spec)] = _hooks["finish"](spec, handle, hung)
 
 
 def claim(wanted):
-    """(True, result) when the session `wanted` (a key) was run ahead, waiting for it if
+    """(True, outcome) when the session `wanted` (a key) was run ahead, waiting for it if
     it is still running; (False, None) when the caller runs it itself (never queued, or
     taken off the queue now)."""
-    with _lock:
-        for spec in _queue:
-            if key(spec) == wanted:
-                _queue.remove(spec)
-                return False, None
-        while wanted in _running:
-            _lock.wait()
-        if wanted in _done:
-            return True, _done.pop(wanted)
+    for spec in _queue:
+        if key(spec) == wanted:
+            _queue.remove(spec)
+            return False, None
+    if _running is not None and key(_running[0]) == wanted:
+        proc, deadline = _running[1][0], _running[2]
+        try:
+            proc.wait(timeout=max(0, deadline - time.time()))
+        except Exception:  # subprocess.TimeoutExpired: finish kills it
+            pass
+        _collect(proc.poll() is None)
+        advance()
+    if wanted in _done:
+        return True, _done.pop(wanted)
     return False, None
-
-
-def started(session, proc):
-    """Called by `run` with the session's launcher, so that stop() can end it."""
-    with _lock:
-        if session in _running:
-            _running[session] = proc
-        late = _stopped
-    if late:  # the test session ended while this one was starting
-        _kill(proc.pid)
 
 
 def stop():
     """At the end of the session: nothing more starts, and what runs is killed."""
-    global _stopped
-    with _lock:
-        _stopped = True
-        _queue.clear()
-        procs = [p for p in _running.values() if p is not None]
-    for proc in procs:
-        _kill(proc.pid)
-    if _thread is not None:  # a session starting now kills itself (started); wait for that
-        _thread.join(timeout=60)
+    global _running
+    _queue.clear()
+    if _running is not None:
+        _hooks["kill"](_running[1][0].pid)
+        _running = None
 
 
 def idle_priority():
@@ -121,4 +115,3 @@ def idle_priority():
 
 def env_for_background(env):
     return dict(env, TEST_WORKER_TIMEOUT_S=str(GLOO_TIMEOUT_S))
-

@@ -106,3 +106,33 @@ def test_a_sigkill_of_the_stand_in_kills_the_forked_process(tmp_path):
     while alive(forked) and time.time() < deadline:
         time.sleep(0.01)
     assert not alive(forked), "the forked process outlived its stand-in"
+
+
+def test_stand_ins_that_vanish_leave_the_server_serving(tmp_path):
+    """A stand-in killed before it asks, while it asks, or right after (a SIGKILLed
+    launch's ranks): the server goes on, and the process forked for the last one dies."""
+    import json
+    import socket
+    from launch.process_tree import alive
+    path = job_env()["FORK_SERVER_SOCKET"]
+    request = dict(kind="code", target="import os, time\nopen('pid', 'w').write(str(os.getpid()))\n"
+                   "time.sleep(60)", args=[], unbuffered=True, env=job_env(), cwd=str(tmp_path),
+                   umask=0o22, pid=os.getpid(), sched=(os.sched_getscheduler(0), 0))
+    line = json.dumps(request).encode() + b"\n"
+    with open(os.devnull, "r+") as null:
+        for sent in (b"", line[:40], line):
+            with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as conn:
+                conn.connect(path)
+                if sent:
+                    socket.send_fds(conn, [sent], [null.fileno()] * 3)
+                if sent == line:  # gone once the process runs
+                    deadline = time.time() + 60
+                    while not (tmp_path / "pid").exists() or not (tmp_path / "pid").read_text():
+                        assert time.time() < deadline, "the program never started"
+                        time.sleep(0.01)
+    forked = int((tmp_path / "pid").read_text())
+    deadline = time.time() + 10
+    while alive(forked) and time.time() < deadline:
+        time.sleep(0.01)
+    assert not alive(forked), "the forked process outlived its stand-in"
+    assert preloaded() == "True"  # the server still serves
