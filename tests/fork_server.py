@@ -3,24 +3,26 @@
     python tests/fork_server.py DIR      # serves DIR/socket; DIR/python is the stand-in
 
 Every fresh process of the suite (each torchrun launcher, each rank, each worker) spends
-about 4.7 CPU-s importing torch and dynamo before it does anything, and the suite starts
-some two hundred: more than half its CPU. This server imports them once, then forks a
-process for each `python ...` the suite starts, so a fresh job pays for its own work
-only. What a forked process runs is what `python` would: the script (or -m module, or -c
-code) as `__main__`, its argv, environment, working directory, stdin/stdout/stderr,
-scheduling policy; it is a real process of its own, on its own gloo sockets, with its
-own exit. What it skips is the imports, and that is all: whatever the interpreter's
-start sets from the environment (OMP_NUM_THREADS, TORCH_*, PYTHONPATH, ...) must equal
-this server's, or the request is refused and the stand-in starts a real interpreter.
+about 4.7 CPU-s importing torch and dynamo before it does anything, and 1.3 more tearing
+torch's modules down at exit; the suite starts some two hundred. This server imports them
+once, then forks a process for each `python ...` the suite starts, so a fresh job pays
+for its own work only. What a forked process runs is what `python` would: the script
+(or -m module, or -c code) as `__main__`, its argv, environment, working directory,
+stdin/stdout/stderr, scheduling policy, PYTHONPATH on sys.path and its sitecustomize.py
+imported; it is a real process of its own, on its own gloo sockets, with its own exit.
+What it skips is the imports and the teardown (`leave`): whatever the interpreter's
+start reads from the environment (OMP_NUM_THREADS, TORCH_*, ...) must equal this
+server's, or the request is refused and the stand-in starts a real interpreter.
 
 DIR/python (forked_python.py behind a shebang of this interpreter) is what the harness
-starts in place of sys.executable, and what torchrun starts for its ranks (PYTHON_EXEC).
-It sends its argv, environment and standard streams here, gets the forked pid, forwards
-the signals it receives to it (torchrun's SIGTERM to its workers, a test's SIGTERM to a
-rank) and leaves with its exit status, or dies of its signal. A stand-in that dies
-without a word (SIGKILL) has its process killed here at once. So the pid a launcher sees
-behaves as the process it stands for; tests that SIGKILL a rank and read what it left on
-disk a moment later use real interpreters (harness.command(..., forked=False)).
+starts in place of sys.executable, what torchrun starts for its ranks (PYTHON_EXEC) and
+a forked process's sys.executable. It sends its argv, environment and standard streams
+here, gets the forked pid, forwards the signals it receives to it (torchrun's SIGTERM to
+its workers, a test's SIGTERM to a rank) and leaves with its exit status, or dies of its
+signal. A stand-in that dies without a word (SIGKILL) has its process killed here at
+once, and DIR/forked/<its pid> names its process meanwhile, so harness.kill_tree and
+harness.workers_of walk a launch's tree through the stand-ins. Tests of an interpreter's
+own start or exit use real ones (harness.job_env(forked=False)).
 
 Single-threaded by construction (the environment holds OpenMP and BLAS at one thread;
 checked before serving): a fork copies only the thread that calls it.
@@ -41,6 +43,27 @@ STARTUP_ENV = re.compile(r"^(PYTHON(?!UNBUFFERED$).*|TORCH(?!ELASTIC_|_NCCL_).*|
                          r"KMP_.*|GOMP_.*|OPENBLAS_.*|LD_.*|CUDA.*|NCCL.*)$")
 PRELOAD = ["torch", "torch._dynamo", "torch.distributed.run", "numpy", "omegaconf", "fsspec",
            "tiktoken", "ctypes"]
+
+
+def _takes_pythonpath(mine):
+    """A request's own PYTHONPATH is put on sys.path in the child (become), its
+    sitecustomize imported there, where the server has neither of its own."""
+    return not mine.get("PYTHONPATH") and "sitecustomize" not in sys.modules
+
+
+def _pythonpath(entries):
+    """As the interpreter's start does: PYTHONPATH's directories after the script's, and
+    their sitecustomize.py imported (after the server's imports, not before: the
+    tests' hooks patch fsspec or a rank's start, which works either way)."""
+    import importlib.machinery
+    import importlib.util
+    paths = [os.path.abspath(p) for p in entries.split(os.pathsep) if p]
+    sys.path[1:1] = paths
+    spec = importlib.machinery.PathFinder.find_spec("sitecustomize", paths)
+    if spec is not None:
+        module = importlib.util.module_from_spec(spec)
+        sys.modules["sitecustomize"] = module
+        spec.loader.exec_module(module)
 
 
 def write_stand_in(directory, real_python):
@@ -122,6 +145,7 @@ def serve(directory):
                     signal.signal(signal.SIGCHLD, signal.SIG_DFL)
                     os.close(wake_r)
                     os.close(wake_w)
+                    request["stand_in"] = os.path.join(directory, "python")
                     return request, fds
                 for fd in fds:
                     os.close(fd)
@@ -167,7 +191,8 @@ def _send(conn, line):
 
 def _refusal(request, mine):
     theirs = startup_env(request["env"])
-    differ = sorted(k for k in set(mine) | set(theirs) if mine.get(k) != theirs.get(k))
+    differ = sorted(k for k in set(mine) | set(theirs) if mine.get(k) != theirs.get(k)
+                    and not (k == "PYTHONPATH" and _takes_pythonpath(mine)))
     return f"startup environment differs: {differ}" if differ else ""
 
 
@@ -236,6 +261,9 @@ def become(request, fds):
         pass
     os.environ.clear()
     os.environ.update(request["env"])
+    # what the child starts with sys.executable (bench's launches, inductor's workers) is
+    # forked too; the stand-in starts the real interpreter where it cannot
+    sys.executable = request["stand_in"]
     import random
     random.seed()  # a fresh interpreter seeds from the OS; a fork would share the server's
     if "numpy.random" in sys.modules:
@@ -250,6 +278,8 @@ def become(request, fds):
         setattr(sys, name, stream)
         setattr(sys, f"__{name}__", stream)
     sys.stdin = sys.__stdin__ = io.TextIOWrapper(open(0, "rb", closefd=False))
+    if os.environ.get("PYTHONPATH"):  # _refusal let it through: the server has none
+        _pythonpath(os.environ["PYTHONPATH"])
 
 
 def run(request):

@@ -27,7 +27,7 @@ def run_and_kill(workdir, args, should_kill, timeout=240):
     says so. Returns (exit code, whether a kill happened)."""
     os.makedirs(workdir, exist_ok=True)
     proc = subprocess.Popen(command(2, TINY + args, ["--max-restarts=3"]), cwd=workdir,
-                            env=job_env(forked=False), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            env=job_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                             text=True, start_new_session=True)
     killed, deadline = False, time.time() + timeout
     try:

@@ -29,6 +29,8 @@ PROGRAMS = {
                "def late():\n    time.sleep(0.2)\n    print('thread')\n"
                "threading.Thread(target=late).start()\n"
                "f = open('left-open.txt', 'w'); f.write('flushed')\n",
+    # PYTHONPATH's directories on sys.path, after the script's; its sitecustomize imported
+    "PYTHONPATH and sitecustomize": "import sys, hook; print(sys.path.index(hook.HERE), hook.STARTED)",
     "a SIGTERM handler": "import os, signal, sys, time\n"
                          "signal.signal(signal.SIGTERM, lambda *_: (print('term'), sys.exit(7)))\n"
                          "open('ready', 'w').close()\n"
@@ -39,7 +41,13 @@ SIGNALLED = ("a SIGTERM handler", "no handler")
 
 
 def run(how, args, cwd, signal_when_ready=None):
-    env = dict(job_env(forked=how == "forked"), PROBE="probe")
+    site = os.path.join(cwd, "site")
+    os.makedirs(site, exist_ok=True)
+    with open(os.path.join(site, "sitecustomize.py"), "w") as f:
+        f.write("import hook\nhook.STARTED = True\n")
+    with open(os.path.join(site, "hook.py"), "w") as f:
+        f.write("import os\nHERE = os.path.dirname(os.path.abspath(__file__))\nSTARTED = False\n")
+    env = dict(job_env(forked=how == "forked"), PROBE="probe", PYTHONPATH=site)
     interpreter = python() if how == "forked" else sys.executable
     proc = subprocess.Popen([interpreter, *args], cwd=cwd, env=env, stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True)
@@ -88,6 +96,7 @@ def test_the_stand_in_is_forked_unless_the_startup_environment_differs():
     # TORCH_LOGS is read when torch is imported: the server's import did not see it
     assert preloaded({"TORCH_LOGS": "+dynamo"}) == "False"
     assert preloaded({"FORK_SERVER_SOCKET": ""}) == "False"
+    assert preloaded({"PYTHONPATH": os.devnull}) == "True"  # taken: become() puts it on the path
 
 
 def test_a_sigkill_of_the_stand_in_kills_the_forked_process(tmp_path):
