@@ -337,7 +337,11 @@ def leave(code):
     """An interpreter's way out as a program sees it: non-daemon threads joined, atexit
     handlers run, the script's objects finalized (a file left open is flushed), output
     flushed. Not done: tearing down every module, which for torch costs about 1.3 CPU-s
-    and nothing a program can see (main.py itself leaves by os._exit past it)."""
+    and nothing a program can see (main.py itself leaves by os._exit past it).
+    FORK_SERVER_FULL_EXIT=1: the interpreter's own way out, the teardown included
+    (test_clean_exit: an abort there is what it looks for)."""
+    if os.environ.get("FORK_SERVER_FULL_EXIT") == "1":
+        raise SystemExit(code)
     import atexit
     import gc
     import threading

@@ -145,3 +145,19 @@ def test_stand_ins_that_vanish_leave_the_server_serving(tmp_path):
         time.sleep(0.01)
     assert not alive(forked), "the forked process outlived its stand-in"
     assert preloaded() == "True"  # the server still serves
+
+
+def test_the_full_exit_tears_down_as_the_interpreter_does(tmp_path):
+    """FORK_SERVER_FULL_EXIT=1 (test_clean_exit's jobs): the forked process leaves through
+    the interpreter's teardown, which finalizes what other modules hold; the default way
+    out skips it (what a program sees otherwise is the same: the programs above)."""
+    code = ("import sys, types\nclass Last:\n    def __del__(self):\n        print('torn down')\n"
+            "sys.modules['holder'] = types.ModuleType('holder')\nsys.modules['holder'].last = Last()\n")
+    results = {}
+    for how, full in (("real", "1"), ("forked", "1"), ("forked", "0")):
+        env = dict(job_env(forked=how == "forked"), FORK_SERVER_FULL_EXIT=full)
+        out = subprocess.run([python() if how == "forked" else sys.executable, "-c", code],
+                             env=env, capture_output=True, text=True, timeout=120, cwd=tmp_path)
+        results[how, full] = out.returncode, out.stdout, out.stderr
+    assert results["forked", "1"] == results["real", "1"] == (0, "torn down\n", ""), results
+    assert results["forked", "0"] == (0, "", ""), results
