@@ -48,33 +48,36 @@ def job_env(forked=True):
                PYTHONUNBUFFERED="1", PYTHON=sys.executable)
     for name in ("MASTER_ADDR", "FORK_SERVER_SOCKET", "PYTHON_EXEC"):
         env.pop(name, None)
-    if forked and FORK_SERVER:
-        directory = _fork_server(env)
+    directory = _fork_server(env) if forked and FORK_SERVER else None
+    if directory:
         env.update(FORK_SERVER_SOCKET=os.path.join(directory, "socket"), PYTHON=python(),
                    PYTHON_EXEC=python())  # PYTHON_EXEC: what torchrun starts its ranks with
     return env
 
 
 FORK_SERVER = os.environ.get("TEST_FORK_SERVER", "1") != "0"
-_fork = {}  # "proc", "dir": the session's fork server, once started
+_fork = {}  # "proc", "dir": the session's fork server, once started; or "failure"
 
 
 def python():
     """The `python` a test starts processes with: the fork server's stand-in, which
     behaves as this interpreter (and starts it when job_env(forked=False) says so)."""
-    if not FORK_SERVER:
-        return sys.executable
-    _fork_server(job_env(forked=False))
-    return os.path.join(_fork["dir"], "python")
+    directory = _fork_server(job_env(forked=False)) if FORK_SERVER else None
+    return os.path.join(directory, "python") if directory else sys.executable
 
 
 def _fork_server(env):
-    """Start the session's fork server (first use); returns its directory."""
-    if "dir" in _fork:
-        return _fork["dir"]
+    """Start the session's fork server (first use); returns its directory, or None when it
+    could not start: the session then runs real interpreters, and test_fork_server.py
+    fails with the reason (fork_server_failure)."""
+    if "dir" in _fork or "failure" in _fork:
+        return _fork.get("dir")
     import select
     import tempfile
     directory = tempfile.mkdtemp(prefix="fork-server-")
+    if len(directory) > 80 and os.path.isdir("/tmp"):  # a socket's path has at most 107 bytes
+        os.rmdir(directory)
+        directory = tempfile.mkdtemp(prefix="fork-server-", dir="/tmp")
     stand_in = fork_server.write_stand_in(directory, sys.executable)
     env = dict(env, FORK_SERVER_SOCKET=os.path.join(directory, "socket"), PYTHON=stand_in,
                PYTHON_EXEC=stand_in)
@@ -85,9 +88,19 @@ def _fork_server(env):
     ready, _, _ = select.select([proc.stdout], [], [], 300)
     if not ready or proc.stdout.readline() != b"ready\n":
         kill_tree(proc.pid)
-        raise AssertionError(f"the fork server did not start:\n{_read(log.name)[-3000:]}")
+        proc.wait()
+        _fork["failure"] = f"the fork server did not start:\n{_read(log.name)[-3000:]}"
+        shutil.rmtree(directory, ignore_errors=True)
+        return None
     _fork.update(proc=proc, dir=directory)
     return directory
+
+
+def fork_server_failure():
+    """Why the session's fork server did not start (None: it runs, or is turned off)."""
+    if FORK_SERVER:
+        _fork_server(job_env(forked=False))
+    return _fork.get("failure")
 
 
 def stop_fork_server():

@@ -14,7 +14,17 @@ import time
 
 import pytest
 
-from harness import job_env, python
+from harness import fork_server_failure, job_env, python
+
+
+@pytest.fixture(autouse=True)
+def server_running():
+    """Every test here needs the server; one that could not start says why (the rest of
+    the suite then runs real interpreters)."""
+    import harness
+    if not harness.FORK_SERVER:
+        pytest.skip("TEST_FORK_SERVER=0: no fork server in this session")
+    assert fork_server_failure() is None, fork_server_failure()
 
 PROGRAMS = {
     "status and streams": "import sys; print('out'); print('err', file=sys.stderr); sys.exit(3)",
