@@ -61,12 +61,7 @@ def main(argv):
         except (OSError, ValueError):
             pass
     signal.pthread_sigmask(signal.SIG_UNBLOCK, FORWARDED)
-    while True:
-        try:
-            line = reply.readline().decode().split()
-            break
-        except InterruptedError:
-            continue
+    line = reply.readline().decode().split()  # a forwarded signal does not interrupt it (PEP 475)
     if not line:  # the server died: so did the process
         sys.stderr.write("forked_python: the fork server went away\n")
         os._exit(1)

@@ -50,8 +50,7 @@ def job_env(forked=True):
         env.pop(name, None)
     directory = _fork_server(env) if forked and FORK_SERVER else None
     if directory:
-        env.update(FORK_SERVER_SOCKET=os.path.join(directory, "socket"), PYTHON=python(),
-                   PYTHON_EXEC=python())  # PYTHON_EXEC: what torchrun starts its ranks with
+        env.update(_stand_in_env(directory))
     return env
 
 
@@ -66,6 +65,14 @@ def python():
     return os.path.join(directory, "python") if directory else sys.executable
 
 
+def _stand_in_env(directory):
+    """Where the stand-in asks, and the stand-in as PYTHON (scripts/gpu_smoke.sh's
+    interpreter) and PYTHON_EXEC (what torchrun starts its ranks with)."""
+    stand_in = os.path.join(directory, "python")
+    return dict(FORK_SERVER_SOCKET=os.path.join(directory, "socket"), PYTHON=stand_in,
+                PYTHON_EXEC=stand_in)
+
+
 def _fork_server(env):
     """Start the session's fork server (first use); returns its directory, or None when it
     could not start: the session then runs real interpreters, and test_fork_server.py
@@ -78,9 +85,8 @@ def _fork_server(env):
     if len(directory) > 80 and os.path.isdir("/tmp"):  # a socket's path has at most 107 bytes
         os.rmdir(directory)
         directory = tempfile.mkdtemp(prefix="fork-server-", dir="/tmp")
-    stand_in = fork_server.write_stand_in(directory, sys.executable)
-    env = dict(env, FORK_SERVER_SOCKET=os.path.join(directory, "socket"), PYTHON=stand_in,
-               PYTHON_EXEC=stand_in)
+    fork_server.write_stand_in(directory, sys.executable)
+    env = dict(env, **_stand_in_env(directory))
     with open(os.path.join(directory, "server.log"), "w") as log:
         proc = subprocess.Popen([sys.executable, fork_server.__file__, directory], env=env,
                                 stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=log,
@@ -98,8 +104,7 @@ def _fork_server(env):
 
 def fork_server_failure():
     """Why the session's fork server did not start (None: it runs, or is turned off)."""
-    if FORK_SERVER:
-        _fork_server(job_env(forked=False))
+    python()  # starts it if it is on and not started yet
     return _fork.get("failure")
 
 
@@ -459,10 +464,16 @@ def _finish_ahead(spec, handle, hung):
     if hung:
         kill_tree(proc.pid)
     proc.wait()
-    out, err = [(f.seek(0), f.read().decode(errors="replace"), f.close())[1] for f in files]
+    out, err = map(_read_back, files)
     if hung:
         return None, f"{what} hung for {spec[2] * prefetch.SLACK}s\n{out[-3000:]}\n{err[-5000:]}"
     return _worker_outcome(what, subprocess.CompletedProcess(cmd, proc.returncode, out, err))
+
+
+def _read_back(file):
+    with file:
+        file.seek(0)
+        return file.read().decode(errors="replace")
 
 
 def prefetch_worker_sessions(specs):

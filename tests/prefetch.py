@@ -23,6 +23,7 @@ made there (data/prepare.py's worker pool) copies locked.
 """
 
 import os
+import subprocess
 import time
 
 SLACK = 4             # a session run ahead may take this many times its own timeout
@@ -87,7 +88,7 @@ def claim(wanted):
         proc, deadline = _running[1][0], _running[2]
         try:
             proc.wait(timeout=max(0, deadline - time.time()))
-        except Exception:  # subprocess.TimeoutExpired: finish kills it
+        except subprocess.TimeoutExpired:  # past its deadline: finish kills it
             pass
         _collect(proc.poll() is None)
         advance()
