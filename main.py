@@ -111,8 +111,10 @@ _groups_started = 0  # process groups this process has started (init_process_gro
 
 @contextmanager
 def determinism(enabled):
-    """trainer.deterministic: deterministic kernels (torch.use_deterministic_algorithms, in
-    warn-only mode: an op without one warns and runs), cuDNN without autotuning, and
+    """trainer.deterministic: deterministic kernels (torch.use_deterministic_algorithms,
+    strict: an op without one stops the run naming it. Warn-only is not enough: CUDA's
+    memory-efficient and cuDNN attention keep their atomics there and only warn, and an
+    H100 rerun of fp32 `single` differed at step 7), cuDNN without autotuning, and
     cuBLAS's fixed workspace (CUBLAS_WORKSPACE_CONFIG, read when its first handle is made:
     before any matmul of the run), so that a rerun on a GPU is bitwise the first run
     (scripts/gpu_smoke.sh's rerun column). Restored afterwards: a process may run more
@@ -124,7 +126,7 @@ def determinism(enabled):
               torch.is_deterministic_algorithms_warn_only_enabled(),
               torch.backends.cudnn.benchmark, torch.backends.cudnn.deterministic)
     os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
-    torch.use_deterministic_algorithms(True, warn_only=True)
+    torch.use_deterministic_algorithms(True, warn_only=False)
     torch.backends.cudnn.benchmark, torch.backends.cudnn.deterministic = False, True
     try:
         yield

@@ -7,19 +7,22 @@
 # weights, whether a second run was bitwise equal to the first, pass/fail; then which GPU
 # model ran which rows. Exit status 1 if any layout differs, crashes or hangs.
 #
-#   bash scripts/gpu_smoke.sh                # tier = the GPUs nvidia-smi shows (2, 4 or 8)
-#   bash scripts/gpu_smoke.sh --gpus 4       # the 2- and 4-GPU rows
+#   bash scripts/gpu_smoke.sh                # tier = the GPUs nvidia-smi shows (1, 2, 4 or 8)
+#   bash scripts/gpu_smoke.sh --gpus 4       # the 1-, 2- and 4-GPU rows
 #   bash scripts/gpu_smoke.sh --nodes 2      # the two-node tier, on each of two 8-GPU nodes:
 #       MASTER_ADDR=node0 MASTER_PORT=29400 NODE_RANK=0|1 (torchrun's static rendezvous,
 #       from these variables; node 0 prints the table) SMOKE_SHARED_DIR=<a directory both
 #       nodes see: the jobs' snapshots, as for any multi-node run>
-#   bash scripts/gpu_smoke.sh --cpu          # the 2-process tier on gloo, tiny sizes
+#   bash scripts/gpu_smoke.sh --cpu          # the 1- and 2-process tiers on gloo, tiny sizes
 #   bash scripts/gpu_smoke.sh [--cpu] --list # every tier's rows: tier|name|processes|args
 #   SMOKE_LAYOUTS="single pp2-zbv" bash scripts/gpu_smoke.sh --cpu   # only those rows
 #
-# Tiers: 2 (every path: data parallelism, ZeRO 1-3, tp, pp schedules, cp, precisions,
-# recompute, compile, async snapshots killed and resumed, dropout, PyTorch's DDP, FSDP2
-# and TP on the same model), 4 and 8 (2-D and 3-D compositions), 2x8 (all four dimensions
+# Tiers: 1 (one process on its device: the NCCL group of one rank and our ddp_bucket and
+# fsdp3 collectives through it, bf16, fp16, recompute, compile, the profiler with a CUDA
+# memory snapshot, an async snapshot killed and resumed, dropout), 2 (every path: data
+# parallelism, ZeRO 1-3, tp, pp schedules, cp, precisions, recompute, compile, async
+# snapshots killed and resumed, dropout, PyTorch's DDP, FSDP2 and TP on the same model),
+# 4 and 8 (2-D and 3-D compositions), 2x8 (all four dimensions
 # across two nodes). A tier runs its rows and those of the tiers below it.
 #
 # Every job runs with a deadline (SMOKE_JOB_TIMEOUT seconds) and collectives with a
@@ -52,7 +55,7 @@ while [[ $# -gt 0 ]]; do
     --list) LIST=1 ;;
     --gpus) GPUS="${2:-}"; shift ;;
     --nodes) NODES="${2:-}"; shift ;;
-    *) echo "gpu_smoke.sh: unknown argument $1 (--cpu, --list, --gpus 2|4|8, --nodes 2)" >&2; exit 2 ;;
+    *) echo "gpu_smoke.sh: unknown argument $1 (--cpu, --list, --gpus 1|2|4|8, --nodes 2)" >&2; exit 2 ;;
   esac
   shift
 done
@@ -81,9 +84,20 @@ PP=(parallel.dp=single parallel.pp=2 parallel.microbatches=4)
 SP=(parallel.tp=2 parallel.sequence_parallel=true)
 
 # tier | name | processes | tolerance against single ("-": not compared: dropout draws
-# other masks under other layouts) | overrides
+# other masks under other layouts; a kill-resume row trains KR_STEPS, so its learning-rate
+# schedule is not single's: its check is that a step trained again after the resume is
+# bitwise the one before the kill) | overrides
 MATRIX=(
-  "2|single|1|0|parallel.dp=single"
+  "1|single|1|0|parallel.dp=single"
+  "1|single-ddp_bucket|1|$RTOL|parallel.dp=ddp_bucket"
+  "1|single-fsdp3|1|$RTOL|parallel.dp=fsdp parallel.zero_stage=3"
+  "1|single-bf16|1|$BF16_RTOL|parallel.dp=single trainer.precision=bf16"
+  "1|single-fp16|1|$FP16_RTOL|parallel.dp=single trainer.precision=fp16 trainer.fp16_init_scale=1024"
+  "1|single-recompute|1|$RTOL|parallel.dp=single trainer.activation_checkpointing=true"
+  "1|single-compile|1|$RTOL|parallel.dp=single trainer.compile=true"
+  "1|single-profile|1|$RTOL|parallel.dp=single trainer.profile_from=3 trainer.profile_steps=2 trainer.memory_snapshot=true"
+  "1|single-kill-resume|1|-|parallel.dp=single trainer.snapshot_async=true trainer.save_every=2 trainer.max_steps=$KR_STEPS"
+  "1|single-dropout|1|-|parallel.dp=single model.dropout=0.1"
   "2|ddp_naive|2|$RTOL|parallel.dp=ddp_naive"
   "2|ddp_bucket|2|$RTOL|parallel.dp=ddp_bucket"
   "2|ddp_bucket-ring|2|$RTOL|parallel.dp=ddp_bucket parallel.allreduce=ring"
@@ -113,7 +127,7 @@ MATRIX=(
   "2|ddp_bucket-recompute|2|$RTOL|parallel.dp=ddp_bucket trainer.activation_checkpointing=true"
   "2|tp2-sp-recompute|2|$RTOL|parallel.dp=single ${SP[*]} trainer.activation_checkpointing=true"
   "2|ddp_bucket-compile|2|$RTOL|parallel.dp=ddp_bucket trainer.compile=true"
-  "2|snapshot-kill-resume|2|$RTOL|parallel.dp=fsdp parallel.zero_stage=2 trainer.snapshot_async=true trainer.save_every=2 trainer.max_steps=$KR_STEPS"
+  "2|snapshot-kill-resume|2|-|parallel.dp=fsdp parallel.zero_stage=2 trainer.snapshot_async=true trainer.save_every=2 trainer.max_steps=$KR_STEPS"
   "2|tp2-sp-dropout|2|-|parallel.dp=single ${SP[*]} model.dropout=0.1"
   "2|cp2-dropout|2|-|parallel.dp=ddp_bucket parallel.cp=2 model.dropout=0.1"
   "4|dp2-tp2|4|$RTOL|parallel.dp=ddp_bucket ${SP[*]}"
@@ -166,17 +180,18 @@ if [[ $NODES == 2 ]]; then
 elif [[ $NODES != 1 ]]; then
   echo "gpu_smoke.sh: --nodes takes 2 (the two-node tier), got $NODES" >&2; exit 2
 elif [[ $MODE == cpu ]]; then
-  TIERS=(2)
+  TIERS=(1 2)
 else
   if [[ -z $GPUS ]]; then
     GPUS=$(nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null | wc -l)
     (( GPUS > 8 )) && GPUS=8
   fi
   case "$GPUS" in
-    2|3) TIERS=(2) ;;
-    4|5|6|7) TIERS=(2 4) ;;
-    8) TIERS=(2 4 8) ;;
-    *) echo "gpu_smoke.sh: needs 2, 4 or 8 GPUs (--gpus N), nvidia-smi shows ${GPUS:-none}" >&2; exit 2 ;;
+    1) TIERS=(1) ;;
+    2|3) TIERS=(1 2) ;;
+    4|5|6|7) TIERS=(1 2 4) ;;
+    8) TIERS=(1 2 4 8) ;;
+    *) echo "gpu_smoke.sh: needs 1, 2, 4 or 8 GPUs (--gpus N), nvidia-smi shows ${GPUS:-none}" >&2; exit 2 ;;
   esac
 fi
 
@@ -316,7 +331,7 @@ for row in "${MATRIX[@]}"; do
   if [[ -n "${SMOKE_LAYOUTS:-}" && " $SMOKE_LAYOUTS " != *" $name "* ]]; then wanted=0; fi
   [[ $wanted == 1 ]] || continue
   dir="$OUT/$name"
-  if [[ $name == snapshot-kill-resume ]]; then
+  if [[ $name == *kill-resume ]]; then
     run_kill_resume "$dir" "$nproc" "$overrides"
   elif [[ $NODES == 2 && $nproc != 1 ]]; then
     # both nodes must start the same jobs in the same order, whatever each saw: always

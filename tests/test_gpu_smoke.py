@@ -22,7 +22,10 @@ from config import load_config
 from harness import REPO, job_env, run_tree
 
 TIERS = {
-    "2": ["single", "ddp_naive", "ddp_bucket", "ddp_bucket-ring", "torch_ddp", "fsdp1", "fsdp2",
+    "1": ["single", "single-ddp_bucket", "single-fsdp3", "single-bf16", "single-fp16",
+          "single-recompute", "single-compile", "single-profile", "single-kill-resume",
+          "single-dropout"],
+    "2": ["ddp_naive", "ddp_bucket", "ddp_bucket-ring", "torch_ddp", "fsdp1", "fsdp2",
           "fsdp3-prefetch", "fsdp3-noprefetch", "torch_fsdp", "tp2", "tp2-torch", "tp2-sp",
           "pp2-gpipe", "pp2-1f1b", "pp2-interleaved-v2", "pp2-zb1p", "pp2-zbv", "cp2",
           "cp2-allgather", "ddp_bucket-fp16", "ddp_bucket-bf16", "tp2-sp-bf16", "pp2-1f1b-bf16",
@@ -37,7 +40,7 @@ TIERS = {
             "dp16-torch_fsdp"],
 }
 MATRIX = [name for rows in TIERS.values() for name in rows]
-PROCESSES = {"2": 2, "4": 4, "8": 8, "2x8": 16}
+PROCESSES = {"1": 1, "2": 2, "4": 4, "8": 8, "2x8": 16}
 # run for real: the reference, a 2-rank layout and the bf16 tolerance (each layout of the
 # matrix is at parity in its own tests; here the script, its table and its exit status are
 # under test, and every row's arguments are checked in process below)
@@ -58,7 +61,7 @@ def test_the_matrix_names_every_layout():
     tiers = {}
     for tier, name, nproc, _ in rows:
         tiers.setdefault(tier, []).append(name)
-        assert int(nproc) == (1 if name == "single" else PROCESSES[tier]), (name, nproc)
+        assert int(nproc) == PROCESSES[tier], (name, nproc)
     assert tiers == TIERS
     args = {name: a for _, name, _, a in rows}
     for name, keys in {"fsdp1": "zero_stage=1", "fsdp2": "zero_stage=2", "fsdp3-prefetch": "prefetch=true",
@@ -70,7 +73,10 @@ def test_the_matrix_names_every_layout():
                        "ddp_bucket-compile": "compile=true", "snapshot-kill-resume": "snapshot_async=true",
                        "cp2-allgather": "cp_impl=allgather", "cp2-dropout": "dropout=0.1",
                        "torch_ddp": "dp=torch_ddp", "torch_fsdp": "dp=torch_fsdp",
-                       "tp2-torch": "tp_impl=torch"}.items():
+                       "tp2-torch": "tp_impl=torch", "single-fsdp3": "zero_stage=3",
+                       "single-fp16": "precision=fp16", "single-compile": "compile=true",
+                       "single-profile": "memory_snapshot=true",
+                       "single-kill-resume": "snapshot_async=true"}.items():
         assert keys in args[name], (name, args[name])
 
 
