@@ -45,19 +45,29 @@ PRELOAD = ["torch", "torch._dynamo", "torch.distributed.run", "numpy", "omegacon
            "tiktoken", "ctypes"]
 
 
+def _directories(pythonpath):
+    return [os.path.abspath(p) for p in (pythonpath or "").split(os.pathsep) if p]
+
+
 def _takes_pythonpath(mine):
-    """A request's own PYTHONPATH is put on sys.path in the child (become), its
-    sitecustomize imported there, where the server has neither of its own."""
-    return not mine.get("PYTHONPATH") and "sitecustomize" not in sys.modules
+    """A request's own PYTHONPATH replaces the server's on sys.path in the child (become),
+    its sitecustomize imported there, where the server's PYTHONPATH (the session's: a
+    user may have one) gave it nothing it still holds: no sitecustomize, no module
+    imported from there. Else a request with another PYTHONPATH gets a real interpreter."""
+    own = tuple(os.path.join(d, "") for d in _directories(mine.get("PYTHONPATH")))
+    return "sitecustomize" not in sys.modules and not (own and any(
+        (getattr(m, "__file__", None) or "").startswith(own) for m in list(sys.modules.values())))
 
 
-def _pythonpath(entries):
-    """As the interpreter's start does: PYTHONPATH's directories after the script's, and
-    their sitecustomize.py imported (after the server's imports, not before: the
-    tests' hooks patch fsspec or a rank's start, which works either way)."""
+def _pythonpath(entries, server_entries):
+    """As the interpreter's start does: PYTHONPATH's directories after the script's, in
+    place of the server's, and their sitecustomize.py imported (after the server's
+    imports, not before: the tests' hooks patch fsspec or a rank's start, which works
+    either way)."""
     import importlib.machinery
     import importlib.util
-    paths = [os.path.abspath(p) for p in entries.split(os.pathsep) if p]
+    sys.path[:] = [p for p in sys.path if not p or os.path.abspath(p) not in server_entries]
+    paths = _directories(entries)
     sys.path[1:1] = paths
     spec = importlib.machinery.PathFinder.find_spec("sitecustomize", paths)
     if spec is not None:
@@ -259,6 +269,7 @@ def become(request, fds):
         os.setpriority(os.PRIO_PROCESS, 0, priority)
     except OSError:
         pass
+    server_pythonpath = os.environ.get("PYTHONPATH")  # the server's own, until now
     os.environ.clear()
     os.environ.update(request["env"])
     # what the child starts with sys.executable (bench's launches, inductor's workers) is
@@ -278,8 +289,8 @@ def become(request, fds):
         setattr(sys, name, stream)
         setattr(sys, f"__{name}__", stream)
     sys.stdin = sys.__stdin__ = io.TextIOWrapper(open(0, "rb", closefd=False))
-    if os.environ.get("PYTHONPATH"):  # _refusal let it through: the server has none
-        _pythonpath(os.environ["PYTHONPATH"])
+    if os.environ.get("PYTHONPATH") != server_pythonpath:  # _refusal let it through
+        _pythonpath(os.environ.get("PYTHONPATH"), _directories(server_pythonpath))
 
 
 def run(request):

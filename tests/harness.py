@@ -50,7 +50,7 @@ def job_env(forked=True):
         env.pop(name, None)
     directory = _fork_server(env) if forked and FORK_SERVER else None
     if directory:
-        env.update(_stand_in_env(directory))
+        env.update(stand_in_env(directory))
     return env
 
 
@@ -65,7 +65,7 @@ def python():
     return os.path.join(directory, "python") if directory else sys.executable
 
 
-def _stand_in_env(directory):
+def stand_in_env(directory):
     """Where the stand-in asks, and the stand-in as PYTHON (scripts/gpu_smoke.sh's
     interpreter) and PYTHON_EXEC (what torchrun starts its ranks with)."""
     stand_in = os.path.join(directory, "python")
@@ -79,6 +79,18 @@ def _fork_server(env):
     fails with the reason (fork_server_failure)."""
     if "dir" in _fork or "failure" in _fork:
         return _fork.get("dir")
+    proc, directory, failure = start_fork_server(env)
+    if failure:
+        _fork["failure"] = failure
+        return None
+    _fork.update(proc=proc, dir=directory)
+    return directory
+
+
+def start_fork_server(env):
+    """A fork server started with `env`: (its process, its directory, None), or (None,
+    None, why it did not start). Its stand-in is DIR/python; closing the process's stdin
+    stops it."""
     import select
     import tempfile
     directory = tempfile.mkdtemp(prefix="fork-server-")
@@ -86,7 +98,7 @@ def _fork_server(env):
         os.rmdir(directory)
         directory = tempfile.mkdtemp(prefix="fork-server-", dir="/tmp")
     fork_server.write_stand_in(directory, sys.executable)
-    env = dict(env, **_stand_in_env(directory))
+    env = dict(env, **stand_in_env(directory))
     with open(os.path.join(directory, "server.log"), "w") as log:
         proc = subprocess.Popen([sys.executable, fork_server.__file__, directory], env=env,
                                 stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=log,
@@ -95,11 +107,10 @@ def _fork_server(env):
     if not ready or proc.stdout.readline() != b"ready\n":
         kill_tree(proc.pid)
         proc.wait()
-        _fork["failure"] = f"the fork server did not start:\n{_read(log.name)[-3000:]}"
+        failure = f"the fork server did not start:\n{_read(log.name)[-3000:]}"
         shutil.rmtree(directory, ignore_errors=True)
-        return None
-    _fork.update(proc=proc, dir=directory)
-    return directory
+        return None, None, failure
+    return proc, directory, None
 
 
 def fork_server_failure():
@@ -112,12 +123,16 @@ def stop_fork_server():
     """Its forked processes die with it (it kills them; PR_SET_PDEATHSIG besides)."""
     proc = _fork.pop("proc", None)
     if proc is not None:
-        proc.stdin.close()
-        try:
-            proc.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            kill_tree(proc.pid)
-        shutil.rmtree(_fork.pop("dir"), ignore_errors=True)
+        stop_a_fork_server(proc, _fork.pop("dir"))
+
+
+def stop_a_fork_server(proc, directory):
+    proc.stdin.close()
+    try:
+        proc.wait(timeout=30)
+    except subprocess.TimeoutExpired:
+        kill_tree(proc.pid)
+    shutil.rmtree(directory, ignore_errors=True)
 
 
 def command(nproc, overrides, launcher_args=()):

@@ -7,6 +7,7 @@ environment differs from the server's gets a real interpreter. test_job_server.p
 a forked job's metrics and snapshot to a real one's, to the bit."""
 
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -107,6 +108,51 @@ def test_the_stand_in_is_forked_unless_the_startup_environment_differs():
     assert preloaded({"TORCH_LOGS": "+dynamo"}) == "False"
     assert preloaded({"FORK_SERVER_SOCKET": ""}) == "False"
     assert preloaded({"PYTHONPATH": os.devnull}) == "True"  # taken: become() puts it on the path
+
+
+def test_a_session_with_its_own_pythonpath_forks_requests_with_another(tmp_path):
+    """A user's shell may set PYTHONPATH: the server (started with the session's
+    environment) then has it on its sys.path. A request that sets its own (the tests'
+    sitecustomize hooks) is still forked, with the request's directories in place of the
+    server's, as the interpreter would have them; one whose server imported a module from
+    its PYTHONPATH gets a real interpreter."""
+    from harness import stand_in_env, start_fork_server, stop_a_fork_server
+    users = tmp_path / "users"
+    users.mkdir()
+    (users / "users_module.py").write_text("")
+    probe = ("import importlib.util, sys, hook\n"
+             "print(sys.path.index(hook.HERE), hook.STARTED, importlib.util.find_spec('users_module'))")
+    for imported in (False, True):
+        server_env = dict(job_env(forked=False), PYTHONPATH=str(users))
+        if imported:  # the user's PYTHONPATH holds a package the server preloads (its copy)
+            import omegaconf
+            shutil.copytree(os.path.dirname(omegaconf.__file__), tmp_path / "packages" / "omegaconf")
+            server_env["PYTHONPATH"] += os.pathsep + str(tmp_path / "packages")
+        proc, directory, failure = start_fork_server(server_env)
+        assert failure is None, failure
+        try:
+            results = {}
+            for how in ("real", "forked"):
+                cwd = tmp_path / f"{how}-{imported}"
+                cwd.mkdir()
+                site = cwd / "site"
+                site.mkdir()
+                (site / "sitecustomize.py").write_text("import hook\nhook.STARTED = True\n")
+                (site / "hook.py").write_text("import os\nHERE = os.path.dirname(os.path.abspath(__file__))\n"
+                                              "STARTED = False\n")
+                env = dict(server_env, **stand_in_env(directory), PYTHONPATH=str(site))
+                interpreter = os.path.join(directory, "python") if how == "forked" else sys.executable
+                out = subprocess.run([interpreter, "-c", probe + "\nprint('torch' in sys.modules)"],
+                                     cwd=cwd, env=env, capture_output=True, text=True, timeout=120)
+                results[how] = out.returncode, out.stdout.splitlines(), out.stderr
+        finally:
+            stop_a_fork_server(proc, directory)
+        print(imported, results)
+        (code, lines, err), (real_code, real_lines, real_err) = results["forked"], results["real"]
+        assert (code, lines[0], err) == (real_code, real_lines[0], real_err)
+        assert lines[0] == "1 True None"  # the request's site after the script's; not the server's
+        # forked (torch preloaded) unless the server holds a module of its own PYTHONPATH
+        assert lines[1] == str(not imported) and real_lines[1] == "False"
 
 
 def test_a_sigkill_of_the_stand_in_kills_the_forked_process(tmp_path):
