@@ -123,7 +123,8 @@ def test_a_session_with_its_own_pythonpath_forks_requests_with_another(tmp_path)
     probe = ("import importlib.util, sys, hook\n"
              "print(sys.path.index(hook.HERE), hook.STARTED, importlib.util.find_spec('users_module'))")
     for imported in (False, True):
-        server_env = dict(job_env(forked=False), PYTHONPATH=str(users))
+        # a server that preloads only omegaconf: whether a process has it shows it forked
+        server_env = dict(job_env(forked=False), PYTHONPATH=str(users), FORK_SERVER_PRELOAD="omegaconf")
         if imported:  # the user's PYTHONPATH holds a package the server preloads (its copy)
             import omegaconf
             shutil.copytree(os.path.dirname(omegaconf.__file__), tmp_path / "packages" / "omegaconf")
@@ -142,7 +143,7 @@ def test_a_session_with_its_own_pythonpath_forks_requests_with_another(tmp_path)
                                               "STARTED = False\n")
                 env = dict(server_env, **stand_in_env(directory), PYTHONPATH=str(site))
                 interpreter = os.path.join(directory, "python") if how == "forked" else sys.executable
-                out = subprocess.run([interpreter, "-c", probe + "\nprint('torch' in sys.modules)"],
+                out = subprocess.run([interpreter, "-c", probe + "\nprint('omegaconf' in sys.modules)"],
                                      cwd=cwd, env=env, capture_output=True, text=True, timeout=120)
                 results[how] = out.returncode, out.stdout.splitlines(), out.stderr
         finally:
@@ -151,7 +152,7 @@ def test_a_session_with_its_own_pythonpath_forks_requests_with_another(tmp_path)
         (code, lines, err), (real_code, real_lines, real_err) = results["forked"], results["real"]
         assert (code, lines[0], err) == (real_code, real_lines[0], real_err)
         assert lines[0] == "1 True None"  # the request's site after the script's; not the server's
-        # forked (torch preloaded) unless the server holds a module of its own PYTHONPATH
+        # forked (omegaconf preloaded) unless the server holds a module of its own PYTHONPATH
         assert lines[1] == str(not imported) and real_lines[1] == "False"
 
 
