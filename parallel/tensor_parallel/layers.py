@@ -67,7 +67,12 @@ class TPRandom:
 
 
 def _rows(weight, rows):
-    """Rows [start, start + length) of `weight` for each (start, length), end to end."""
+    """Rows [start, start + length) of `weight` for each (start, length), end to end (one
+    range: a view, as the callers clone; torch.cat on the planner's meta tensors runs a
+    Python reference)."""
+    if len(rows) == 1:
+        (start, length), = rows
+        return weight[start:start + length]
     return torch.cat([weight[start:start + length] for start, length in rows])
 
 
