@@ -40,7 +40,7 @@ from errors import UserError
 from fault_tolerance import lighthouse, replica_group
 from launch import preemption
 from launch.exit import flush_and_exit
-from model import GPT, GPTConfig
+from model import GPT, GPTConfig, shapes_only
 from parallel.comm import collective_failure
 from parallel.parallelize import parallelize
 from parallel.grid import ProcessGrid, together, uses_cuda
@@ -237,7 +237,7 @@ def train(cfg, grid):
         return None
     snapshot, tokenizer, train_set, val_set, gpt_config, init_state = together(
         grid, "reading the config, data and snapshot", lambda: read_inputs(cfg, grid.is_main))
-    with torch.device("meta"):  # shapes only: each rank materializes what it holds
+    with shapes_only():  # each rank materializes what it holds
         model = GPT(gpt_config)
     if init_state is not None:  # model.init_from: checked against the model, read by box
         check_state_names(dict(model.named_parameters()), init_state,

@@ -26,11 +26,33 @@ A few details matter to the parallel code:
 
 import hashlib
 import math
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+
+
+
+@contextmanager
+def shapes_only():
+    """Modules built inside hold shapes, no values: the meta device, without nn modules'
+    default init (their constructors' reset_parameters draw weights that the meta device
+    does not keep, an Embedding's normal_ through torch's Python reference, some 70 ms
+    each). What a run trains from is GPT.initial_value's, drawn where each rank
+    materializes its share."""
+    import torch.nn.init as init
+    names = ("normal_", "uniform_", "kaiming_uniform_", "zeros_", "ones_")
+    saved = {name: getattr(init, name) for name in names}
+    for name in names:
+        setattr(init, name, lambda tensor, *args, **kwargs: tensor)
+    try:
+        with torch.device("meta"):
+            yield
+    finally:
+        for name, function in saved.items():
+            setattr(init, name, function)
 
 
 @dataclass
@@ -112,7 +134,7 @@ class GPT(nn.Module):
     def __init__(self, config: GPTConfig, seed=None):
         """seed: of the initial weights (initial_value); None: drawn from torch's default
         generator (torch.manual_seed(s) then GPT(...) is reproducible). Built under
-        `torch.device("meta")` it holds shapes only, no values."""
+        `shapes_only()` (the meta device) it holds shapes only, no values."""
         super().__init__()
         assert config.vocab_size > 0 and config.block_size > 0
         self.config = config

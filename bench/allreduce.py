@@ -32,14 +32,13 @@ import torch.distributed as dist  # noqa: E402
 import torch.multiprocessing as mp  # noqa: E402
 
 from bench import report  # noqa: E402
+# torch's own collectives under either name (torch 2.13 renamed them)
+from parallel.comm import all_gather_single, reduce_scatter_single  # noqa: E402
 
 # Where our ring all-reduce lives, "module:function". A guess until the ddp branch
 # lands: if it is named differently, this line (and call_ring below) is all to fix.
 RING = "parallel.data_parallel.ring:ring_all_reduce"
 MiB = 2**20
-# torch 2.13 renamed the tensor-in/tensor-out gather and scatter (old names warn)
-ALL_GATHER = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-REDUCE_SCATTER = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 
 
 def load_ring(where):
@@ -104,8 +103,8 @@ def worker(rank, n, port, args, results):
             checks.append((size_mb, *check_ring(ring, x, n)))
             ops["ring all_reduce"] = (lambda: call_ring(ring, buf, dist.group.WORLD), 2 * (n - 1) / n)
         if args.extra:  # sizes are the full tensor: all-gather output, reduce-scatter input
-            ops["torch all_gather"] = (lambda: ALL_GATHER(buf, shard), (n - 1) / n)
-            ops["torch reduce_scatter"] = (lambda: REDUCE_SCATTER(shard, buf), (n - 1) / n)
+            ops["torch all_gather"] = (lambda: all_gather_single(buf, shard), (n - 1) / n)
+            ops["torch reduce_scatter"] = (lambda: reduce_scatter_single(shard, buf), (n - 1) / n)
         for name, (call, bus) in ops.items():
             s = timed(call, lambda: buf.copy_(x), args.warmup, args.iters)
             rows.append({"size_mb": size_mb, "op": name, "ms": 1e3 * s,

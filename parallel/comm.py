@@ -25,8 +25,8 @@ from errors import UserError
 # torch 2.13 renamed the tensor-to-tensor collectives (all_gather_into_tensor and
 # reduce_scatter_tensor now warn as deprecated); a GPU image's older torch has only the
 # old names. Same arguments, same kernels.
-_all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-_reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 
 
 class WrongDevice(RuntimeError):
@@ -124,12 +124,12 @@ class CommCounter:
     def reduce_scatter(self, output, input, group=None, op=dist.ReduceOp.SUM, async_op=False):
         self.check("reduce_scatter", output)
         self.record("reduce_scatter", input)
-        return _reduce_scatter_single(output, input, op=op, group=group, async_op=async_op)
+        return reduce_scatter_single(output, input, op=op, group=group, async_op=async_op)
 
     def all_gather(self, output, input, group=None, async_op=False):
         self.check("all_gather", input)
         self.record("all_gather", output)
-        return _all_gather_single(output, input, group=group, async_op=async_op)
+        return all_gather_single(output, input, group=group, async_op=async_op)
 
     def broadcast(self, tensor, src, group=None, async_op=False):
         self.record("broadcast", tensor)

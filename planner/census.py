@@ -7,7 +7,6 @@ same sizes: a vocabulary tp does not divide is padded), so the planner counts ex
 the tensors a run allocates, in the order the strategies see them.
 """
 
-from contextlib import contextmanager
 from dataclasses import dataclass
 from functools import lru_cache
 from types import SimpleNamespace
@@ -21,34 +20,17 @@ class Param:
     replicated: bool  # the same on every TP rank (LayerNorms, row biases, wpe)
 
 
-@contextmanager
-def _no_default_init():
-    """nn modules draw their default weights in their constructors (reset_parameters): on
-    the meta device that only costs time (an Embedding's normal_ runs torch's Python
-    reference there, some 70 ms each), and nothing here reads a value."""
-    import torch.nn.init as init
-    names = ("normal_", "uniform_", "kaiming_uniform_", "zeros_", "ones_")
-    saved = {name: getattr(init, name) for name in names}
-    for name in names:
-        setattr(init, name, lambda tensor, *args, **kwargs: tensor)
-    try:
-        yield
-    finally:
-        for name, function in saved.items():
-            setattr(init, name, function)
-
-
 @lru_cache(maxsize=None)
 def census(shape, tp):
     """shape: (n_layer, n_head, n_embd, vocab_size, block_size, bias). Returns the
     tuple of Params in GPT.named_parameters() order under tensor parallelism tp."""
     import torch
 
-    from model import GPT, GPTConfig
+    from model import GPT, GPTConfig, shapes_only
     from parallel.comm import CommCounter
     from parallel.tensor_parallel.apply import apply_tensor_parallel
     n_layer, n_head, n_embd, vocab, block, bias = shape
-    with torch.device("meta"), _no_default_init():
+    with shapes_only():
         model = GPT(GPTConfig(n_layer=n_layer, n_head=n_head, n_embd=n_embd, bias=bias,
                               vocab_size=vocab, block_size=block))
     groups = {n: g for g, grp in enumerate(model.optim_groups(0.0)) for n in grp["params"]}

@@ -211,7 +211,7 @@ def one_step(cfg, rank, world, vocab, device):
     builds it, under the fake backend."""
     from torch.testing._internal.distributed.fake_pg import FakeStore  # registers "fake"
 
-    from model import GPT, GPTConfig
+    from model import GPT, GPTConfig, shapes_only
     from parallel.grid import ProcessGrid
     from parallel.initial import InitialWeights
     from parallel.parallelize import parallelize
@@ -231,7 +231,7 @@ def one_step(cfg, rank, world, vocab, device):
         gpt_config = GPTConfig(**{k: v for k, v in dataclasses.asdict(cfg.model).items()
                                   if k != "init_from"},
                                vocab_size=vocab, block_size=cfg.data.block_size)
-        with torch.device("meta"):  # main.train: shapes only, each rank materializes its share
+        with shapes_only():  # as main.train: each rank materializes its share
             model = GPT(gpt_config)
         init = ShapesOnly(model) if device.type == "meta" else InitialWeights(model, t.seed)
         strategy = parallelize(model, grid, cfg.parallel, init)
