@@ -209,8 +209,30 @@ def report_and_exit(main):
     flush_and_exit(code)
 
 
+def reuse_groups():
+    """From here on, `dist.new_group` with the ranks, timeout and backend of an earlier
+    call returns that group instead of a new one. A worker builds a ProcessGrid per case,
+    about a hundred in a session, and each grid its groups; a group is never freed
+    (torch's registry holds it until destroy_process_group), and each gloo group keeps a
+    thread that wakes every 10 ms: by the last case a 4-rank session spent more CPU in
+    those wake-ups than in its cases. The cases run one after another, each to its
+    last collective, so a group reused by the next case carries nothing over; within
+    one grid every group has other ranks (the host group: all of them, but a group of
+    its own, as in a run). Every rank asks for the same groups in the same order, so
+    every rank reuses the same ones."""
+    made, create = {}, dist.new_group
+
+    def new_group(ranks=None, timeout=None, backend=None, **more):
+        key = (None if ranks is None else tuple(ranks), timeout, backend, tuple(sorted(more.items())))
+        if key not in made:
+            made[key] = create(ranks, timeout=timeout, backend=backend, **more)
+        return made[key]
+    dist.new_group = new_group
+
+
 def serve(compute, timeout_s=60):
-    """A torchrun test worker's whole life: gloo with one thread per rank, `compute()` on
+    """A torchrun test worker's whole life: gloo with one thread per rank (its groups
+    reused: reuse_groups), `compute()` on
     every rank, and its (JSON-able) result printed once, by rank 0, as the `RESULT {...}`
     line the tests read; then report_and_exit's exit status. TEST_WORKER_TIMEOUT_S, when
     set, replaces timeout_s (a session run ahead on idle CPU: prefetch.py)."""
@@ -219,6 +241,7 @@ def serve(compute, timeout_s=60):
     def main():
         torch.set_num_threads(1)
         dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=timeout_s))
+        reuse_groups()
         result = compute()
         dist.barrier()
         if dist.get_rank() == 0:

@@ -23,6 +23,7 @@ starts a new one. Bad input in the server thus costs no new server; the tests of
 bad-input job leaves through torchrun (exit status, console) run fresh jobs.
 """
 
+import gc
 import json
 import os
 import sys
@@ -83,6 +84,7 @@ def serve(control):
         for line in jobs:  # blocks until the harness sends a job; ends when it closes
             code = run_one(json.loads(line), rank, world_size, local_rank)
             again = can_run_another(code)
+            gc.collect()  # the job's cycles (its process groups among them) go now, as at exit
             done.write(f"{code} {'next' if again else 'end'}\n")
             done.flush()
             if not again:

@@ -3,6 +3,8 @@ long-lived torchrun workers. What a test sees from it must be what a fresh job g
 
 - the same job, fresh, forked by the fork server and in the job server (after another
   job there), writes the same metrics.jsonl to the bit and the same snapshot;
+- a job leaves nothing running behind it: no rank of the server holds more threads
+  after more jobs (a gloo group left alive keeps threads, one waking every 10 ms);
 - a job that fails in the server with a UserError (status 2 on every rank, its process
   group left started) returns its status and its one line per rank, and the server runs
   the next job as a fresh one would; a rank that cannot go on (any other status) leaves
@@ -10,8 +12,9 @@ long-lived torchrun workers. What a test sees from it must be what a fresh job g
 """
 
 import json
+import os
 
-from harness import job_server, read_metrics, run_job, snapshot_state
+from harness import forked_process, job_server, read_metrics, run_job, snapshot_state, workers_of
 
 JOB = ["parallel.dp=fsdp", "parallel.zero_stage=3", "model.dropout=0.1", "trainer.eval_every=3",
        "trainer.save_every=3"]
@@ -39,6 +42,31 @@ def test_a_job_in_the_server_equals_the_same_job_fresh(tmp_path):
         assert got == fresh, how
         for name, t in fresh_state["model"].items():
             assert state["model"][name].equal(t), (how, name)
+
+
+def threads_per_rank(server):
+    """How many threads each rank of the server runs now (its real process, where a
+    stand-in forwards to a forked one)."""
+    return [len(os.listdir(f"/proc/{forked_process(rank) or rank}/task"))
+            for rank in workers_of(server.proc.pid)]
+
+
+def test_jobs_leave_no_threads_behind_in_the_server(tmp_path):
+    """Each kind of job once (a thread pool a kind starts once may stay), then each
+    again: no rank may hold more threads. A job's process groups (each gloo group: an
+    event loop and two workers) must go with it: destroyed by main.py, and freed, which
+    a strategy kept alive by its own gradient hooks prevented
+    (parallel/data_parallel/grad_hooks.py)."""
+    kinds = [["parallel.dp=ddp_bucket"], ["parallel.dp=fsdp", "parallel.zero_stage=3"]]
+    for i, kind in enumerate(kinds):
+        assert run_job(tmp_path / f"first-{i}", 2, kind).returncode == 0
+    server = job_server(2)
+    before = threads_per_rank(server)
+    assert len(before) == 2, before
+    for i, kind in enumerate(kinds * 2):
+        assert run_job(tmp_path / f"again-{i}", 2, kind).returncode == 0
+    assert job_server(2) is server
+    assert threads_per_rank(server) == before
 
 
 def test_a_failed_job_returns_its_status_and_its_lines_and_the_server_goes_on(tmp_path):

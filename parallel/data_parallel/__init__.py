@@ -11,6 +11,7 @@ grid.grad_group.
     fsdp_units.py  the flat, padded, sharded buffers fsdp gathers, frees and reduce-scatters
     hybrid.py      HSDP (parallel.dp_replicate): the gradient shards' mean across replica groups
     offload.py     parallel.offload: a unit's shard of master weights and gradient in host memory
+    grad_hooks.py  gradient hooks that hold their strategy weakly (else it is never freed)
 
 May import: parallel/'s root files (strategy, placement, comm, grid, model_plan) and errors.
 """

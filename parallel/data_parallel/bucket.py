@@ -33,6 +33,7 @@ from contextlib import contextmanager
 
 import torch
 
+from parallel.data_parallel.grad_hooks import on_grad_accumulated
 from parallel.data_parallel.naive import DDPNaive, unused_parameter_error
 from parallel.data_parallel.ring import DoneHandle, RingRunner
 from parallel.grid import uses_cuda
@@ -105,7 +106,7 @@ class DDPBucket(DDPNaive):
                 self.slot[p] = (bucket, i)
                 # named_parameters lists the tied embedding / LM head weight once, so it gets one
                 # hook, which fires once, after both of its uses have accumulated
-                p.register_post_accumulate_grad_hook(self._on_grad_ready)
+                on_grad_accumulated(p, self._on_grad_ready)  # held weakly (grad_hooks.py)
         self.ring = RingRunner(self.comm, self.group, self.device) if self.use_ring else None
         self.syncing, self.next_launch, self.grads_copied = False, 0, 0
 

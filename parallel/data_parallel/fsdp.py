@@ -41,6 +41,7 @@ from contextlib import contextmanager
 import torch
 import torch.distributed as dist
 
+from parallel.data_parallel.grad_hooks import on_grad_accumulated
 from parallel.data_parallel.naive import REDUCE_DTYPES
 from parallel import model_plan as plan
 from parallel.data_parallel.fsdp_units import FlatUnit
@@ -107,11 +108,14 @@ class FSDP(Strategy):
     # ------------------------------------------------ hooks: gradients ready -> reduce
 
     def _register_grad_hooks(self):
+        self._unit_of = {}
         for unit in self.units:
             for p in unit.params:
-                p.register_post_accumulate_grad_hook(lambda p, unit=unit: self._grad_ready(unit))
+                self._unit_of[p] = unit
+                on_grad_accumulated(p, self._grad_ready)  # held weakly (grad_hooks.py)
 
-    def _grad_ready(self, unit):
+    def _grad_ready(self, param):
+        unit = self._unit_of[param]
         if unit not in self._ready:  # a hook outside any backward_scope: not ours to count
             return
         self._ready[unit] += 1
