@@ -38,9 +38,15 @@ import sys
 
 # what the interpreter's start (or a preloaded import) reads from the environment: a
 # request that differs from the server here gets a real interpreter (torchrun's
-# TORCHELASTIC_* and TORCH_NCCL_* for its ranks are read later, by the launch and by NCCL)
-STARTUP_ENV = re.compile(r"^(PYTHON(?!UNBUFFERED$).*|TORCH(?!ELASTIC_|_NCCL_).*|PYTORCH.*|OMP_.*|MKL_.*|"
-                         r"KMP_.*|GOMP_.*|OPENBLAS_.*|LD_.*|CUDA.*|NCCL.*)$")
+# TORCHELASTIC_* and TORCH_NCCL_* for its ranks are read later, by the launch and by NCCL;
+# TORCHINDUCTOR_CACHE_DIR each time inductor looks for its cache: bench.run's per variant)
+STARTUP_ENV = re.compile(r"^(PYTHON(?!UNBUFFERED$).*|TORCH(?!ELASTIC_|_NCCL_|INDUCTOR_CACHE_DIR$).*|"
+                         r"PYTORCH.*|OMP_.*|MKL_.*|KMP_.*|GOMP_.*|OPENBLAS_.*|LD_.*|CUDA.*|NCCL.*)$")
+# torch's intra-op threads, which OpenMP and MKL read at load: a request for another count
+# (bench.run's one process gets as many threads as the others have ranks) is taken where
+# both name it, and the child sets it before anything runs (become), as the interpreter
+# would have at its start. The server holds no thread pool yet (a fork copies one thread).
+THREAD_COUNTS = ("OMP_NUM_THREADS", "MKL_NUM_THREADS")
 PRELOAD = ["torch", "torch._dynamo", "torch.distributed.run", "numpy", "omegaconf", "fsspec",
            "tiktoken", "ctypes"]
 
@@ -202,10 +208,19 @@ def _send(conn, line):
         return False
 
 
+def _threads_asked(env):
+    """The thread count a request names in OMP_NUM_THREADS and MKL_NUM_THREADS alike (a
+    positive integer), or None."""
+    counts = {env.get(k) for k in THREAD_COUNTS}
+    count = counts.pop() if len(counts) == 1 else None
+    return int(count) if count and count.isdigit() and int(count) > 0 else None
+
+
 def _refusal(request, mine):
     theirs = startup_env(request["env"])
     differ = sorted(k for k in set(mine) | set(theirs) if mine.get(k) != theirs.get(k)
-                    and not (k == "PYTHONPATH" and _takes_pythonpath(mine)))
+                    and not (k == "PYTHONPATH" and _takes_pythonpath(mine))
+                    and not (k in THREAD_COUNTS and _threads_asked(theirs)))
     return f"startup environment differs: {differ}" if differ else ""
 
 
@@ -294,6 +309,9 @@ def become(request, fds):
     sys.stdin = sys.__stdin__ = io.TextIOWrapper(open(0, "rb", closefd=False))
     if os.environ.get("PYTHONPATH") != server_pythonpath:  # _refusal let it through
         _pythonpath(os.environ.get("PYTHONPATH"), _directories(server_pythonpath))
+    threads = _threads_asked(os.environ)
+    if threads and "torch" in sys.modules and threads != sys.modules["torch"].get_num_threads():
+        sys.modules["torch"].set_num_threads(threads)  # OpenMP's and MKL's (THREAD_COUNTS)
 
 
 def run(request):

@@ -51,14 +51,14 @@ PROGRAMS = {
 SIGNALLED = ("a SIGTERM handler", "no handler")
 
 
-def run(how, args, cwd, signal_when_ready=None):
+def run(how, args, cwd, signal_when_ready=None, env_extra=None):
     site = os.path.join(cwd, "site")
     os.makedirs(site, exist_ok=True)
     with open(os.path.join(site, "sitecustomize.py"), "w") as f:
         f.write("import hook\nhook.STARTED = True\n")
     with open(os.path.join(site, "hook.py"), "w") as f:
         f.write("import os\nHERE = os.path.dirname(os.path.abspath(__file__))\nSTARTED = False\n")
-    env = dict(job_env(forked=how == "forked"), PROBE="probe", PYTHONPATH=site)
+    env = dict(job_env(forked=how == "forked"), PROBE="probe", PYTHONPATH=site, **(env_extra or {}))
     interpreter = python() if how == "forked" else sys.executable
     proc = subprocess.Popen([interpreter, *args], cwd=cwd, env=env, stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True)
@@ -108,6 +108,23 @@ def test_the_stand_in_is_forked_unless_the_startup_environment_differs():
     assert preloaded({"TORCH_LOGS": "+dynamo"}) == "False"
     assert preloaded({"FORK_SERVER_SOCKET": ""}) == "False"
     assert preloaded({"PYTHONPATH": os.devnull}) == "True"  # taken: become() puts it on the path
+    # thread counts: taken where OpenMP's and MKL's agree (become() sets torch's)
+    assert preloaded({"OMP_NUM_THREADS": "2", "MKL_NUM_THREADS": "2"}) == "True"
+    assert preloaded({"OMP_NUM_THREADS": "2"}) == "False"  # MKL's still 1
+    assert preloaded({"TORCHINDUCTOR_CACHE_DIR": os.devnull}) == "True"  # read when compiling
+
+
+def test_another_thread_count_and_inductor_cache_are_what_the_interpreter_sees(tmp_path):
+    """bench.run's jobs: the single process with 2 threads, each variant's own inductor
+    cache. Forked (not refused: above), the process must see both as a real interpreter
+    started with them does."""
+    extra = {"OMP_NUM_THREADS": "2", "MKL_NUM_THREADS": "2",
+             "TORCHINDUCTOR_CACHE_DIR": str(tmp_path / "inductor")}
+    code = ("import torch\nfrom torch._inductor.runtime.cache_dir_utils import cache_dir\n"
+            "print(torch.get_num_threads(), torch.get_num_interop_threads(), cache_dir())")
+    real, forked = (run(how, ["-c", code], tmp_path, env_extra=extra) for how in ("real", "forked"))
+    assert forked == real, (real, forked)
+    assert real[1].split()[0] == "2" and real[1].split()[2] == "CWD/inductor", real
 
 
 def test_a_session_with_its_own_pythonpath_forks_requests_with_another(tmp_path):
