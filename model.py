@@ -34,7 +34,6 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 
-
 @contextmanager
 def shapes_only():
     """Modules built inside hold shapes, no values: the meta device, without nn modules'
