@@ -7,7 +7,10 @@ in one process under the fake process-group backend.
   (2% and 15%; they are equal here);
 - in process, on the meta device (what a rank too large for this machine runs on):
   cp2 x tp2 with sequence parallelism under fsdp stage 3, and pp4 zb1p with GPT-2's
-  vocabulary, within the same goals;
+  vocabulary, within the same goals; each rank's measured state bytes are what the
+  test counts in the tensors it holds (distinct storages of its parameters, gradients
+  and AdamW state at the end of its optimizer step), not the planner's figure, which
+  the test sets one byte off to tell them apart;
 - a rank whose step fails stops the dryrun: one line naming the rank and the error,
   exit status 2, and the ranks tried before it in plan.out.
 """
@@ -57,12 +60,49 @@ def test_dryrun_command_tries_first_last_and_each_stage(tmp_path):
     ["parallel.dp=ddp_bucket", "parallel.pp=4", "parallel.pp_schedule=zb1p",
      "parallel.microbatches=4", "model.n_layer=4", "data.tokenizer=gpt2"],
 ], ids=["dp2cp2tp2sp-fsdp3", "dp2pp4-zb1p-m4-gpt2vocab"])
-def test_dryrun_on_the_meta_device(layout):
+def test_dryrun_on_the_meta_device(layout, monkeypatch):
     from config import load_config
-    from planner.dryrun import dryrun
-    items = dryrun(load_config(["mode=dryrun", *SMALL, *layout], 1), device="meta")
+    from planner import dryrun as module
+    held, planned = held_by_ranks(monkeypatch), {}
+    real_split = module.state_split
+
+    def one_byte_off(w, L, p, r):  # the plan's figure, told apart from any measured one
+        device, host = real_split(w, L, p, r)
+        planned[p, r] = device
+        return device + 1, host
+    monkeypatch.setattr(module, "state_split", one_byte_off)
+    items = module.dryrun(load_config(["mode=dryrun", *SMALL, *layout], 1), device="meta")
     assert items and all(r["device"] == "meta" for r in items)
+    assert sorted(held) == [r["rank"] for r in items]
+    for r in items:
+        plan = planned[r["pp_rank"], r["shard_rank"]]
+        print(f"rank {r['rank']}: recorded {r['state_bytes']}, held {held[r['rank']]}, "
+              f"planned {plan}")
+        assert r["state_bytes"] == held[r["rank"]], "the record is not what the rank holds"
+        assert r["plan_state_bytes"] == plan + 1
+        assert held[r["rank"]] == plan, "the planner is exact on these layouts"
     within_goals(items)
+
+
+def held_by_ranks(monkeypatch) -> dict:
+    """{rank: bytes of the distinct storages of its model's parameters, the optimizer's
+    parameters, their gradients and AdamW's state}, counted from the tensors at the end of
+    each rank's optimizer step (Strategy.step_optimizer), before the gradients are freed:
+    the test's own count, neither the strategy's nor the planner's."""
+    import torch
+    from parallel.strategy import Strategy
+    held, real = {}, Strategy.step_optimizer
+
+    def count(self):
+        real(self)
+        tensors = [t for p in self.module.parameters() for t in (p, p.grad)]
+        tensors += [t for g in self.optimizer.param_groups for p in g["params"] for t in (p, p.grad)]
+        tensors += [v for s in self.optimizer.state.values() for v in s.values() if torch.is_tensor(v)]
+        storages = {t.untyped_storage()._cdata: t.untyped_storage().nbytes()
+                    for t in tensors if t is not None}
+        held[self.grid.rank] = sum(storages.values())
+    monkeypatch.setattr(Strategy, "step_optimizer", count)
+    return held
 
 
 def test_a_failing_rank_is_named_and_exits_2(tmp_path, monkeypatch, capfd):
