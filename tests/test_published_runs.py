@@ -5,52 +5,115 @@ selective-recomputation paper's end-to-end times, Megatron-Core's H100 weak-scal
 table, llm.c on A100 and H100, nanoGPT) is
 replayed in process as `mode=plan plan.search=false` with its own shape, cluster and
 layout; the predicted seconds per iteration must be within 25% of what the source
-publishes, except a row whose `checked` field says why not. docs/published-runs.md shows the
-same table (scripts/published_runs_table.py): its predicted column must be this run's,
-to its three printed digits.
+publishes, except a row whose `checked` field says why not, and its MFU must be the
+model's FLOPs (telemetry/mfu.py's count) over the step time, the GPUs and the peak of
+the run's precision, never above 1. docs/published-runs.md shows the same table
+(scripts/published_runs_table.py): its predicted, published-seconds and MFU columns
+must be this run's, to their printed digits.
+
+A source's figure in TFLOP/s per GPU becomes seconds with its own FLOP count
+(`megatron_flops`): both conventions (Narayanan et al.'s 96 with full recomputation,
+Megatron-Core's 72) must be the model's FLOPs with the blocks recomputed and the LM head,
+6 B s h V forward and backward, counted once.
 """
 
 import os
 import re
 
 from harness import REPO
-from planner.published_runs import RUNS, published_seconds
+from planner.published_runs import RUNS, megatron_flops, published_seconds
 from scripts.published_runs_table import replay
+from telemetry.mfu import flops_per_token, peak_flops
 
 WITHIN = 0.25
 
 
-def docs_predictions():
-    """{run name: predicted seconds} from docs/published-runs.md's table."""
+def docs_table():
+    """{run name: (predicted s, published s, predicted MFU %)} from docs/published-runs.md's
+    table."""
     text = open(os.path.join(REPO, "docs", "published-runs.md")).read()
     out = {}
     for line in text.splitlines():
         cells = [c.strip() for c in line.strip().strip("|").split("|")]
         if len(cells) == 10 and re.fullmatch(r"[\d.]+", cells[6]):
-            out[cells[0].replace(" (not checked)", "")] = float(cells[6])
+            out[cells[0].replace(" (not checked)", "")] = (
+                float(cells[6]), float(cells[7]), float(cells[9].rstrip("%")))
     return out
+
+
+def model_flops(row) -> float:
+    """A step's model FLOPs as a run counts them for its MFU (telemetry/mfu.py: 6 N + 12 L C T
+    a token, no recomputation)."""
+    m = row["model"]
+    gpt = {"n_embd": m["n_embd"], "n_layer": m["n_layer"], "block_size": m["block"],
+           "vocab_size": m["vocab"], "bias": m["bias"]}
+    return flops_per_token(gpt) * row["batch"] * m["block"]
+
+
+def head_flops(row) -> float:
+    """The LM head's forward and backward: three products of B s x h x V, 2 FLOPs an element."""
+    m = row["model"]
+    return 6 * row["batch"] * m["block"] * m["n_embd"] * m["vocab"]
+
+
+def close(shown, value, digits=3):
+    """`shown` is `value` printed to `digits` significant digits."""
+    return float(f"{value:.{digits}g}") == shown
 
 
 def test_every_published_run_is_predicted_within_25_percent():
     assert len(RUNS) >= 12 and all(row["source"] for row in RUNS)
-    documented = docs_predictions()
-    misses, stale, checked = [], [], 0
+    documented = docs_table()
+    misses, wrong_mfu, stale, checked = [], [], [], 0
     for row in RUNS:
-        predicted = replay(row)["time"]["step_ms"] / 1000
+        got = replay(row)["time"]
+        predicted = got["step_ms"] / 1000
         published = published_seconds(row)
         ratio = predicted / published
+        peak = peak_flops(row["gpu"], row["precision"])
+        mfu = model_flops(row) / (predicted * row["gpus"] * peak)
         print(f"{row['name']:<34} predicted {predicted:8.4g} s, published {published:8.4g} s: "
-              f"{ratio:.2f}" + ("" if not row.get("checked") else "  (not checked)"))
+              f"{ratio:.2f}, MFU {got['mfu']:.3f} (own count {mfu:.3f})"
+              + ("" if not row.get("checked") else "  (not checked)"))
         if not row.get("checked"):
             checked += 1
             if abs(ratio - 1) > WITHIN:
                 misses.append(f"{row['name']}: {ratio:.2f}")
+        if abs(got["mfu"] / mfu - 1) > 1e-9 or not 0 < got["mfu"] <= 1:
+            wrong_mfu.append(f"{row['name']}: {got['mfu']:.4g}, own count {mfu:.4g}")
         shown = documented.get(row["name"])
-        if shown is None or abs(shown / predicted - 1) > 0.005 + 0.5e-3 / predicted:
-            stale.append(f"{row['name']}: docs/published-runs.md says {shown} s, the model {predicted:.4g}")
+        if shown is None or abs(shown[0] / predicted - 1) > 0.005 + 0.5e-3 / predicted \
+                or not close(shown[1], published) or shown[2] != round(100 * got["mfu"]):
+            stale.append(f"{row['name']}: docs/published-runs.md says {shown}, the model "
+                         f"{predicted:.4g} s, published {published:.4g} s, MFU {100 * got['mfu']:.1f}%")
     assert checked >= 12, checked
     assert not misses, "outside 25% of the published figure: " + ", ".join(misses)
+    assert not wrong_mfu, f"MFU not model FLOPs / (step x GPUs x the precision's peak) <= 1 " \
+        f"in {len(wrong_mfu)} rows: " + "; ".join(wrong_mfu[:3])
     assert not stale, "python -m scripts.published_runs_table: " + "; ".join(stale)
+
+
+def test_published_flops_are_the_models_with_the_head_counted_once():
+    """Every row published in TFLOP/s per GPU (Narayanan et al.'s with full recomputation,
+    Megatron-Core's without): `megatron_flops`' logit term is the LM head's forward and
+    backward, 6 B s h V, in both conventions (V/16lh of 96, V/12lh of 72; swapped, it
+    would be 8 or 4.5 B s h V); and the whole count is the model's FLOPs by telemetry/mfu.py
+    with the blocks x 4/3 under full recomputation and the head once (Megatron's formulas
+    leave out biases and LayerNorms: within 5e-4). published_seconds is that count over
+    the published FLOP/s of all GPUs."""
+    rows = [row for row in RUNS if row["published"][1] == "TFLOP/s/GPU"]
+    assert {row.get("flops") for row in rows} == {None, "megatron-core"}  # both conventions
+    for row in rows:
+        full = row["recompute"] == "full"
+        no_head = dict(row, model=dict(row["model"], vocab=0))
+        logits = megatron_flops(row, full) - megatron_flops(no_head, full)
+        own = (4 / 3 if full else 1) * (model_flops(row) - head_flops(row)) + head_flops(row)
+        value = row["published"][0]
+        counted = published_seconds(row) * value * 1e12 * row["gpus"]
+        print(f"{row['name']:<22} logits {logits / head_flops(row):.4f} x 6BshV, FLOPs "
+              f"{counted:.4g} against own {own:.4g} ({counted / own - 1:+.1e})")
+        assert abs(logits / head_flops(row) - 1) < 1e-9, (row["name"], logits, head_flops(row))
+        assert abs(counted / own - 1) < 5e-4, (row["name"], counted, own)
 
 
 def test_a_product_off_16_bytes_is_unaligned_slowdown_times_slower():
