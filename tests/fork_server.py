@@ -12,7 +12,9 @@ stdin/stdout/stderr, scheduling policy, PYTHONPATH on sys.path and its sitecusto
 imported; it is a real process of its own, on its own gloo sockets, with its own exit.
 What it skips is the imports and the teardown (`leave`): whatever the interpreter's
 start reads from the environment (OMP_NUM_THREADS, TORCH_*, ...) must equal this
-server's, or the request is refused and the stand-in starts a real interpreter.
+server's, or the request is refused and the stand-in starts a real interpreter; a
+PYTHONPATH of its own is taken unless a module imported here would come from elsewhere
+in the interpreter it stands for (_pythonpath_refusal).
 
 DIR/python (forked_python.py behind a shebang of this interpreter) is what the harness
 starts in place of sys.executable, what torchrun starts for its ranks (PYTHON_EXEC) and
@@ -51,18 +53,65 @@ PRELOAD = ["torch", "torch._dynamo", "torch.distributed.run", "numpy", "omegacon
            "tiktoken", "ctypes"]
 
 
-def _directories(pythonpath):
-    return [os.path.abspath(p) for p in (pythonpath or "").split(os.pathsep) if p]
+def _directories(pythonpath, base=None):
+    """PYTHONPATH's directories, absolute (a relative one from `base`, default the cwd)."""
+    return [os.path.abspath(os.path.join(base or os.getcwd(), p))
+            for p in (pythonpath or "").split(os.pathsep) if p]
 
 
-def _takes_pythonpath(mine):
-    """A request's own PYTHONPATH replaces the server's on sys.path in the child (become),
-    its sitecustomize imported there, where the server's PYTHONPATH (the session's: a
-    user may have one) gave it nothing it still holds: no sitecustomize, no module
-    imported from there. Else a request with another PYTHONPATH gets a real interpreter."""
-    own = tuple(os.path.join(d, "") for d in _directories(mine.get("PYTHONPATH")))
-    return "sitecustomize" not in sys.modules and not (own and any(
-        (getattr(m, "__file__", None) or "").startswith(own) for m in list(sys.modules.values())))
+def _found_in(module):
+    """The sys.path entries a top-level module was found in: DIR of DIR/m.py, DIR/m.*.so
+    or DIR/m/__init__.py, or of each portion DIR/m of a namespace package."""
+    file, path = getattr(module, "__file__", None), getattr(module, "__path__", None)
+    if file:
+        return [os.path.dirname(os.path.dirname(file)) if path is not None else os.path.dirname(file)]
+    try:
+        return [os.path.dirname(p) for p in path or ()]
+    except TypeError:
+        return []
+
+
+def _top_level_names(directory):
+    """The top-level modules a sys.path entry holds ahead of any later entry: m.py,
+    m.pyc, m.*.so, packages m/__init__.* (a bare directory is a namespace portion, which
+    every later module or package of that name wins over)."""
+    import importlib.machinery
+    suffixes = importlib.machinery.all_suffixes()
+    try:
+        entries = os.listdir(directory)
+    except OSError:  # not a directory (os.devnull), or gone: it holds nothing
+        return set()
+    names = set()
+    for entry in entries:
+        if os.path.isdir(os.path.join(directory, entry)):
+            if any(os.path.isfile(os.path.join(directory, entry, "__init__" + s)) for s in suffixes):
+                names.add(entry)
+        else:
+            names.update(entry[:-len(s)] for s in suffixes if entry.endswith(s))
+    return names
+
+
+def _pythonpath_refusal(request, mine):
+    """Why a request with a PYTHONPATH of its own cannot be forked, or "". The child puts
+    the request's directories on sys.path in place of the server's and imports their
+    sitecustomize (become), which is what the interpreter would have done unless a module
+    the server imported would come from elsewhere in it: one the server found in a
+    directory of its own PYTHONPATH (the child cannot unimport it), or one a directory of
+    the request's holds (the interpreter would import that one). Where a module was found
+    is the sys.path entry it came from, not a directory above its file: a PYTHONPATH of
+    the checkout, which holds the server's script and a venv, shadows nothing."""
+    server_dirs = set(_directories(mine.get("PYTHONPATH")))
+    held = {name: module for name, module in list(sys.modules.items())
+            if "." not in name and name != "__main__"}
+    from_server = sorted(name for name, module in held.items()
+                         if server_dirs.intersection(map(os.path.abspath, _found_in(module))))
+    if from_server:
+        return f"the server imported {from_server[:3]} from its own PYTHONPATH"
+    for directory in _directories(request["env"].get("PYTHONPATH"), request["cwd"]):
+        shadowed = sorted(_top_level_names(directory).intersection(held))
+        if shadowed:
+            return f"the request's PYTHONPATH holds {shadowed[:3]}, which the server imported"
+    return ""
 
 
 def _pythonpath(entries, server_entries):
@@ -219,9 +268,15 @@ def _threads_asked(env):
 def _refusal(request, mine):
     theirs = startup_env(request["env"])
     differ = sorted(k for k in set(mine) | set(theirs) if mine.get(k) != theirs.get(k)
-                    and not (k == "PYTHONPATH" and _takes_pythonpath(mine))
+                    and k != "PYTHONPATH"
                     and not (k in THREAD_COUNTS and _threads_asked(theirs)))
-    return f"startup environment differs: {differ}" if differ else ""
+    if differ:
+        return f"startup environment differs: {differ}"
+    # the directories, not the string: PYTHONPATH=. is the server's directory for the
+    # server, the request's for the request
+    if _directories(mine.get("PYTHONPATH")) != _directories(theirs.get("PYTHONPATH"), request["cwd"]):
+        return _pythonpath_refusal(request, mine)
+    return ""
 
 
 def _kill(pid):
@@ -278,6 +333,7 @@ def become(request, fds):
             os.close(fd)
     import ctypes
     ctypes.CDLL(None).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG: never outlive the server
+    server_paths = _directories(os.environ.get("PYTHONPATH"))  # the server's own, from its cwd
     os.chdir(request["cwd"])
     os.umask(request["umask"])
     policy, priority = request["sched"]
@@ -287,7 +343,6 @@ def become(request, fds):
         os.setpriority(os.PRIO_PROCESS, 0, priority)
     except OSError:
         pass
-    server_pythonpath = os.environ.get("PYTHONPATH")  # the server's own, until now
     os.environ.clear()
     os.environ.update(request["env"])
     # what the child starts with sys.executable (bench's launches, inductor's workers) is
@@ -307,8 +362,8 @@ def become(request, fds):
         setattr(sys, name, stream)
         setattr(sys, f"__{name}__", stream)
     sys.stdin = sys.__stdin__ = io.TextIOWrapper(open(0, "rb", closefd=False))
-    if os.environ.get("PYTHONPATH") != server_pythonpath:  # _refusal let it through
-        _pythonpath(os.environ.get("PYTHONPATH"), _directories(server_pythonpath))
+    if _directories(os.environ.get("PYTHONPATH")) != server_paths:  # _refusal let it through
+        _pythonpath(os.environ.get("PYTHONPATH"), server_paths)
     threads = _threads_asked(os.environ)
     if threads and "torch" in sys.modules and threads != sys.modules["torch"].get_num_threads():
         sys.modules["torch"].set_num_threads(threads)  # OpenMP's and MKL's (THREAD_COUNTS)

@@ -127,50 +127,70 @@ def test_another_thread_count_and_inductor_cache_are_what_the_interpreter_sees(t
     assert real[1].split()[0] == "2" and real[1].split()[2] == "CWD/inductor", real
 
 
-def test_a_session_with_its_own_pythonpath_forks_requests_with_another(tmp_path):
-    """A user's shell may set PYTHONPATH: the server (started with the session's
-    environment) then has it on its sys.path. A request that sets its own (the tests'
-    sitecustomize hooks) is still forked, with the request's directories in place of the
-    server's, as the interpreter would have them; one whose server imported a module from
-    its PYTHONPATH gets a real interpreter."""
-    from harness import stand_in_env, start_fork_server, stop_a_fork_server
-    users = tmp_path / "users"
-    users.mkdir()
-    (users / "users_module.py").write_text("")
+# the session's PYTHONPATH (the server's), what a request adds to its own, whether it forks
+SESSION_PYTHONPATHS = {
+    "unrelated": (["users"], [], True),
+    # the checkout (which holds the server's script, and may hold the venv: a clone in the
+    # system's temporary directory with PYTHONPATH=/tmp is this case) and the interpreter's
+    # prefix: directories above the files of what the server imported, not where it found them
+    "above the server's modules": (["users", "REPO", "PREFIX"], [], True),
+    # a package the server preloads, imported from the session's PYTHONPATH: the child
+    # cannot unimport it
+    "holds a preloaded package": (["users", "packages"], [], False),
+    # the request's own PYTHONPATH holds one: a real interpreter would import that copy
+    "the request's holds a preloaded package": (["users"], ["packages"], False),
+}
+
+
+@pytest.mark.parametrize("case", SESSION_PYTHONPATHS)
+def test_a_session_with_its_own_pythonpath_forks_requests_with_another(tmp_path, case):
+    """A user's shell (a cluster's module) may set PYTHONPATH: the server (started with the
+    session's environment) then has it on its sys.path. A request that sets its own (the
+    tests' sitecustomize hooks) is still forked, with the request's directories in place
+    of the server's, as the interpreter would have them, unless a module the server
+    imported would come from elsewhere in that interpreter (fork_server._pythonpath_refusal):
+    then it gets a real interpreter."""
+    from harness import REPO, stand_in_env, start_fork_server, stop_a_fork_server
+    import omegaconf
+    session, added, forks = SESSION_PYTHONPATHS[case]
+    (tmp_path / "users").mkdir()
+    (tmp_path / "users" / "users_module.py").write_text("")
+    shutil.copytree(os.path.dirname(omegaconf.__file__), tmp_path / "packages" / "omegaconf")
+    where = dict(REPO=REPO, PREFIX=sys.prefix)
+    pythonpath = lambda names: [where.get(n) or str(tmp_path / n) for n in names]
     probe = ("import importlib.util, sys, hook\n"
-             "print(sys.path.index(hook.HERE), hook.STARTED, importlib.util.find_spec('users_module'))")
-    for imported in (False, True):
-        # a server that preloads only omegaconf: whether a process has it shows it forked
-        server_env = dict(job_env(forked=False), PYTHONPATH=str(users), FORK_SERVER_PRELOAD="omegaconf")
-        if imported:  # the user's PYTHONPATH holds a package the server preloads (its copy)
-            import omegaconf
-            shutil.copytree(os.path.dirname(omegaconf.__file__), tmp_path / "packages" / "omegaconf")
-            server_env["PYTHONPATH"] += os.pathsep + str(tmp_path / "packages")
-        proc, directory, failure = start_fork_server(server_env)
-        assert failure is None, failure
-        try:
-            results = {}
-            for how in ("real", "forked"):
-                cwd = tmp_path / f"{how}-{imported}"
-                cwd.mkdir()
-                site = cwd / "site"
-                site.mkdir()
-                (site / "sitecustomize.py").write_text("import hook\nhook.STARTED = True\n")
-                (site / "hook.py").write_text("import os\nHERE = os.path.dirname(os.path.abspath(__file__))\n"
-                                              "STARTED = False\n")
-                env = dict(server_env, **stand_in_env(directory), PYTHONPATH=str(site))
-                interpreter = os.path.join(directory, "python") if how == "forked" else sys.executable
-                out = subprocess.run([interpreter, "-c", probe + "\nprint('omegaconf' in sys.modules)"],
-                                     cwd=cwd, env=env, capture_output=True, text=True, timeout=120)
-                results[how] = out.returncode, out.stdout.splitlines(), out.stderr
-        finally:
-            stop_a_fork_server(proc, directory)
-        print(imported, results)
-        (code, lines, err), (real_code, real_lines, real_err) = results["forked"], results["real"]
-        assert (code, lines[0], err) == (real_code, real_lines[0], real_err)
-        assert lines[0] == "1 True None"  # the request's site after the script's; not the server's
-        # forked (omegaconf preloaded) unless the server holds a module of its own PYTHONPATH
-        assert lines[1] == str(not imported) and real_lines[1] == "False"
+             "print(sys.path.index(hook.HERE), hook.STARTED, importlib.util.find_spec('users_module'))\n"
+             "print('omegaconf' in sys.modules)")
+    # a server that preloads only omegaconf: whether a process has it shows it forked
+    server_env = dict(job_env(forked=False), PYTHONPATH=os.pathsep.join(pythonpath(session)),
+                      FORK_SERVER_PRELOAD="omegaconf")
+    proc, directory, failure = start_fork_server(server_env)
+    assert failure is None, failure
+    try:
+        results = {}
+        for how in ("real", "forked"):
+            cwd = tmp_path / how
+            site = cwd / "site"
+            site.mkdir(parents=True)
+            (site / "sitecustomize.py").write_text("import hook\nhook.STARTED = True\n")
+            (site / "hook.py").write_text("import os\nHERE = os.path.dirname(os.path.abspath(__file__))\n"
+                                          "STARTED = False\n")
+            env = dict(server_env, **stand_in_env(directory),
+                       PYTHONPATH=os.pathsep.join([str(site), *pythonpath(added)]))
+            interpreter = os.path.join(directory, "python") if how == "forked" else sys.executable
+            out = subprocess.run([interpreter, "-c", probe], cwd=cwd, env=env, capture_output=True,
+                                 text=True, timeout=120)
+            results[how] = out.returncode, out.stdout.splitlines(), out.stderr
+    finally:
+        log = open(os.path.join(directory, "server.log")).read()
+        stop_a_fork_server(proc, directory)
+    print(case, results, log)
+    (code, lines, err), (real_code, real_lines, real_err) = results["forked"], results["real"]
+    assert (code, lines[0], err) == (real_code, real_lines[0], real_err)
+    assert lines[0] == "1 True None"  # the request's site after the script's; not the server's
+    # forked (omegaconf preloaded) unless a module the server imported would come from elsewhere
+    assert lines[1] == str(forks) and real_lines[1] == "False", log
+    assert ("refused" in log) != forks, log
 
 
 def test_a_sigkill_of_the_stand_in_kills_the_forked_process(tmp_path):
