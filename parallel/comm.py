@@ -60,8 +60,11 @@ def collective_failure(error, timeout_s):
     """The one-line UserError for an exception a collective raised (a backend's
     RuntimeError or torch's DistError), or None if `error` is something else. Each rank
     gets its own line: the ranks that waited too long say so, the ones whose peer left
-    say that; the backend's own words follow in brackets."""
-    if not isinstance(error, (RuntimeError, dist.DistError)):
+    say that; the backend's own words follow in brackets. A WrongDevice is none of these
+    (its text names NCCL, and so read as a peer's failure): a defect of this program on
+    this rank, left to raise with its traceback, which names the call that handed over
+    the tensor."""
+    if isinstance(error, WrongDevice) or not isinstance(error, (RuntimeError, dist.DistError)):
         return None
     text = str(error).strip()
     first = next((line.strip() for line in text.splitlines() if line.strip()), type(error).__name__)

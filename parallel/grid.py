@@ -35,6 +35,8 @@ DIMS = ("dp_replicate", "dp", "pp", "cp", "tp")  # the grid's axes, slowest- to 
 DATA_DIMS = ("dp_replicate", "dp")  # the axes whose ranks read other rows of the global batch
 GRAD_DIMS = DATA_DIMS + ("cp",)     # the axes gradients are averaged over (cp ranks see other tokens)
 SHARD_DIMS = ("dp", "cp")           # the axes ZeRO shards over: GRAD_DIMS but the replicas
+# the backend of a group that takes host tensors on a GPU run (group_over's host_tensors)
+HOST_AND_CUDA = "cpu:gloo,cuda:nccl"
 
 
 class ProcessGrid:
@@ -81,32 +83,42 @@ class ProcessGrid:
             index = index * self.sizes[d] + self.coords[d]
         return math.prod(self.sizes[d] for d in dims), index
 
-    def group_over(self, *dims):
+    def group_over(self, *dims, host_tensors=False):
         """The group of ranks that differ only in the coordinates `dims` (names among
         DIMS), holding this rank. Collective the first time: every rank must ask for
         the same groups in the same order. Dimensions of size 1 change nothing: the
-        group over (dp_replicate, dp) with one replica group is the one over dp."""
+        group over (dp_replicate, dp) with one replica group is the one over dp.
+        host_tensors: a group whose collectives also take host tensors. On a GPU the
+        grid's groups are NCCL's, which refuses them: these are groups of their own with a
+        backend per device type (HOST_AND_CUDA: gloo for host tensors beside NCCL),
+        torchtune's way for PyTorch's FSDP2 with CPUOffloadPolicy, whose gradients and
+        optimizer state are host DTensors that its norm and state gathers reduce. On any
+        other device the grid's own group already takes them (gloo) and is returned."""
         axes = tuple(sorted(DIMS.index(d) for d in dims if self.sizes[d] > 1))
-        if axes not in self._groups:
+        key = ("host", axes) if host_tensors and self.device.type == "cuda" else axes
+        if key not in self._groups:
             rest = [a for a in range(len(DIMS)) if a not in axes]
             size = math.prod(self.ranks.size(a) for a in axes)
             lines = self.ranks.permute(*rest, *axes).reshape(-1, size)
-            self._groups[axes] = self.group_of_lines(lines.tolist())
-        return self._groups[axes]
+            backend = HOST_AND_CUDA if key != axes else None
+            self._groups[key] = self.group_of_lines(lines.tolist(), backend)
+        return self._groups[key]
 
-    def group_of_lines(self, lines):
+    def group_of_lines(self, lines, backend=None):
         """Create a group for each list of global ranks in `lines` (collective: every rank
         passes the same lines, disjoint ones) and return the one holding this rank, or None.
         Where torch can split the default group (NCCL bound to this rank's GPU: `can_split`)
         all lines come from one `split_group`, which creates only this rank's communicator;
-        else one `new_group` per line, each of which every rank must enter."""
-        if any(len(line) == self.world_size for line in lines):
+        else one `new_group` per line, each of which every rank must enter. backend: the
+        groups' own (a split, or the world, would have the default group's): one
+        `new_group` per line, the whole world's included."""
+        if backend is None and any(len(line) == self.world_size for line in lines):
             return dist.group.WORLD
-        if self.splits:
+        if self.splits and backend is None:
             return dist.split_group(split_ranks=lines, timeout=self.timeout)
         mine = None
         for line in lines:
-            group = dist.new_group(line, timeout=self.timeout)
+            group = dist.new_group(line, timeout=self.timeout, backend=backend)
             if self.rank in line:
                 mine = group
         return mine

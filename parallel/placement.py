@@ -162,11 +162,19 @@ def load_regions(regions, optimizer, reader):
 
 
 def grad_norm_squared(regions, device):
-    """Sum of squared gradient elements over the regions this rank counts: one foreach
-    norm over all of them (one kernel launch, not one per region), then their squares
-    summed."""
-    views = [r.values(r.opt_param.grad) for r in regions
-             if r.in_norm and r.opt_param.grad is not None]
-    if not views:
+    """Sum of squared gradient elements over the regions this rank counts, as a 0-d tensor
+    on `device` (the compute device, where the norm's all-reduce and the trainer's read
+    of it run): one foreach norm over the gradients of each device they live on (one
+    kernel launch, not one per region), their squares summed there, and each device's sum
+    moved to `device`. With parallel.offload the gradients are host tensors while the
+    device computes: a sum left on the host would reach NCCL (which refuses it) or meet the
+    device's loss. All on `device` (no offload, or a CPU run): one foreach norm, no copy."""
+    views = {}
+    for r in regions:
+        if r.in_norm and r.opt_param.grad is not None:
+            g = r.values(r.opt_param.grad)
+            views.setdefault(g.device, []).append(g)
+    sums = [torch.stack(torch._foreach_norm(vs)).square().sum().to(device) for vs in views.values()]
+    if not sums:
         return torch.zeros((), device=device)
-    return torch.stack(torch._foreach_norm(views)).square().sum()
+    return sums[0] if len(sums) == 1 else torch.stack(sums).sum()

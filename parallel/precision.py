@@ -65,6 +65,28 @@ class LossScaler:
         self.skipped_steps = int(state.get("skipped_steps", 0))
 
 
+def unscale_and_find_inf(grads, inv_scale, device):
+    """Multiply `grads` by inv_scale in place and return a 1-element tensor on `device`,
+    non-zero iff one of them holds an inf or a NaN. GradScaler's own kernel, one launch
+    per device: it needs the gradients, the flag and the scale on one device (CUDA's
+    raises otherwise; the CPU's, handed a flag on another device, silently unscales
+    nothing), and with parallel.offload the gradients are host tensors while the device
+    computes. So each device's gradients get a flag and a scale of their own (as
+    torch.amp.GradScaler does per device), and the flags are summed on `device`. Every
+    gradient on `device`: one launch on the flag itself, no copy."""
+    found = torch.zeros(1, device=device)
+    by_device = {}
+    for g in grads:
+        by_device.setdefault(g.device, []).append(g)
+    for on, group in by_device.items():
+        flag = found if on == found.device else torch.zeros(1, device=on)
+        torch._amp_foreach_non_finite_check_and_unscale_(
+            group, flag, torch.full((1,), inv_scale, device=on))
+        if flag is not found:
+            found += flag.to(found.device)
+    return found
+
+
 class Precision:
     def __init__(self, name="fp32", device=torch.device("cpu"), init_scale=2.0**16,
                  growth_interval=2000, world_size=1):
@@ -92,11 +114,8 @@ class Precision:
         if self.scaler is None:
             self.skip_step = False
             return
-        found = torch.zeros(1, device=self.device)
-        grads = [g for g in grads if g is not None]
-        if grads:  # GradScaler's own kernel: unscale and check every tensor in one launch
-            inv = torch.full((1,), 1.0 / self.scaler.scale, device=self.device)
-            torch._amp_foreach_non_finite_check_and_unscale_(grads, found, inv)
+        found = unscale_and_find_inf([g for g in grads if g is not None],
+                                     1.0 / self.scaler.scale, self.device)
         if self.world_size > 1:
             # every gradient element lives on some rank: one MAX over all of them (not
             # training traffic: uncounted, like the preemption flag)

@@ -13,7 +13,11 @@
 - The counted comm (parallel/comm.py) refuses a tensor on another device than
   the grid's with one clear message: handed a `meta` tensor where the grid
   works on the CPU, and a CPU tensor where it works on `meta` (a CUDA tensor
-  cannot be made on this CPU-only build; the check compares devices, whichever).
+  cannot be made on this CPU-only build; the check compares devices, whichever), and
+  main.py does not report that defect as another rank's failure.
+- parallel.offload's host gradients beside the device's compute (`meta` stands for the
+  GPU): the gradient norm ends on the compute device, fp16 unscales each device's
+  gradients with a flag of their own.
 """
 
 import ast
@@ -322,3 +326,86 @@ def test_torchrun_with_more_ranks_than_the_nodes_one_gpu_is_one_line(monkeypatch
     assert main.pick_device("cuda", 0) == torch.device("cuda", 0) and current == [0]
     monkeypatch.delenv("LOCAL_WORLD_SIZE")  # no torchrun (srun --gpus-per-task=1)
     assert main.pick_device("auto", 0) == torch.device("cuda", 0)
+
+
+# ---------------------------------------------------------------- offload: host gradients, device compute
+
+def offloaded(grid, dp):
+    """A one-layer GPT under `dp` (fsdp stage 3, or torch_fsdp: PyTorch's FSDP2) with
+    parallel.offload, after one forward and backward: its gradients are host tensors."""
+    from model import GPT, GPTConfig
+    from parallel.config import ParallelConfig
+    from parallel.initial import InitialWeights
+    from parallel.parallelize import parallelize
+    from trainer import TrainerConfig
+    config = GPTConfig(n_layer=1, n_head=2, n_embd=16, vocab_size=11, block_size=8, dropout=0.0)
+    with torch.device("meta"):
+        meta = GPT(config)
+    strategy = parallelize(meta, grid, ParallelConfig(dp=dp, zero_stage=3, offload=True),
+                           InitialWeights(meta, seed=3))
+    strategy.configure_optimizer(TrainerConfig())
+    g = torch.Generator().manual_seed(0)
+    x, y = (torch.randint(0, 11, (2, 8), generator=g) for _ in range(2))
+    strategy.loss_and_gradients([(x, y)])
+    return strategy
+
+
+def test_the_norm_of_offloaded_gradients_ends_on_the_compute_device(one_rank_grid):
+    """parallel.offload on a GPU crashed at step 1: the gradients are host tensors, and the
+    squared norm was summed on the host whatever device it was asked for: NCCL refused
+    it in the norm's all-reduce, and with one rank the trainer's read met the device's
+    loss. `meta` stands for the GPU: fsdp3's host gradients, its norm asked for on meta
+    (what the counted comm then checks), and torch_fsdp's clip returning on its device.
+    On CPU the sum is the one foreach norm it always was, to the bit."""
+    from parallel.comm import CommCounter
+    from parallel.placement import grad_norm_squared
+    meta = torch.device("meta")
+    fsdp = offloaded(one_rank_grid, "fsdp")
+    assert {g.device.type for g in fsdp.grads()} == {"cpu"}
+    sq = grad_norm_squared(fsdp.regions(), meta)
+    print(f"fsdp3 offload: host gradients, squared norm on {sq.device}")
+    assert sq.device == meta and sq.shape == ()
+    CommCounter(meta).check("all_reduce", sq)  # where NCCL's all-reduce takes it
+    views = [r.values(r.opt_param.grad) for r in fsdp.regions() if r.in_norm]
+    assert torch.equal(grad_norm_squared(fsdp.regions(), torch.device("cpu")),
+                       torch.stack(torch._foreach_norm(views)).square().sum())
+    reference = offloaded(one_rank_grid, "torch_fsdp")
+    reference.device = meta  # its gradients stay CPU DTensors
+    norm = reference.clip_gradients(float("inf"))
+    print(f"torch_fsdp offload: norm on {norm.device}")
+    assert norm.device == meta and norm.shape == ()
+
+
+def test_fp16_unscales_offloaded_gradients_on_their_own_device():
+    """fp16 with parallel.offload crashed at step 1 on a GPU: GradScaler's kernel got the
+    overflow flag and the inverse scale on the GPU beside host gradients (CUDA's kernel
+    wants one device; the CPU's, handed a flag elsewhere, unscales nothing at all). Each
+    device's gradients are unscaled with a flag and scale of their own, the flags summed
+    on the compute device (`meta` stands for the GPU: the host gradients must come out
+    halved and the flag on meta); on one device, an inf is found and a clean step is not."""
+    from parallel.precision import unscale_and_find_inf
+    meta, cpu = torch.device("meta"), torch.device("cpu")
+    host = [torch.full((3,), 4.0), torch.full((2, 2), 6.0)]
+    found = unscale_and_find_inf(host, 0.5, meta)
+    print(f"host gradients after unscaling by 0.5: {[g.tolist() for g in host]}, flag on {found.device}")
+    assert found.device == meta and found.shape == (1,)
+    assert [g.tolist() for g in host] == [[2.0] * 3, [[3.0, 3.0], [3.0, 3.0]]]
+    clean, bad = [torch.full((3,), 4.0)], [torch.tensor([1.0, float("inf")])]
+    assert unscale_and_find_inf(clean, 0.25, cpu).item() == 0 and clean[0].tolist() == [1.0] * 3
+    assert unscale_and_find_inf(clean + bad, 0.25, cpu).item() > 0
+
+
+def test_a_wrong_device_is_not_reported_as_another_ranks_failure():
+    """main.py turns a collective's failure into one line per rank; a WrongDevice (whose
+    text names NCCL) was read as "another rank stopped", on the rank that made the
+    mistake. It is a defect of this program: raised with its traceback. A backend's own
+    failure is still one line."""
+    from errors import UserError
+    from parallel.comm import CommCounter, WrongDevice, collective_failure
+    with pytest.raises(WrongDevice) as raised:
+        CommCounter(torch.device("meta")).all_reduce(torch.zeros(()))
+    line = collective_failure(raised.value, 60)
+    print(f"WrongDevice -> {line!r}")
+    assert line is None
+    peer = collective_failure(RuntimeError("[../gloo/transport/tcp/pair.cc:534] Connection closed by peer"), 60)
+    assert isinstance(peer, UserError) and "another rank stopped" in str(peer)

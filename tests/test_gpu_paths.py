@@ -9,7 +9,11 @@ on CPU where the behaviour can be shown here:
 - a training step reads nothing from the device but the logged values at logged steps;
 - ring attention under bf16 autocast is as accurate as PyTorch's SDPA;
 - a rank's GPU comes from its launcher, never GPU 0 by default, and asynchronous
-  snapshots synchronize the run's device, not whatever CUDA is there.
+  snapshots synchronize the run's device, not whatever CUDA is there;
+- torch_fsdp with offload meshes over groups that take host tensors (gloo beside NCCL);
+- the host reads a device-to-host copy only after its event (offload's gradient shards,
+  the async snapshot's staging copies): stand-in events that land the copies when
+  synchronized.
 """
 
 import os
@@ -106,6 +110,64 @@ def test_every_group_of_the_grid_gets_the_timeout_and_gpus_split_once_per_dimens
         made = [(r, t) for r, t, _ in fake.new_groups[:-1]]
         assert made == [(line, timeout) for d in order for line in lines[d]]
         assert grid.tp_group == ("group", (4, 5)) and grid.pp_group == ("group", (5, 7))
+
+
+@pytest.mark.parametrize("replicas", [1, 2], ids=["1d-mesh", "hsdp-2d-mesh"])
+def test_torch_fsdp_offload_on_a_gpu_meshes_over_groups_that_take_host_tensors(monkeypatch, replicas):
+    """torch_fsdp with parallel.offload crashed at step 1 on GPUs: CPUOffloadPolicy leaves
+    the gradients (and AdamW's state) host DTensors, and the norm's all-reduce (then the
+    clip's, the snapshot's full tensors) ran over the grid's NCCL-only groups (a known
+    FSDP2 limitation; torchtune adds gloo). Rank 1 of 4 on a GPU, in process
+    (torch.distributed faked, FSDP2's fully_shard and DeviceMesh stand-ins): with offload
+    the mesh is built from groups of their own, one new_group per line (the whole world's
+    too) with gloo beside NCCL and the timeout; without, from the grid's split groups. On
+    a CPU grid the grid's own gloo groups already take host tensors: no group is added."""
+    import datetime
+    import parallel.reference.torch_fsdp as torch_fsdp
+    from types import SimpleNamespace
+    from model import GPT, GPTConfig
+    from parallel.config import ParallelConfig
+    from parallel.data_parallel.replicated import ReplicatedStrategy
+    from parallel.grid import HOST_AND_CUDA, ProcessGrid
+    from parallel.strategy import LocalModel, Strategy
+    meshes, sharded = [], []
+    monkeypatch.setattr(torch_fsdp, "DeviceMesh", SimpleNamespace(
+        from_group=lambda group, device_type, **kw: meshes.append((group, device_type)) or len(meshes)))
+    monkeypatch.setattr(torch_fsdp, "fully_shard", lambda module, mesh, **kw: sharded.append((mesh, kw)))
+    # the GPU's allocation and initial weights are not under test
+    monkeypatch.setattr(ReplicatedStrategy, "__init__", Strategy.__init__)
+    with torch.device("meta"):
+        gpt = GPT(GPTConfig(n_layer=2, n_head=2, n_embd=16, vocab_size=11, block_size=8))
+    sizes = {"dp_replicate": replicas, "dp": 4 // replicas}
+
+    def build(device, offload):
+        grid = ProcessGrid(sizes, torch.device(device), timeout_s=7)
+        made = len(fake.new_groups)
+        torch_fsdp.TorchFSDP(LocalModel(gpt, {}, None), grid, ParallelConfig(
+            dp="torch_fsdp", dp_replicate=replicas, offload=offload, prefetch=False))
+        assert [mesh for mesh, _ in sharded[-3:]] == [len(meshes)] * 3  # two blocks, the root
+        assert isinstance(sharded[-1][1].get("offload_policy"), torch_fsdp.CPUOffloadPolicy) == offload
+        return grid, fake.new_groups[made:], meshes[-1]
+
+    fake = FakeDist(1, 4, splits=True)
+    fake.install(monkeypatch)
+    grid, added, mesh = build("cuda", offload=True)
+    print(f"offload on a GPU: mesh over {mesh}, groups added {added}")
+    timeout = datetime.timedelta(seconds=7)
+    if replicas == 1:
+        assert added == [([0, 1, 2, 3], timeout, HOST_AND_CUDA)]
+        assert mesh == (("group", (0, 1, 2, 3)), "cuda")
+    else:  # replicate lines, then shard lines; rank 1 holds (1, 3) and (0, 1)
+        assert added == [(line, timeout, HOST_AND_CUDA) for line in ([0, 2], [1, 3], [0, 1], [2, 3])]
+        assert mesh == ([("group", (1, 3)), ("group", (0, 1))], "cuda")
+    grid, added, mesh = build("cuda", offload=False)
+    assert added == [] and mesh == (
+        grid.grad_group if replicas == 1 else [grid.dp_replicate_group, grid.shard_group], "cuda")
+    fake = FakeDist(1, 4, splits=False)
+    fake.install(monkeypatch)
+    grid, added, mesh = build("cpu", offload=True)
+    assert added == [] and mesh == (
+        grid.grad_group if replicas == 1 else [grid.dp_replicate_group, grid.shard_group], "cpu")
 
 
 # ---------------------------------------------------------------- in-process training runs
@@ -371,6 +433,79 @@ def test_async_snapshot_waits_for_the_runs_device_only(one_rank_grid, tmp_path, 
     event = async_snapshot.staging_done(torch.device("cuda", 1), Event)
     event.synchronize()
     assert Event.log == ["record", "synchronize"]
+
+
+class Landing:
+    """A stand-in CUDA event recorded after non-blocking device-to-host copies into
+    `buffers`: until it is synchronized the copies are in flight, so the buffers hold what
+    the host must not read (NaN here); synchronize() lands them (and is logged in `log`)."""
+
+    def __init__(self, buffers, log):
+        self.landed = [(b, b.clone()) for b in buffers]
+        self.log = log
+        for b in buffers:
+            b.fill_(float("nan"))
+
+    def synchronize(self):
+        self.log.append("synchronize")
+        for b, values in self.landed:
+            b.copy_(values)
+
+
+def test_offloaded_gradient_shards_are_added_on_the_host_only_after_their_copy_landed():
+    """parallel.offload, issue 47: each reduced gradient shard leaves the GPU by a
+    non-blocking copy into pinned host memory, and `land` must wait for its event before
+    the host adds it to the host gradient. On CPU the copy is synchronous and the event
+    None, so nothing else shows a missing wait; here each copy lands only when its
+    stand-in event is synchronized. Two micro-steps' shards, each divided by 2."""
+    from parallel.data_parallel.offload import HostShard
+    log = []
+
+    class OnGPU(HostShard):  # HostShard whose receive copies are in flight, as on CUDA
+        def _empty(self, size, dtype):
+            self.last = super()._empty(size, dtype)
+            return self.last
+
+        def _event(self):  # right after receive's copy into its new host buffer
+            return Landing([self.last], log)
+
+    shard = OnGPU(4, torch.float32, torch.device("cpu"))
+    shard.allocate_grad()
+    shard.receive(torch.tensor([2.0, 4.0, 6.0, 8.0]), 2)
+    shard.receive(torch.tensor([1.0, 1.0, 1.0, 1.0]), 2)
+    shard.land()
+    print(f"host gradient {shard.grad.tolist()}, order {log}")
+    # a shard read before its copy landed adds NaN
+    assert shard.grad.tolist() == [1.5, 2.5, 3.5, 4.5] and log == ["synchronize"] * 2
+
+
+def test_the_async_snapshot_writer_reads_the_staging_copies_only_after_they_landed(
+        one_rank_grid, tmp_path, monkeypatch):
+    """trainer.snapshot_async on CUDA, issue 47: the save step copies every piece into
+    pinned host buffers without waiting, and the writer thread may read them only after
+    the event recorded behind those copies (staging_done) completed. On CPU the copies
+    are synchronous and the event None; here the staged buffers hold NaN until the
+    stand-in event is synchronized: the snapshot must hold the pieces' values, and the
+    synchronize must come before the writer starts."""
+    from checkpoint import async_snapshot
+    from checkpoint.snapshot_reader import open_snapshot
+    log, path = [], str(tmp_path / "snapshot")
+    saver = async_snapshot.AsyncSnapshots(path, one_rank_grid, keep=1)
+    monkeypatch.setattr(async_snapshot, "staging_done",
+                        lambda device: Landing(list(saver.buffers.values()), log))
+    real_write = async_snapshot.write_own_part
+    monkeypatch.setattr(async_snapshot, "write_own_part",
+                        lambda save: log.append("writer reads") or real_write(save))
+    w, b = torch.arange(6.0).reshape(2, 3), torch.tensor([0.5, -1.0])
+    meta = {"config": {}, "gpt_config": {}, "tokenizer": {}}
+    saver.begin(2, [("model/w", (2, 3), ((0, 2), (0, 3)), w), ("model/b", (2,), ((0, 2),), b)], meta)
+    saver.drain()
+    assert saver.close() is None
+    snapshot = open_snapshot(path)
+    written = {key: snapshot.read_full(key) for key in ("model/w", "model/b")}
+    print(f"order {log}, written {({k: v.tolist() for k, v in written.items()})}")
+    assert log == ["synchronize", "writer reads"]
+    assert torch.equal(written["model/w"], w) and torch.equal(written["model/b"], b)
 
 
 # ---------------------------------------------------------------- 4. profiling a run

@@ -17,7 +17,9 @@ composes FSDP2 with its own DTensor TP, not with ours.
 It is also the reference for hybrid sharding and offload: `parallel.dp_replicate=R`
 shards over a 2-D mesh (replicate x shard: FSDP2's HSDP, grid.dp_replicate_group x
 grid.shard_group), and `parallel.offload=true` passes FSDP2's CPUOffloadPolicy
-(pinned on CUDA): sharded parameters, gradients and AdamW's state in host memory.
+(pinned on CUDA): sharded parameters, gradients and AdamW's state in host memory. On a
+GPU its mesh is then made of groups that take host tensors too (gloo beside NCCL), since
+the gradient norm, the clip and the snapshots' full tensors reduce those host DTensors.
 """
 
 import torch
@@ -26,7 +28,7 @@ from torch.distributed.fsdp import CPUOffloadPolicy, fully_shard
 from torch.distributed.tensor import DTensor, distribute_tensor
 
 from parallel import model_plan as plan
-from parallel.grid import DIMS, GRAD_DIMS
+from parallel.grid import DIMS, GRAD_DIMS, SHARD_DIMS
 from parallel.data_parallel.replicated import ReplicatedStrategy
 from parallel.reference import refuse_own_options
 from parallel.reference.torch_ddp import refuse_under_pipeline
@@ -58,8 +60,8 @@ class TorchFSDP(ReplicatedStrategy):
 
     def __init__(self, local, grid, cfg):
         super().__init__(local, grid, cfg)
-        mesh = data_parallel_mesh(grid)
         self.offload = cfg.offload
+        mesh = data_parallel_mesh(grid, host_tensors=cfg.offload)
         kw = {"reshard_after_forward": cfg.reshard_after_forward}
         if cfg.offload:
             kw["offload_policy"] = CPUOffloadPolicy(pin_memory=self.device.type == "cuda")
@@ -78,7 +80,9 @@ class TorchFSDP(ReplicatedStrategy):
         if self.precision.skip_step:
             max_norm = float("inf")  # the gradients are dropped: just measure
         norm = torch.nn.utils.clip_grad_norm_(self.module.parameters(), max_norm)
-        return _full(norm)
+        # offloaded: a host tensor like the gradients; the trainer reads it beside the
+        # device's loss
+        return _full(norm).to(self.device)
 
     def optimizer_step(self, lr):
         for group in self.optimizer.param_groups:
@@ -125,12 +129,20 @@ class TorchFSDP(ReplicatedStrategy):
         return distribute_tensor(full.to(self.device), p.device_mesh, p.placements).to_local()
 
 
-def data_parallel_mesh(grid):
+def data_parallel_mesh(grid, host_tensors=False):
     """The ranks averaging gradients as FSDP2's mesh: 1-D over grid.grad_group, or with
-    replica groups (HSDP) 2-D, replicate x shard, the ranks laid out as in the grid."""
+    replica groups (HSDP) 2-D, replicate x shard, the ranks laid out as in the grid.
+    host_tensors (offload): over groups that also take host tensors (grid.group_over):
+    with CPUOffloadPolicy the gradients and AdamW's state are host DTensors, and the
+    gradient norm, the clip and the snapshot's full tensors reduce and gather them over
+    the mesh, which on a GPU's NCCL-only groups fails at step 1 (a known limitation of
+    FSDP2; torchtune starts gloo beside NCCL, as here)."""
     if grid.dp_replicate_size == 1:
-        return DeviceMesh.from_group(grid.grad_group, grid.device.type)
+        return DeviceMesh.from_group(grid.group_over(*GRAD_DIMS, host_tensors=host_tensors),
+                                     grid.device.type)
     mine = tuple(slice(None) if d in GRAD_DIMS else grid.coords[d] for d in DIMS)
     ranks = grid.ranks[mine].reshape(grid.dp_replicate_size, grid.shard_size)
-    return DeviceMesh.from_group([grid.dp_replicate_group, grid.shard_group], grid.device.type,
-                                 mesh=ranks, mesh_dim_names=("replicate", "shard"))
+    groups = [grid.group_over("dp_replicate", host_tensors=host_tensors),
+              grid.group_over(*SHARD_DIMS, host_tensors=host_tensors)]
+    return DeviceMesh.from_group(groups, grid.device.type, mesh=ranks,
+                                 mesh_dim_names=("replicate", "shard"))
