@@ -18,7 +18,8 @@
 #   SMOKE_LAYOUTS="single pp2-zbv" bash scripts/gpu_smoke.sh --cpu   # only those rows
 #
 # Tiers: 1 (one process on its device: the NCCL group of one rank and our ddp_bucket and
-# fsdp3 collectives through it, bf16, fp16, recompute, compile, the profiler with a CUDA
+# fsdp3 collectives through it, fsdp3 and FSDP2 with CPU offload (host gradients beside the
+# device's loss; fp16 too), bf16, fp16, recompute, compile, the profiler with a CUDA
 # memory snapshot, an async snapshot killed and resumed, dropout), 2 (every path: data
 # parallelism, ZeRO 1-3, tp, pp schedules, cp, precisions, recompute, compile, async
 # snapshots killed and resumed, dropout, PyTorch's DDP, FSDP2 and TP on the same model),
@@ -91,6 +92,9 @@ MATRIX=(
   "1|single|1|0|parallel.dp=single"
   "1|single-ddp_bucket|1|$RTOL|parallel.dp=ddp_bucket"
   "1|single-fsdp3|1|$RTOL|parallel.dp=fsdp parallel.zero_stage=3"
+  "1|single-fsdp3-offload|1|$RTOL|parallel.dp=fsdp parallel.zero_stage=3 parallel.offload=true"
+  "1|single-fsdp3-offload-fp16|1|$FP16_RTOL|parallel.dp=fsdp parallel.zero_stage=3 parallel.offload=true trainer.precision=fp16 trainer.fp16_init_scale=1024"
+  "1|single-torch_fsdp-offload|1|$RTOL|parallel.dp=torch_fsdp parallel.offload=true"
   "1|single-bf16|1|$BF16_RTOL|parallel.dp=single trainer.precision=bf16"
   "1|single-fp16|1|$FP16_RTOL|parallel.dp=single trainer.precision=fp16 trainer.fp16_init_scale=1024"
   "1|single-recompute|1|$RTOL|parallel.dp=single trainer.activation_checkpointing=true"
@@ -157,7 +161,7 @@ MATRIX=(
   "2x8|dp16-torch_fsdp|16|$RTOL|parallel.dp=torch_fsdp"
 )
 # own strategy -> PyTorch's, timed side by side in the table's "vs torch" column
-SPEED_PAIRS="ddp_bucket=torch_ddp fsdp3-prefetch=torch_fsdp tp2=tp2-torch dp4-ddp_bucket=dp4-torch_ddp
+SPEED_PAIRS="single-fsdp3-offload=single-torch_fsdp-offload ddp_bucket=torch_ddp fsdp3-prefetch=torch_fsdp tp2=tp2-torch dp4-ddp_bucket=dp4-torch_ddp
   dp4-fsdp3=dp4-torch_fsdp tp4=tp4-torch dp8-fsdp3=dp8-torch_fsdp dp16-ddp_bucket=dp16-torch_ddp
   dp16-fsdp3=dp16-torch_fsdp"
 

@@ -22,7 +22,8 @@ from config import load_config
 from harness import REPO, job_env, run_tree
 
 TIERS = {
-    "1": ["single", "single-ddp_bucket", "single-fsdp3", "single-bf16", "single-fp16",
+    "1": ["single", "single-ddp_bucket", "single-fsdp3", "single-fsdp3-offload",
+          "single-fsdp3-offload-fp16", "single-torch_fsdp-offload", "single-bf16", "single-fp16",
           "single-recompute", "single-compile", "single-profile", "single-kill-resume",
           "single-dropout"],
     "2": ["ddp_naive", "ddp_bucket", "ddp_bucket-ring", "torch_ddp", "fsdp1", "fsdp2",
@@ -76,7 +77,10 @@ def test_the_matrix_names_every_layout():
                        "tp2-torch": "tp_impl=torch", "single-fsdp3": "zero_stage=3",
                        "single-fp16": "precision=fp16", "single-compile": "compile=true",
                        "single-profile": "memory_snapshot=true",
-                       "single-kill-resume": "snapshot_async=true"}.items():
+                       "single-kill-resume": "snapshot_async=true",
+                       "single-fsdp3-offload": "offload=true",
+                       "single-fsdp3-offload-fp16": "offload=true trainer.precision=fp16",
+                       "single-torch_fsdp-offload": "dp=torch_fsdp parallel.offload=true"}.items():
         assert keys in args[name], (name, args[name])
 
 
