@@ -39,6 +39,9 @@ def check(cfg, data_size=None):
     host_port(f.lighthouse)
     if not f.enabled or data_size is None:
         return
+    refusal = refuse(cfg)
+    if refusal:
+        raise UserError(refusal)
     per_share = f.replicas * data_size * t.grad_accum
     if t.batch_size % per_share:
         raise UserError(
@@ -54,3 +57,22 @@ def host_port(address):
     if not host or not port.isdigit() or not 0 < int(port) < 65536:
         raise UserError(f"ft.lighthouse must be HOST:PORT (e.g. localhost:29510), got {address!r}")
     return host.strip("[]"), int(port)
+
+
+def refuse(cfg):
+    """Why ft.enabled cannot run with this config's parallel: section, or "". Checked with
+    the config, before any collective."""
+    f, p = cfg.ft, cfg.parallel
+    if p.tp_impl == "torch":
+        return ("ft.enabled with parallel.tp_impl=torch: PyTorch's DTensor TP reference cannot "
+                "drop an uncommitted step; use the own tensor parallelism")
+    if p.dp == "torch_fsdp":
+        return ("ft.enabled with parallel.dp=torch_fsdp: PyTorch's FSDP reference holds DTensor "
+                "gradients and state, which the sum across groups and a joining group's healing "
+                "cannot take (and its gathers would run on torchft's thread); use parallel.dp=fsdp")
+    if p.timeout_s <= f.timeout_s:
+        return (f"parallel.timeout_s={p.timeout_s:g} must be above ft.timeout_s={f.timeout_s:g} "
+                "with ft.enabled: a group's own collectives queued behind an all-reduce across "
+                "groups that hangs on a dead group would time out (and stop the group) before "
+                "torchft drops the dead one")
+    return ""

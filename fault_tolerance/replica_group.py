@@ -196,9 +196,6 @@ class ReplicaGroup:
 
 def start(cfg, grid, strategy, step):
     """The ReplicaGroup of this launch, or None without ft.enabled."""
-    if not cfg.ft.enabled:
+    if not cfg.ft.enabled:  # (what ft.enabled cannot run is refused with the config: config.refuse)
         return None
-    if cfg.parallel.tp_impl == "torch":
-        raise UserError("ft.enabled with parallel.tp_impl=torch: PyTorch's DTensor TP reference "
-                        "cannot drop an uncommitted step; use the own tensor parallelism")
     return ReplicaGroup(cfg.ft, grid, strategy, cfg.trainer.run_dir, step)

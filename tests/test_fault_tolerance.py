@@ -16,6 +16,8 @@ forwarder the test opens then; otherwise its command is group 1's). The learning
 constant after warm-up (min_lr = lr: the schedule does not depend on max_steps), the jobs
 run open-ended and are SIGKILLed once they logged what is compared; the reference then
 runs as far as the groups got (in the session's job server: one process, no launch).
+
+The rules of ft.enabled's config are checked in process.
 """
 
 import os
@@ -27,12 +29,17 @@ import subprocess
 import threading
 import time
 
+import pytest
+
+from config import load_config
+from errors import UserError
 from harness import (MAIN, TINY, assert_parity, command, job_env, kill_tree, our_frames,
                      python, read_metrics, run_job, run_metrics)
 
 OPEN_ENDED = ["trainer.max_steps=100000", "trainer.min_lr=0.002", "trainer.lr=0.002"]
 GROUP = ["parallel.dp=fsdp", "parallel.zero_stage=3", "ft.enabled=true", "ft.replicas=2",
-         "ft.timeout_s=400"]  # the restarted group waits for its lighthouse from the start
+         "ft.timeout_s=400",  # the restarted group waits for its lighthouse from the start
+         "parallel.timeout_s=450"]  # above ft.timeout_s (fault_tolerance/config.refuse)
 JOINT_STEPS = 3  # steps the restarted group trains beside the survivor before the end
 WAITING = "ft: waiting up to"
 
@@ -196,3 +203,23 @@ def test_no_lighthouse_is_one_error_on_every_rank(tmp_path):
                         r"ft.timeout_s=1 s .*mode=lighthouse", result.stderr, re.M)
     assert sorted(errors) == ["0", "1"], result.stderr[-3000:]
     assert not our_frames(result.stderr), result.stderr[-3000:]  # torchrun's own report aside
+
+
+@pytest.mark.parametrize("overrides, message", [
+    (["parallel.dp=torch_fsdp"], "ft.enabled with parallel.dp=torch_fsdp: .* use parallel.dp=fsdp"),
+    (["parallel.dp=ddp_bucket", "parallel.tp=2", "parallel.tp_impl=torch"],
+     "ft.enabled with parallel.tp_impl=torch"),
+    (["parallel.timeout_s=60", "ft.timeout_s=60"],
+     "parallel.timeout_s=60 must be above ft.timeout_s=60 with ft.enabled"),
+    (["parallel.timeout_s=30"], "parallel.timeout_s=30 must be above ft.timeout_s=60"),
+])
+def test_what_replica_groups_cannot_run_is_refused_with_the_config(overrides, message):
+    """In process, as every rank loads its config (before any collective): PyTorch's FSDP
+    and DTensor TP references inside a replica group, and a group's own collective
+    timeout at or below ft.timeout_s (its survivors' in-group collectives, queued behind an
+    all-reduce across groups that hangs on a dead group, would time out first). The
+    same configs without ft.enabled, or with parallel.timeout_s above, load."""
+    with pytest.raises(UserError, match=message):
+        load_config(["ft.enabled=true"] + overrides, 2)
+    load_config(overrides, 2)
+    load_config(["ft.enabled=true", "parallel.timeout_s=61", "ft.timeout_s=60"], 2)
