@@ -182,8 +182,10 @@ class Trainer:
             micro, data_ms, error = self._read_step(self.step)
             if not g.all_ok(error is None):
                 raise error or UserError(AGREED_READ_FAILURE)
+        redo = False  # ft: the last try of this step was voted down
         while self.step < t.max_steps:
-            self.profiler.before_step(self.step + 1)
+            if not redo:  # a redone step stays in its first try's profiler range and window
+                self.profiler.before_step(self.step + 1)
             started = self.clock.mark()  # the device's clock: CUDA events on a GPU
             if ft is not None:  # the quorum first: it says which shares this group computes
                 self.step, shares = ft.begin_step()  # (a joining group heals: step jumps)
@@ -191,7 +193,8 @@ class Trainer:
                 if not g.all_ok(error is None):
                     raise error or UserError(AGREED_READ_FAILURE)
             computed = self.compute_step(micro, ft)
-            if computed is None:  # a replica group failed in it: redone with the next quorum
+            redo = computed is None
+            if redo:  # a replica group failed in it: redone with the next quorum
                 continue
             loss, grad_norm, lr = computed
             ended = self.clock.mark()  # after the optimizer's kernels, not before them

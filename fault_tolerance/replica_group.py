@@ -27,14 +27,34 @@ import torch
 from errors import UserError
 from fault_tolerance import lighthouse, logs
 from fault_tolerance.shares import shares_of
-from fault_tolerance.state_transfer import held_state, load_held_state
+from fault_tolerance.state_transfer import held_state, load_held_state, wait_for_device
 
 
 class ReplicaGroup:
-    def __init__(self, ft, grid, strategy, run_dir, step):
+    def __init__(self, ft, grid, strategy, run_dir, step, manager=None):
         """Waits for the lighthouse (at most ft.timeout_s), then starts torchft's Manager:
         this rank's end of the process group that spans the groups. step: where this
-        group starts (a snapshot's step, or 0)."""
+        group starts (a snapshot's step, or 0). manager: a stand-in for torchft's Manager
+        (tests), called as manager(load_state_dict, state_dict) with this group's two state
+        callbacks; None: torchft's."""
+        self.ft, self.grid, self.strategy = ft, grid, strategy
+        self.log = logs.to_file(run_dir, grid.rank)
+        self.store = None
+        self.healed_from = None
+        self.manager = (manager or self._torchft_manager)(self._load, self._state)
+        self.manager.load_state_dict({"step": step, "batches_committed": 0})
+        self.live = None            # {ft.replica_id: start token} of the last committed step
+        # tells this start of the group from an earlier one with the same ft.replica_id (a
+        # group killed and started again between two steps is a leave and a join)
+        self.token = random.SystemRandom().randrange(1, 2**20)  # exact in fp32 sums
+        self.shares = []
+        self.failed_at = None       # when the first uncommitted step of a failure started
+        self.started = None
+        self.uncommitted = 0        # steps not committed since the start, each redone
+        self.events = {}            # figures for the next committed step's metrics record
+
+    def _torchft_manager(self, load_state_dict, state_dict):
+        ft, grid = self.ft, self.grid
         lighthouse.wait_for(ft.lighthouse, ft.timeout_s,
                             say=(lambda line: print(line, flush=True)) if grid.is_main else None)
         # torchft's Rust side logs every quorum to stderr: warnings only on the console (its
@@ -43,10 +63,7 @@ class ReplicaGroup:
         from torchft.checkpointing import HTTPTransport
         from torchft.manager import Manager
         from torchft.process_group import ProcessGroupGloo, ProcessGroupNCCL
-        self.ft, self.grid, self.strategy = ft, grid, strategy
-        self.log = logs.to_file(run_dir, grid.rank)
         timeout = timedelta(seconds=ft.timeout_s)
-        self.store = None
         store = {}
         if "MASTER_ADDR" not in os.environ:  # plain `python main.py`: the group's store is ours
             self.store = torch.distributed.TCPStore("localhost", 0, is_master=True,
@@ -58,24 +75,13 @@ class ReplicaGroup:
         transport = HTTPTransport(timeout=timeout, num_chunks=0)
         transport._server.RequestHandlerClass.log_message = \
             lambda _, fmt, *args: logging.getLogger("torchft").info(fmt % args)
-        self.healed_from = None
-        self.manager = Manager(
-            pg=pg, load_state_dict=self._load, state_dict=self._state,
+        return Manager(
+            pg=pg, load_state_dict=load_state_dict, state_dict=state_dict,
             min_replica_size=ft.min_replicas, use_async_quorum=False,  # heal before the forward
             timeout=timeout, quorum_timeout=timeout, connect_timeout=timeout,
             rank=grid.rank, world_size=grid.world_size, lighthouse_addr=f"http://{ft.lighthouse}",
             replica_id=f"replica_{ft.replica_id}", init_sync=False,  # weights from the seed
             checkpoint_transport=transport, **store)
-        self.manager.load_state_dict({"step": step, "batches_committed": 0})
-        self.live = None            # {ft.replica_id: start token} of the last committed step
-        # tells this start of the group from an earlier one with the same ft.replica_id (a
-        # group killed and started again between two steps is a leave and a join)
-        self.token = random.SystemRandom().randrange(1, 2**20)  # exact in fp32 sums
-        self.shares = []
-        self.failed_at = None       # when the first uncommitted step of a failure started
-        self.started = None
-        self.uncommitted = 0        # steps not committed since the start, each redone
-        self.events = {}            # figures for the next committed step's metrics record
 
     # ------------------------------------------------------------------ the step
 
@@ -106,21 +112,41 @@ class ReplicaGroup:
 
     def sum_across(self, loss, grads):
         """The global batch's loss and gradients from this group's (each the mean over its
-        shares): scaled by shares/R, summed over the live groups in one all-reduce."""
+        shares): scaled by shares/R, summed over the live groups, in place. The gradients
+        cross in buckets of at most BUCKET_MB (one buffer, reused; a bucket that is one
+        whole gradient on the device is reduced where it lies), the loss and the start
+        tokens apart: beyond the gradients this holds at most one bucket, never a copy of
+        them all."""
         from torch.distributed import ReduceOp
         device = self.grid.device
         weight = len(self.shares) / self.ft.replicas
-        who = torch.zeros(self.ft.replicas, device=device)
-        who[self.ft.replica_id] = self.token
-        flat = torch.cat([g.reshape(-1).to(device) for g in grads] + [loss.reshape(1).to(device)])
-        flat = torch.cat([flat * weight, who])
-        self.manager.allreduce(flat, reduce_op=ReduceOp.SUM).wait()
-        at = 0
-        for g in grads:
-            g.copy_(flat[at:at + g.numel()].view_as(g))
-            at += g.numel()
-        self._who = flat[at + 1:]
-        return flat[at].clone()
+        figures = torch.zeros(1 + self.ft.replicas, device=device)  # the loss, who took part
+        figures[0] = loss.detach().to(device) * weight
+        figures[1 + self.ft.replica_id] = self.token
+        self.manager.allreduce(figures, reduce_op=ReduceOp.SUM).wait()
+        cap = max(1, min(int(BUCKET_MB * 2**20) // 4, sum(g.numel() for g in grads)))
+        bucket = None
+        for pieces in buckets(grads, cap, device):
+            if len(pieces) == 1 and in_place(pieces[0], cap, device):
+                g = pieces[0][0]
+                g.mul_(weight)
+                self.manager.allreduce(g, reduce_op=ReduceOp.SUM).wait()
+                continue
+            parts = [part(p) for p in pieces]
+            size = sum(t.numel() for t in parts)
+            if bucket is None or bucket.numel() < size:  # larger than cap: a non-contiguous gradient
+                bucket = torch.empty(max(cap, size), dtype=parts[0].dtype, device=device)
+            at = 0
+            for t in parts:
+                bucket[at:at + t.numel()].view(t.shape).copy_(t)
+                at += t.numel()
+            self.manager.allreduce(bucket[:at].mul_(weight), reduce_op=ReduceOp.SUM).wait()
+            at = 0
+            for t in parts:
+                t.copy_(bucket[at:at + t.numel()].view(t.shape))
+                at += t.numel()
+        self._who = figures[1:]
+        return figures[0]
 
     def commit(self):
         """torchft's vote: True if every rank of every live group finished the step (then
@@ -187,11 +213,69 @@ class ReplicaGroup:
     # ------------------------------------------------------------------ state transfer
 
     def _state(self):
+        # torchft calls this on its own thread (and stream) when a group joins, at the start
+        # of a step: the last optimizer step's kernels may still be queued on the device
+        wait_for_device(self.grid.device)
         return held_state(self.strategy, self.manager.current_step(), self.ft.replica_id)
 
     def _load(self, sent):
         load_held_state(self.strategy, sent)
         self.healed_from = sent["replica_id"]
+
+
+# the most the sum across groups holds beyond the gradients (the bucket they cross in)
+BUCKET_MB = 32
+
+
+def buckets(grads, cap, device):
+    """The gradients' elements in order, as buckets (lists of pieces (gradient, start, end)
+    of its flattened elements) of at most `cap` elements: a contiguous gradient on the
+    device of `cap` elements or more alone (it is reduced in place), the others packed,
+    split across buckets where they do not fit (a non-contiguous one goes whole)."""
+    bucket, room = [], cap
+    for g in grads:
+        n = g.numel()
+        if n == 0:
+            continue
+        if in_place((g, 0, n), cap, device):
+            if bucket:
+                yield bucket
+                bucket, room = [], cap
+            yield [(g, 0, n)]
+            continue
+        if not g.is_contiguous():
+            if n > room and bucket:
+                yield bucket
+                bucket, room = [], cap
+            bucket.append((g, 0, n))
+            room -= n
+        else:
+            at = 0
+            while at < n:
+                take = min(room, n - at)
+                bucket.append((g, at, at + take))
+                at, room = at + take, room - take
+                if room == 0:
+                    yield bucket
+                    bucket, room = [], cap
+        if room <= 0:
+            yield bucket
+            bucket, room = [], cap
+    if bucket:
+        yield bucket
+
+
+def in_place(piece, cap, device):
+    """Whether a bucket's one piece is reduced where it lies: a whole contiguous gradient of
+    at least `cap` elements on the device (an offloaded one is in host memory)."""
+    g, start, end = piece
+    return start == 0 and end == g.numel() >= cap and g.is_contiguous() and g.device == device
+
+
+def part(piece):
+    """A piece's elements as a tensor that views the gradient."""
+    g, start, end = piece
+    return g.view(-1)[start:end] if g.is_contiguous() else g
 
 
 def start(cfg, grid, strategy, step):

@@ -37,6 +37,14 @@ def held_state(strategy, step, replica_id):
             "precision": strategy.precision.state()}
 
 
+def wait_for_device(device):
+    """Return once every kernel queued on `device` (on any stream) has run: held_state is
+    read on torchft's thread, on a stream of its own, while this rank's last optimizer step
+    may still be queued. Nothing to wait for on the CPU."""
+    if device.type != "cpu":
+        torch.accelerator.synchronize(device)
+
+
 def load_held_state(strategy, sent):
     """Take a peer's held_state (same layout); returns its step."""
     strategy.load_shards(HeldStateReader(sent["tensors"]))

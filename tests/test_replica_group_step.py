@@ -1,0 +1,309 @@
+"""A replica group's step in process: fault_tolerance/replica_group.py and trainer.py's ft
+path through main.train, with a stand-in for torchft's Manager (no lighthouse, no launch).
+
+- a step the vote rejects leaves weights, AdamW state, the fp16 scaler and the step (the
+  learning rate's position) as they were before it, and the redone run's every record is
+  the uninterrupted run's, to the bit (Strategy.drop_step, Trainer.compute_step);
+- a redo on trainer.profile_from opens the profiler once (Trainer.train);
+- the sum across groups holds at most one bucket beyond the gradients (sum_across);
+- the healing state is read only after the device has run what was queued (_state).
+
+The stand-in is one group alone of ft.replicas=1: its all-reduce is the identity, its vote
+says no on the tries the test names. The real launches (a lighthouse, groups killed) are
+tests/test_fault_tolerance.py's.
+"""
+
+import pytest
+import torch
+
+import main
+from config import load_config
+from fault_tolerance import replica_group, state_transfer
+from fault_tolerance.replica_group import ReplicaGroup
+from harness import TINY, read_metrics
+
+FT = ["ft.enabled=true", "parallel.timeout_s=120", "trainer.max_steps=4"]
+REJECTED = 3  # the first try of step 3 is voted down
+# what a record must repeat to the bit (timings aside)
+EXACT = ("step", "loss", "grad_norm", "lr", "loss_scale", "step_skipped", "skipped_steps",
+         "ft_live_groups")
+
+
+class Done:
+    def wait(self):
+        return None
+
+
+class StandInManager:
+    """torchft's Manager as ReplicaGroup uses it, for one group alone: the all-reduce is
+    the identity; should_commit says no on the tries (start_quorum calls, from 1) in
+    `reject`. At each try's quorum it records the state a healing peer would get
+    (state_dict: weights, AdamW moments and step, the fp16 scaler, the step) and what
+    gradients are left over."""
+
+    def __init__(self, load_state_dict, state_dict, reject=(), strategy=None):
+        self.state_dict, self.reject, self.strategy = state_dict, set(reject), strategy
+        self.step, self.tries, self.seen = 0, 0, []
+
+    def load_state_dict(self, state):
+        self.step = state["step"]
+
+    def start_quorum(self):
+        self.tries += 1
+        state = self.state_dict()
+        left = sum(float(g.abs().sum()) for g in self.strategy.grads() if g is not None)
+        self.seen.append((self.tries, state, left))
+
+    def errored(self):
+        return None
+
+    def participating_rank(self):
+        return 0
+
+    def num_participants(self):
+        return 1
+
+    def current_step(self):
+        return self.step
+
+    def allreduce(self, tensor, reduce_op=None):
+        return Done()
+
+    def should_commit(self):
+        if self.tries in self.reject:
+            return False
+        self.step += 1
+        return True
+
+    def shutdown(self, wait=True):
+        pass
+
+
+def train(tmp_path, name, grid, monkeypatch, overrides, reject=()):
+    """main.train of a tiny ft.enabled run, its manager the stand-in; returns (records,
+    stand-in, the lr of every optimizer_step/drop_step call)."""
+    cfg = load_config(TINY + FT + [f"trainer.run_dir={tmp_path / name}"] + overrides, 1)
+    made, lrs = [], []
+
+    def manager(group, load_state_dict, state_dict):
+        made.append(StandInManager(load_state_dict, state_dict, reject, group.strategy))
+        step = group.strategy.optimizer_step
+        group.strategy.optimizer_step = lambda lr: (lrs.append(lr), step(lr))[1]
+        return made[-1]
+    monkeypatch.setattr(ReplicaGroup, "_torchft_manager", manager)
+    main.train(cfg, grid)
+    return read_metrics(tmp_path / name), made[0], lrs
+
+
+def same_state(a, b):
+    """held_state dicts equal to the bit."""
+    assert a.keys() == b.keys()
+    assert a["tensors"].keys() == b["tensors"].keys()
+    for key, t in a["tensors"].items():
+        assert torch.equal(t, b["tensors"][key]), key
+    assert (a["step"], a["precision"]) == (b["step"], b["precision"])
+
+
+@pytest.mark.parametrize("layout", [
+    ["parallel.dp=single"],
+    ["parallel.dp=single", "trainer.precision=fp16", "trainer.fp16_growth_interval=2"],
+    ["parallel.dp=fsdp", "parallel.zero_stage=3"],
+], ids=["single", "single-fp16", "fsdp3"])
+def test_a_rejected_step_changes_nothing_and_its_redo_is_the_uninterrupted_step(
+        tmp_path, one_rank_grid, monkeypatch, layout):
+    """The vote rejects step 3's first try: at the redo's quorum, weights, AdamW state
+    (moments and step count), the fp16 scaler (fp16: its good-step count, which the
+    rejected try's unscale advanced, and the scale, which doubles every 2 good steps) and
+    the step are what they were at the rejected try's, no gradient is left over, and the
+    redo ran at the same learning rate; every record of the run equals the uninterrupted
+    run's to the bit. Red when the rejected step updates the model (drop_step without
+    skip_step), keeps its gradients (drop_step calling step_optimizer, not
+    optimizer_step), or keeps its scaler change (compute_step's load_state dropped)."""
+    plain, _, plain_lrs = train(tmp_path, "plain", one_rank_grid, monkeypatch, layout)
+    redone, manager, lrs = train(tmp_path, "redone", one_rank_grid, monkeypatch, layout,
+                                 reject=[REJECTED])
+    tries = {t: (state, left) for t, state, left in manager.seen}
+    assert len(tries) == 5 and tries[REJECTED][0]["step"] == REJECTED - 1
+    before, after = tries[REJECTED], tries[REJECTED + 1]
+    print(f"at the rejected try: grads left {before[1]}; at its redo: {after[1]}; precision "
+          f"{before[0]['precision']} / {after[0]['precision']}")
+    same_state(before[0], after[0])
+    assert before[1] == after[1] == 0.0, "gradients left over from the step before"
+    assert lrs[REJECTED - 1] == lrs[REJECTED] == plain_lrs[REJECTED - 1]
+    assert [r["ft_uncommitted_steps"] for r in redone] == [0, 0, 1, 1]
+    for a, b in zip(plain, redone, strict=True):
+        assert {k: a.get(k) for k in EXACT} == {k: b.get(k) for k in EXACT}, (a, b)
+
+
+class CountingProfile:
+    """torch.profiler.profile, counting the windows opened and the traces written."""
+    opened, exported = [], []
+
+    def __init__(self, **kwargs):
+        CountingProfile.opened.append(kwargs)
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return False
+
+    def export_chrome_trace(self, path):
+        CountingProfile.exported.append(path)
+
+
+class CountingRange:
+    """torch.profiler.record_function, recording each range's entry and exit."""
+    events = []
+
+    def __init__(self, name):
+        self.name = name
+
+    def __enter__(self):
+        CountingRange.events.append(("enter", self.name))
+
+    def __exit__(self, *exc):
+        CountingRange.events.append(("exit", self.name))
+
+
+def test_a_redo_on_profile_from_opens_the_profiler_once(tmp_path, one_rank_grid, monkeypatch):
+    """trainer.profile_from=3, profile_steps=2, step 3's first try voted down: one
+    profiler window (one trace), and each step's range opened and closed once, the redo
+    inside its step's range. Red when the redo goes through before_step again (a second
+    profiler opened over the first, its range left open)."""
+    CountingProfile.opened, CountingProfile.exported, CountingRange.events = [], [], []
+    monkeypatch.setattr(torch.profiler, "profile", CountingProfile)
+    monkeypatch.setattr(torch.profiler, "record_function", CountingRange)
+    train(tmp_path, "profiled", one_rank_grid, monkeypatch,
+          ["parallel.dp=single", f"trainer.profile_from={REJECTED}", "trainer.profile_steps=2"],
+          reject=[REJECTED])
+    steps = [e for e in CountingRange.events if e[1].startswith("train step")]
+    print(f"{len(CountingProfile.opened)} profiler(s) opened; ranges: {steps}")
+    assert len(CountingProfile.opened) == 1 and len(CountingProfile.exported) == 1
+    assert steps == [(k, f"train step {n}") for n in (REJECTED, REJECTED + 1)
+                     for k in ("enter", "exit")]
+
+
+class Recorder:
+    """A stand-in process group's all-reduce over two groups whose every figure is this
+    group's: the sum doubles each tensor, in place (it allocates nothing)."""
+
+    def __init__(self):
+        self.reduced = []
+
+    def allreduce(self, tensor, reduce_op=None):
+        self.reduced.append(tensor.numel())
+        tensor.mul_(2)
+        return Done()
+
+
+def new_bytes(fn):
+    """(fn(), bytes of the storages that the operators run inside fn allocated): every
+    output whose storage none of the operator's inputs has (views, in-place and out=
+    operators allocate nothing)."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+    from torch.utils._pytree import tree_flatten
+
+    class Count(TorchDispatchMode):
+        total = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            given = {t.untyped_storage().data_ptr() for t in tree_flatten((args, kwargs))[0]
+                     if isinstance(t, torch.Tensor)}
+            for t in tree_flatten(out)[0]:
+                if isinstance(t, torch.Tensor) and t.untyped_storage().data_ptr() not in given:
+                    Count.total += t.untyped_storage().nbytes()
+                    given.add(t.untyped_storage().data_ptr())
+            return out
+    with Count():
+        result = fn()
+    return result, Count.total
+
+
+def group_over_grads(grads, replica_id=0, replicas=2):
+    """A ReplicaGroup (of ft.replicas=2, holding share 0) around the Recorder."""
+    from types import SimpleNamespace
+    ft = SimpleNamespace(replicas=replicas, replica_id=replica_id, timeout_s=60.0)
+    grid = SimpleNamespace(device=torch.device("cpu"), rank=0, is_main=True)
+    group = object.__new__(ReplicaGroup)
+    group.ft, group.grid, group.token, group.shares = ft, grid, 7, [0]
+    group.manager = Recorder()
+    return group
+
+
+@pytest.mark.parametrize("bucket_mb", [32, 0.01], ids=["one-bucket", "small-buckets"])
+def test_the_sum_across_groups_holds_at_most_one_bucket_beyond_the_gradients(monkeypatch, bucket_mb):
+    """sum_across over a tiny GPT's gradients (as `single` holds them: 28 tensors, 112 KB),
+    under a dispatch mode counting the bytes of every tensor it allocates: at most the
+    gradients' bytes once (they fit one bucket), or one bucket (BUCKET_MB=0.01: 10 KB;
+    tensors split across buckets, the larger ones reduced in place), plus the figures; and the sum is right, every
+    element where it was (the stand-in doubles, the weight of share 0 of 2 halves). Red
+    for a flat copy of all the gradients, scaled out of place and concatenated with the
+    figures (3x the gradient bytes) or anything over one bucket."""
+    from model import GPT, GPTConfig
+    monkeypatch.setattr(replica_group, "BUCKET_MB", bucket_mb)
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(n_layer=2, n_head=2, n_embd=32, vocab_size=65, block_size=16))
+    grads = [torch.randn_like(p) for p in model.parameters()]
+    before = [g.clone() for g in grads]
+    grad_bytes = sum(g.numel() * g.element_size() for g in grads)
+    group = group_over_grads(grads)
+    loss, allocated = new_bytes(lambda: group.sum_across(torch.tensor(3.25), grads))
+    bucket = min(grad_bytes, int(bucket_mb * 2**20) // 4 * 4)
+    print(f"{len(grads)} gradients, {grad_bytes} B; sum_across allocated {allocated} B "
+          f"(bucket {bucket} B) in {len(group.manager.reduced)} all-reduces")
+    assert allocated <= bucket + 64, f"{allocated} B beyond the gradients (bucket {bucket} B)"
+    assert loss.item() == 3.25 and group._who.tolist() == [14.0, 0.0]
+    for g, b in zip(grads, before):
+        assert torch.equal(g, b)
+    assert len(group.manager.reduced) >= (2 if bucket_mb == 32 else 3)
+
+
+def test_buckets_cover_every_element_once_in_order():
+    """buckets() over contiguous, non-contiguous and large gradients: the pieces tile each
+    gradient in order, no bucket holds more than cap elements but a non-contiguous
+    gradient larger than it, and a large contiguous one is alone (reduced in place)."""
+    cap = 10
+    grads = [torch.zeros(7), torch.zeros(4, 3).t(), torch.zeros(25), torch.zeros(3),
+             torch.zeros(12).view(3, 4)[:, :2], torch.zeros(0), torch.zeros(9)]
+    seen = {i: [] for i in range(len(grads))}
+    for bucket in replica_group.buckets(grads, cap, torch.device("cpu")):
+        size = sum(e - s for _, s, e in bucket)
+        alone = len(bucket) == 1
+        if any(g is grads[2] for g, *_ in bucket):
+            assert alone and replica_group.in_place(bucket[0], cap, torch.device("cpu"))
+        else:
+            assert size <= cap or (alone and not bucket[0][0].is_contiguous()), bucket
+            assert not any(replica_group.in_place(p, cap, torch.device("cpu")) for p in bucket)
+        for g, s, e in bucket:
+            seen[next(i for i, h in enumerate(grads) if h is g)].append((s, e))
+    for i, g in enumerate(grads):
+        ends = [0] + [e for _, e in seen[i]]
+        assert [s for s, _ in seen[i]] == ends[:-1] and ends[-1] == g.numel(), (i, seen[i])
+
+
+def test_the_healing_state_is_read_after_the_device_is_synchronized(monkeypatch):
+    """_state (torchft's thread, a peer joining) waits for the device before held_state
+    reads anything: a recorder of the two calls. Red without the wait, or with it after
+    the read."""
+    calls = []
+    monkeypatch.setattr(replica_group, "wait_for_device", lambda device: calls.append("wait"))
+    monkeypatch.setattr(replica_group, "held_state",
+                        lambda strategy, step, replica_id: calls.append("read") or {})
+    group = group_over_grads([])
+    group.strategy = None
+    group.manager.current_step = lambda: 4
+    group._state()
+    assert calls == ["wait", "read"]
+
+
+def test_waiting_for_the_device_synchronizes_it_and_not_the_cpu(monkeypatch):
+    """wait_for_device: torch.accelerator.synchronize on an accelerator's device, nothing
+    on the CPU (no accelerator needed: synchronize faked)."""
+    calls = []
+    monkeypatch.setattr(torch.accelerator, "synchronize", lambda device=None: calls.append(device))
+    state_transfer.wait_for_device(torch.device("cpu"))
+    assert calls == []
+    state_transfer.wait_for_device(torch.device("cuda", 1))
+    assert calls == [torch.device("cuda", 1)]
