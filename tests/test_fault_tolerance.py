@@ -17,7 +17,10 @@ constant after warm-up (min_lr = lr: the schedule does not depend on max_steps),
 run open-ended and are SIGKILLed once they logged what is compared; the reference then
 runs as far as the groups got (in the session's job server: one process, no launch).
 
-The rules of ft.enabled's config are checked in process.
+Three groups of one rank lose group 0 at a step the test chooses (tests/ft_kill_worker.py):
+the survivors' unequal shares and the snapshot writer after the first group is gone. The
+rules of ft.enabled's config are checked in process; a group's step with a stand-in for
+torchft is tests/test_replica_group_step.py's.
 """
 
 import os
@@ -203,6 +206,85 @@ def test_no_lighthouse_is_one_error_on_every_rank(tmp_path):
                         r"ft.timeout_s=1 s .*mode=lighthouse", result.stderr, re.M)
     assert sorted(errors) == ["0", "1"], result.stderr[-3000:]
     assert not our_frames(result.stderr), result.stderr[-3000:]  # torchrun's own report aside
+
+
+KILL_WORKER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "ft_kill_worker.py")
+# three groups of one rank; the learning rate constant after warm-up, so that the
+# reference and the resumed run may go on past trainer.max_steps with the same schedule
+ONE = ["parallel.dp=single", "trainer.lr=0.002", "trainer.min_lr=0.002"]
+THREE = ONE + ["ft.enabled=true", "ft.replicas=3", "parallel.timeout_s=120"]
+DIES_AT = 3  # group 0 dies before the quorum of this step (or of the next it reaches)
+STEPS = 8
+
+
+def test_three_groups_lose_group_0_and_the_next_writes_the_snapshots(tmp_path):
+    """A lighthouse and three replica groups of one rank each, sharing trainer.snapshot_path
+    (a snapshot every step), 8 steps. Group 0 SIGKILLs itself before step 3's quorum
+    (tests/ft_kill_worker.py; or a later step's, when it joined the first quorums late
+    and healed past 3); the other two go on, holding unequal shares (2 and 1 of 3), to
+    the end.
+
+    - every step groups 1 and 2 log equals one process's (loss and grad norm, rtol 1e-5):
+      red when a group's weight is 1/live groups instead of its shares / R (the two agree
+      while the shares are equal: two groups, or three alive);
+    - the first group of the quorum (group 1 once group 0 is gone) writes every snapshot
+      from then on, and a run restarted from trainer.snapshot_path continues exactly from
+      the last (red when the writer is ft.replica_id 0: the snapshots stop where group 0
+      died)."""
+    port = free_port()
+    snapshots = tmp_path / "snapshots"
+    common = TINY + THREE + [f"ft.lighthouse=localhost:{port}", "trainer.save_every=1",
+                             f"trainer.max_steps={STEPS}",
+                             "trainer.keep_snapshots=10", f"trainer.snapshot_path={snapshots}"]
+    jobs = []
+    try:
+        jobs += [Job(str(tmp_path / f"group{i}"), [python()] + (
+            [KILL_WORKER, f"--die-at-step={DIES_AT}"] if i == 0 else [MAIN]) + common +
+            [f"ft.replica_id={i}"]) for i in range(3)]
+        g0, g1, g2 = jobs
+        wait_until("the groups waiting for the lighthouse",
+                   lambda: all(WAITING in j.console() for j in jobs), jobs)
+        beacon = Job(str(tmp_path / "lighthouse"), [python(), MAIN, "mode=lighthouse",
+                                                    f"ft.lighthouse=localhost:{port}",
+                                                    "ft.min_replicas=2"])
+        jobs.append(beacon)
+        assert g0.proc.wait(timeout=300) != 0, g0.console()
+        for g in (g1, g2):
+            assert g.proc.wait(timeout=300) == 0, g.console()[-3000:]
+        beacon.proc.send_signal(signal.SIGTERM)
+        assert beacon.proc.wait(timeout=30) == 0, beacon.console()
+    finally:
+        for job in jobs:
+            job.stop()
+    died = re.search(r"^DYING at step (\d+)", g0.console(), re.M)
+    assert died and DIES_AT <= int(died.group(1)) < STEPS, g0.console()[-3000:]
+    died = int(died.group(1))
+    print(g1.console()[-1500:])
+    # the first quorum may start without a group still starting up: it joins a step later,
+    # healing from a peer; group 0 trained beside at least one other (ft.min_replicas=2)
+    assert any(re.search(r"^ft: group \[0\] left", g.console(), re.M) for g in (g1, g2))
+    steps = STEPS
+    reference = {r["step"]: r for r in run_metrics(
+        tmp_path / "reference", 1, ONE + [f"trainer.max_steps={steps + 2}"])}
+    for g in (g1, g2):
+        records = g.records()  # from step 1, or from where it healed (a late first quorum)
+        assert [r["step"] for r in records] == list(range(records[0]["step"], steps + 1))
+        assert records[0]["step"] == 1 or "healed from group" in g.console()
+        assert all(r["ft_live_groups"] <= 2 for r in records if r["step"] >= died), records
+        assert records[-1]["ft_live_groups"] == 2  # unequal shares: 2 and 1 of 3
+        assert_parity([reference[r["step"]] for r in records], records)
+
+    from checkpoint.snapshot_dirs import fs_and_root, kept_steps
+    kept = kept_steps(*fs_and_root(str(snapshots)))
+    print(f"snapshots kept: steps {kept}")
+    assert kept == list(range(1, steps + 1)), kept
+    result = run_job(str(tmp_path / "restarted"), 1, ONE + [
+        f"trainer.max_steps={steps + 2}", f"trainer.snapshot_path={snapshots}"])
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert f"resuming from snapshot {snapshots} at step {steps}" in result.stdout, result.stdout
+    resumed = read_metrics(tmp_path / "restarted" / "runs" / "default")
+    assert [r["step"] for r in resumed] == [steps + 1, steps + 2]
+    assert_parity([reference[r["step"]] for r in resumed], resumed)
 
 
 @pytest.mark.parametrize("overrides, message", [
