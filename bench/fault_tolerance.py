@@ -48,7 +48,7 @@ MODEL = ["model.n_layer=4", "model.n_head=4", "model.n_embd=128", "data.block_si
 COMMON = ["parallel.dp=fsdp", "parallel.zero_stage=3", "trainer.log_every=1",
           "trainer.eval_every=0", "trainer.save_every=0", "trainer.warmup_steps=2",
           "sample.length=0", "wandb.mode=disabled", "parallel.timeout_s=300"]
-FT = ["ft.enabled=true", "ft.replicas=2", "ft.timeout_s=300"]
+FT = ["ft.enabled=true", "ft.replicas=2", "ft.timeout_s=240"]  # below parallel.timeout_s: the rule of fault_tolerance/config.py
 WAITING = "ft: waiting up to"
 
 
