@@ -68,9 +68,10 @@ def main(argv):
     status = int(line[1])
     if os.WIFSIGNALED(status):
         sig = os.WTERMSIG(status)
-        signal.signal(sig, signal.SIG_DFL)
-        signal.pthread_sigmask(signal.SIG_UNBLOCK, [sig])
-        os.kill(os.getpid(), sig)
+        if sig not in (signal.SIGKILL, signal.SIGSTOP):  # these have no handler to reset
+            signal.signal(sig, signal.SIG_DFL)
+            signal.pthread_sigmask(signal.SIG_UNBLOCK, [sig])
+        os.kill(os.getpid(), sig)  # die of the same signal, as the process did
     os._exit(os.waitstatus_to_exitcode(status))
 
 

@@ -47,6 +47,8 @@ PROGRAMS = {
                          "open('ready', 'w').close()\n"
                          "time.sleep(60)\n",
     "no handler": "import time; open('ready', 'w').close(); time.sleep(60)",
+    # a process that SIGKILLs itself (tests/ft_kill_worker.py): the stand-in dies of it too
+    "killing itself": "import os, signal; os.kill(os.getpid(), signal.SIGKILL)",
 }
 SIGNALLED = ("a SIGTERM handler", "no handler")
 
