@@ -92,8 +92,9 @@ LAYOUTS = [
     Layout("single_compile", 1, ["parallel.dp=single", "trainer.compile=true",
                                  "trainer.compile_backend=aot_eager"], resume=True),
     Layout("ddp_naive_x2", 2, ["parallel.dp=ddp_naive"], resume=True),
-    Layout("ddp_bucket_x2_selective", 2, ["parallel.dp=ddp_bucket", "parallel.bucket_cap_mb=0.01",
-                                          "trainer.activation_checkpointing=selective"], resume=True),
+    Layout("ddp_bucket_x2_recompute", 2, ["parallel.dp=ddp_bucket", "parallel.bucket_cap_mb=0.01",
+                                          "trainer.activation_checkpointing=true"], resume=True,
+           what="several buckets; the base has no selective recompute"),
     Layout("ddp_bucket_ring_x3_bf16reduce", 3, ["parallel.dp=ddp_bucket", "parallel.allreduce=ring",
                                                 "parallel.reduce_dtype=bf16"], resume=True),
     Layout("ddp_bucket_x2_bf16", 2, ["parallel.dp=ddp_bucket", "trainer.precision=bf16"], resume=True),
@@ -253,9 +254,13 @@ def free_port():
 
 
 def _failure(code, cwd):
+    """Why a run failed: main.py's one-line errors where it printed them, else the end of
+    its console."""
     with open(os.path.join(cwd, "console.log"), errors="replace") as f:
-        tail = f.read()[-2000:]
-    return f"{'timed out' if code == 'timeout' else f'exit status {code}'} in {cwd}\n{tail}"
+        text = f.read()
+    errors = [line for line in text.splitlines() if line.startswith("error")]
+    why = "\n".join(errors[:4]) if errors else text[-2000:]
+    return f"{'timed out' if code == 'timeout' else f'exit status {code}'} in {cwd}\n{why}"
 
 
 def run_dirs(cwd, layout):
@@ -274,10 +279,14 @@ def read_metrics(run_dir):
 
 # runs under each tree: that tree's own snapshot reader
 DUMP = r"""
-import sys, torch
+import os, sys, torch
 tree, out, paths = sys.argv[1], sys.argv[2], sys.argv[3:]
 sys.path.insert(0, tree)
+import checkpoint.snapshot_reader
 from checkpoint.snapshot_reader import open_snapshot
+where = os.path.realpath(checkpoint.snapshot_reader.__file__)
+if not where.startswith(os.path.realpath(tree) + os.sep):  # a module the interpreter held
+    sys.exit(f"the snapshot reader came from {where}, not from {tree}")
 dumps = {}
 for path in paths:
     reader = open_snapshot(path)
