@@ -40,31 +40,6 @@ import torch
 
 from parallel import model_plan as plan
 
-BACKENDS = ("inductor", "aot_eager", "eager")  # inductor: generated kernels; aot_eager: the same
-# dynamo capture and AOT autograd without code generation (tests); eager: capture only
-SCOPES = ("block", "model")
-
-
-def refuse(cfg, sizes, strategy):
-    """Why trainer.compile cannot run this layout, or "" (parallel/layout.py). strategy: the
-    data-parallel Strategy class that will run it (asked, never named). What the pipeline's
-    schedules refuse with compilation is theirs (pipeline_parallel/schedules/)."""
-    t = cfg.trainer
-    if not t.compile:
-        return ""
-    if t.compile_backend not in BACKENDS:
-        return f"trainer.compile_backend must be one of {', '.join(BACKENDS)}, got {t.compile_backend!r}"
-    if t.compile_scope not in SCOPES:
-        return f"trainer.compile_scope must be block or model, got {t.compile_scope!r}"
-    if t.compile_scope == "model" and (not strategy.compiles_whole_model or max(sizes.values()) > 1
-                                       or t.activation_checkpointing):
-        return ("trainer.compile_scope=model (the whole GPT in one graph, nanoGPT's way) runs with "
-                "parallel.dp=single on one process without activation checkpointing only: our "
-                "strategies hook into each block (fsdp's gathers, gradient hooks, pipeline stages, "
-                "recompute), which must stay outside the compiled code; use trainer.compile_scope=block")
-    return ""
-
-
 _EAGER = []  # (module, qualified name) of every function marked eager_under_compile
 
 

@@ -35,8 +35,8 @@ what it holds as Regions of those parameters (parallel/placement.py);
 snapshots, state_dict(), the global gradient norm and the sequence-parallel
 gradient sums below are written once, against that description.
 
-Each strategy also says which layouts it runs (`refuse`), so the rules live
-with the code they protect (parallel/layout.py asks every one that applies).
+What each strategy can do is declared in parallel/registry.py, and which layouts it
+runs in parallel/rules.py: the checks of a config import no strategy.
 """
 
 from contextlib import nullcontext
@@ -70,19 +70,7 @@ class LocalModel:
 class Strategy:
     """One instance per rank. Subclasses implement the methods that raise below."""
 
-    name = None                 # the registry key that picks it (parallel/parallelize.py)
-    own_tensor_parallel = True  # False: a reference that parallelizes the model itself
-    compiles_whole_model = False  # True: it adds no hooks inside the model, so
-                                  # trainer.compile_scope=model may compile its whole forward
-    hybrid_shards = False       # True: it shards inside parallel.dp_replicate replica groups and
-                                # averages across them (HSDP; data_parallel/hybrid.py)
-    offloads = False            # True: parallel.offload puts its optimizer's shard in host memory
-
-    @classmethod
-    def refuse(cls, cfg, sizes) -> str:
-        """Why this strategy cannot run the layout (cfg: the whole run config, sizes:
-        the grid's {dimension: degree}), or "" if it can."""
-        return ""
+    name = None  # its registry key; what it can do and refuses: parallel/registry.py, rules.py
 
     def __init__(self, local: LocalModel, grid, cfg):
         self.grid, self.cfg, self.device = grid, cfg, grid.device

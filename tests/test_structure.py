@@ -5,7 +5,7 @@ no process): what a reviewer would otherwise check by grep.
   of parallel/ and bench/ (comments and docstrings may mention them).
 - The root config.py names no strategy: layout rules live with their strategies.
 - parallel/'s root shared files import no subfolder (only parallelize.py and layout.py
-  wire the dimensions).
+  wire the dimensions; rules.py reads the pipeline's schedules).
 """
 
 import ast
@@ -16,7 +16,8 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 PARALLEL = os.path.join(REPO, "parallel")
 GPT_NAMES = re.compile(r"transformer\.h\b|\bwte\b")
-WIRING = {"__init__.py", "parallelize.py", "layout.py"}  # may import the subfolders
+WIRING = {"__init__.py", "parallelize.py", "layout.py",  # may import the subfolders
+          "rules.py"}  # the layout rules read the pipeline's schedules (SCHEDULES)
 
 
 def python_files(*folders):
@@ -54,6 +55,7 @@ def strategy_names():
         with open(path) as f:
             for node in ast.walk(ast.parse(f.read())):
                 if isinstance(node, ast.Assign) and isinstance(node.value, ast.Constant) \
+                        and isinstance(node.value.value, str) \
                         and any(isinstance(t, ast.Name) and t.id == "name" for t in node.targets):
                     names.add(node.value.value)
     return names

@@ -24,8 +24,8 @@ from dataclasses import dataclass, field
 import torch
 
 from parallel import model_plan as plan
-from parallel.context_parallel.allgather_attention import allgather_attention
-from parallel.context_parallel.ring_attention import ring_attention, zigzag_positions
+from parallel.context_parallel.ring_attention import zigzag_positions
+from parallel.registry import CP_IMPLEMENTATIONS, load
 
 
 @dataclass
@@ -74,25 +74,6 @@ class CPContext:
         return arrived
 
 
-def refuse(cfg, sizes):
-    """Why context parallelism cannot run this layout, or "" (parallel/layout.py)."""
-    N, T = sizes["cp"], cfg.data.block_size
-    if N == 1:
-        return ""
-    if T % (2 * N):
-        return (f"data.block_size={T} is not divisible by 2 x parallel.cp = {2 * N}: context "
-                "parallelism cuts every sequence into 2 x cp equal chunks (the balanced causal split)")
-    if cfg.parallel.sequence_parallel and (T // N) % sizes["tp"]:
-        return (f"data.block_size / parallel.cp = {T // N} is not divisible by parallel.tp="
-                f"{sizes['tp']}: sequence parallelism splits each rank's part of the sequence "
-                "into tp equal shards")
-    return ""
-
-
-IMPLEMENTATIONS = {"ring": ring_attention,            # ours: keys and values travel a ring
-                   "allgather": allgather_attention}  # the reference: gather them all (Llama 3)
-
-
 def apply_context_parallel(model, grid, comm, impl="ring"):
     """Give every block's attention the ring (or the all-gather reference), and the
     position embedding the true positions; returns the CPContext (whose `split` the
@@ -102,7 +83,7 @@ def apply_context_parallel(model, grid, comm, impl="ring"):
                    right=grid.rank_at(cp=(me + 1) % grid.cp_size),
                    left=grid.rank_at(cp=(me - 1) % grid.cp_size))
     for _, block in plan.blocks(model):
-        plan.set_attention(block, functools.partial(IMPLEMENTATIONS[impl], cp=cp))
+        plan.set_attention(block, functools.partial(load(CP_IMPLEMENTATIONS[impl]), cp=cp))
 
     def true_positions(module, args):
         (pos,) = args

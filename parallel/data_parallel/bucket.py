@@ -36,7 +36,6 @@ import torch
 from parallel.data_parallel.grad_hooks import on_grad_accumulated
 from parallel.data_parallel.naive import DDPNaive, unused_parameter_error
 from parallel.data_parallel.ring import DoneHandle, RingRunner
-from parallel.grid import uses_cuda
 
 
 def plan_buckets(named_params, cap_bytes):
@@ -76,24 +75,6 @@ class Bucket:
 
 class DDPBucket(DDPNaive):
     name = "ddp_bucket"
-
-    @classmethod
-    def refuse(cls, cfg, sizes):
-        """The ring's worker thread drives the gradient group's communicator (dp x cp)
-        while autograd drives tp's, the pipeline's or cp's ring attention from the training
-        thread: on NCCL, two host threads may order two communicators differently on
-        different ranks, a documented deadlock. gloo has no such rule, so CPU runs keep it
-        (and ddp_naive's ring, in one thread). The ring runs whenever the gradient group
-        has two ranks or more, so dp=1 with cp=2 is refused too."""
-        others = [f"parallel.{d}={sizes[d]}" for d in ("tp", "pp", "cp") if sizes[d] > 1]
-        if (cfg.parallel.allreduce == "ring" and sizes["dp"] * sizes["cp"] > 1 and others
-                and uses_cuda(cfg.trainer.device)):
-            return (f"parallel.dp=ddp_bucket with parallel.allreduce=ring and {' and '.join(others)} "
-                    "is refused on CUDA: the ring's thread and the training thread would drive two "
-                    "NCCL communicators in an order that can differ between ranks (a deadlock); use "
-                    "parallel.allreduce=native, or parallel.dp=ddp_naive (its ring runs in the "
-                    "training thread)")
-        return ""
 
     def __init__(self, local, grid, cfg):
         super().__init__(local, grid, cfg)  # broadcasts rank 0's weights

@@ -53,17 +53,6 @@ from parallel.strategy import Strategy
 
 class FSDP(Strategy):
     name = "fsdp"
-    hybrid_shards = True
-    offloads = True
-
-    @classmethod
-    def refuse(cls, cfg, sizes):
-        if sizes["pp"] > 1 and cfg.parallel.zero_stage == 3:
-            return ("parallel.zero_stage=3 with parallel.pp > 1 is refused: ZeRO-3 would all-gather "
-                    "a stage's parameters again for every micro-batch's forward and backward (2M "
-                    "gathers a step); use zero_stage 1 or 2 with pipelines, as Megatron and "
-                    "DeepSpeed do")
-        return ""
 
     def __init__(self, local, grid, cfg):
         super().__init__(local, grid, cfg)

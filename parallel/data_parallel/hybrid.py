@@ -14,8 +14,8 @@ replica groups, fault_tolerance/, are another thing: each group its own launch, 
 across after the group's strategy is done, through torchft's reconfigurable group.) Per step each rank sends R's all-reduce of its gradient shards:
 2(R-1)/R x 4 bytes x Φ / dp on the wire (fp32; half with parallel.reduce_dtype=bf16).
 
-`refuse` is the layout rule: only a strategy that shards (`Strategy.hybrid_shards`)
-has replica groups to make.
+Only a strategy that shards (its `hybrid_shards` in parallel/registry.py) has replica
+groups to make (parallel/rules.py).
 """
 
 import torch
@@ -46,16 +46,3 @@ class ReplicaMean:
             grad.div_(self.size)
         return work, finish
 
-
-def refuse(cfg, sizes, strategy):
-    """Why parallel.dp_replicate cannot apply to this layout, or "" (parallel/layout.py)."""
-    replicas = sizes["dp_replicate"]
-    if replicas == 1 or strategy.hybrid_shards:
-        return ""
-    what = f"parallel.dp={cfg.parallel.dp}"
-    if strategy.name == "single":
-        return (f"parallel.dp_replicate={replicas} with {what}: one process has no replicas to "
-                "make; hybrid sharding needs parallel.dp=fsdp on several data-parallel ranks")
-    return (f"parallel.dp_replicate={replicas} with {what}: {what} holds whole replicas, so there "
-            "is nothing to shard inside a replica group; hybrid sharding needs parallel.dp=fsdp "
-            "(or torch_fsdp, PyTorch's reference)")

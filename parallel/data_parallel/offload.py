@@ -22,8 +22,8 @@ sums over TP or the pipeline's tied ends travel through a device copy (Strategy.
 On CPU the same path runs with separate host tensors and real copies (a CPU device
 needs no pinning and has no events), so the parity tests prove the code CUDA runs.
 
-`refuse` is the layout rule: only a strategy that shards its optimizer state
-(`Strategy.offloads`) can move it off the device.
+Only a strategy that shards its optimizer state (its `offloads` in parallel/registry.py)
+can move it off the device (parallel/rules.py).
 """
 
 import torch
@@ -82,11 +82,3 @@ class HostShard:
         event.record()
         return event
 
-
-def refuse(cfg, sizes, strategy):
-    """Why parallel.offload cannot apply to this layout, or "" (parallel/layout.py)."""
-    if not cfg.parallel.offload or strategy.offloads:
-        return ""
-    return (f"parallel.offload=true with parallel.dp={cfg.parallel.dp}: offloading moves a shard's "
-            "master weights, gradient and optimizer state to host memory, and only "
-            "parallel.dp=fsdp (ZeRO stages 1-3; or torch_fsdp, PyTorch's reference) shards them")

@@ -9,17 +9,10 @@ during backward, and skips that on accumulation micro-steps under no_sync().
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from parallel.data_parallel.replicated import ReplicatedStrategy
-from parallel.reference import refuse_own_options
 
 
 class TorchDDP(ReplicatedStrategy):
     name = "torch_ddp"
-
-    @classmethod
-    def refuse(cls, cfg, sizes):
-        if sizes["pp"] > 1:
-            return refuse_under_pipeline(cls.name)
-        return refuse_own_options(cfg, f"parallel.dp={cls.name}")
 
     def __init__(self, local, grid, cfg):
         super().__init__(local, grid, cfg)
@@ -30,7 +23,3 @@ class TorchDDP(ReplicatedStrategy):
     def no_sync(self, last_micro_step):
         return super().no_sync(True) if last_micro_step else self.model.no_sync()
 
-
-def refuse_under_pipeline(name):
-    return (f"parallel.dp={name} does not run under pipeline parallelism: PyTorch's references "
-            "measure pure data or tensor parallelism (use ddp_naive, ddp_bucket or fsdp)")

@@ -11,7 +11,7 @@ traffic goes through torch, so comm_* metrics do not count it.
 
 A reference only, so snapshots simply gather: full canonical tensors, each
 written by one rank (our fsdp writes and reads its own shard ranges instead).
-With tensor parallelism (parallel.tp > 1) it is refused (`refuse`): PyTorch
+With tensor parallelism (parallel.tp > 1) it is refused (parallel/rules.py): PyTorch
 composes FSDP2 with its own DTensor TP, not with ours.
 
 It is also the reference for hybrid sharding and offload: `parallel.dp_replicate=R`
@@ -30,8 +30,6 @@ from torch.distributed.tensor import DTensor, distribute_tensor
 from parallel import model_plan as plan
 from parallel.grid import DIMS, GRAD_DIMS, SHARD_DIMS
 from parallel.data_parallel.replicated import ReplicatedStrategy
-from parallel.reference import refuse_own_options
-from parallel.reference.torch_ddp import refuse_under_pipeline
 from checkpoint.canonical import check_state_names, optimizer_state_from
 
 
@@ -44,19 +42,7 @@ def _full(t):
 
 
 class TorchFSDP(ReplicatedStrategy):
-    name = "torch_fsdp"
-    hybrid_shards = True  # a 2-D mesh
-    offloads = True       # CPUOffloadPolicy
-
-    @classmethod
-    def refuse(cls, cfg, sizes):
-        if sizes["tp"] > 1:
-            return ("parallel.dp=torch_fsdp with parallel.tp > 1 is not supported: it is the "
-                    "reference for our ZeRO, and PyTorch composes FSDP2 with its own DTensor tensor "
-                    "parallelism, not with ours (use parallel.dp=fsdp)")
-        if sizes["pp"] > 1:
-            return refuse_under_pipeline(cls.name)
-        return refuse_own_options(cfg, f"parallel.dp={cls.name}")
+    name = "torch_fsdp"  # hybrid_shards: a 2-D mesh; offloads: CPUOffloadPolicy
 
     def __init__(self, local, grid, cfg):
         super().__init__(local, grid, cfg)

@@ -24,7 +24,6 @@ from torch.distributed.pipelining import (PipelineStage, Schedule1F1B, ScheduleG
 
 from parallel import model_plan as plan
 from parallel.data_parallel.replicated import ReplicatedStrategy
-from parallel.reference import refuse_model_parallel_reference
 
 SCHEDULES = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B, "interleaved": ScheduleInterleaved1F1B,
              # torch's zero-bubble schedules (its own split backward): the references for zb1p
@@ -58,13 +57,6 @@ class ChunkModule(nn.Module):
 
 class TorchPP(ReplicatedStrategy):
     name = "torch_pp"
-
-    @classmethod
-    def refuse(cls, cfg, sizes):
-        if sizes["pp"] == 1 or sizes["tp"] > 1:
-            return ("parallel.pp_impl=torch is PyTorch's pipelining, the reference for "
-                    "parallel.pp: set parallel.pp > 1 and parallel.tp=1")
-        return refuse_model_parallel_reference(cfg, sizes, "pp")
 
     def __init__(self, local, grid, cfg):
         super().__init__(local, grid, cfg)  # our Pipeline cut the model (the same split)

@@ -29,7 +29,6 @@ from torch.distributed.tensor.parallel import (ColwiseParallel, RowwiseParallel,
 
 from parallel import model_plan as plan
 from parallel.data_parallel.replicated import ReplicatedStrategy
-from parallel.reference import refuse_model_parallel_reference
 from checkpoint.canonical import check_state_names, optimizer_state_from
 
 
@@ -48,21 +47,6 @@ def head_major_rows(out_features, fused, tp):
 
 class TorchTP(ReplicatedStrategy):
     name = "torch_tp"
-    own_tensor_parallel = False  # the model is parallelized by PyTorch instead
-
-    @classmethod
-    def refuse(cls, cfg, sizes):
-        if sizes["tp"] == 1:
-            return ("parallel.tp_impl=torch is PyTorch's tensor parallelism, the reference for "
-                    "parallel.tp: set parallel.tp > 1")
-        if cfg.parallel.sequence_parallel:
-            return ("parallel.tp_impl=torch runs without sequence parallelism (the reference for "
-                    "plain TP)")
-        if sizes["pp"] > 1:
-            return ("parallel.tp_impl=torch does not run under pipeline parallelism: PyTorch's "
-                    "references measure pure data or tensor parallelism")
-        return refuse_model_parallel_reference(cfg, sizes, "tp")
-
     def __init__(self, local, grid, cfg):
         super().__init__(local, grid, cfg)
         self.mesh = DeviceMesh.from_group(grid.tp_group, self.device.type)

@@ -67,20 +67,6 @@ class TPContext:
         self.random.seed_own(derive_seed(seed, "tp own", self.rank))
 
 
-def refuse(cfg, sizes):
-    """Why tensor parallelism cannot run this layout, or "" (parallel/layout.py)."""
-    m, p, block = cfg.model, cfg.parallel, cfg.data.block_size
-    if m.n_head % sizes["tp"]:
-        return (f"model.n_head={m.n_head} is not divisible by parallel.tp={sizes['tp']}: tensor "
-                "parallelism splits attention by whole heads")
-    if p.sequence_parallel and sizes["tp"] == 1:
-        return "parallel.sequence_parallel=true needs parallel.tp > 1"
-    if p.sequence_parallel and block % sizes["tp"]:
-        return (f"data.block_size={block} is not divisible by parallel.tp={sizes['tp']}: sequence "
-                "parallelism splits every sequence into tp equal shards")
-    return ""
-
-
 def padded_vocab(vocab_size, tp):
     """Rows per rank of a vocabulary padded to a multiple of tp."""
     return -(-vocab_size // tp)

@@ -83,43 +83,9 @@ def chunk_blocks(n_layer, chunks, pp_layers=()):
 
 
 def refuse(cfg, sizes):
-    """Why the pipeline cannot run this layout, or "" (parallel/layout.py)."""
-    m, p, t = cfg.model, cfg.parallel, cfg.trainer
-    P = sizes["pp"]
-    fixed = SCHEDULES[p.pp_schedule].virtual if p.pp_schedule in SCHEDULES else None
-    V = fixed or p.pp_virtual_stages
-    chunks = P * V
-    checks = [
-        (P > 1 or (p.microbatches == 1 and p.pp_virtual_stages == 1 and not p.pp_layers),
-         "parallel.microbatches, pp_virtual_stages and pp_layers are for pipeline parallelism "
-         "(parallel.pp > 1); without it, use trainer.grad_accum for micro-batches"),
-        (p.pp_virtual_stages == 1 or p.pp_schedule == "interleaved"
-         or p.pp_virtual_stages == fixed,
-         f"parallel.pp_virtual_stages={p.pp_virtual_stages} needs parallel.pp_schedule=interleaved"
-         + (f" ({p.pp_schedule} always runs {fixed} chunks per rank)" if fixed else "")),
-        (p.pp_schedule != "interleaved" or p.microbatches % P == 0,
-         f"parallel.pp_schedule=interleaved runs micro-batches in groups of parallel.pp={P}: "
-         f"parallel.microbatches={p.microbatches} must be a multiple of it (Megatron's rule)"),
-        (m.n_layer >= chunks,
-         f"model.n_layer={m.n_layer} cannot fill parallel.pp={P} x {V} chunks per rank = "
-         f"{chunks} pipeline chunks (more stages than layers)"),
-        (not p.pp_layers or (len(p.pp_layers) == chunks and sum(p.pp_layers) == m.n_layer
-                             and min(p.pp_layers) >= 1),
-         f"parallel.pp_layers={list(p.pp_layers)} must give each of the {chunks} pipeline chunks "
-         f"at least one block, {m.n_layer} (model.n_layer) in all"),
-        (P == 1 or not (p.pp_schedule in SCHEDULES and SCHEDULES[p.pp_schedule].split_backward
-                        and t.activation_checkpointing),
-         f"parallel.pp_schedule={p.pp_schedule} splits each backward in two (B, then W), which "
-         "needs the graph between them; trainer.activation_checkpointing recomputes it: use "
-         "one of them"),
-        (P == 1 or not (p.pp_schedule in SCHEDULES and SCHEDULES[p.pp_schedule].split_backward
-                        and t.compile),
-         f"trainer.compile with parallel.pp_schedule={p.pp_schedule} is refused: a "
-         "compiled block's backward is one autograd node, which the zero-bubble split "
-         "(B, then W: pipeline_parallel/split_backward.py) cannot cut in two; use "
-         "pp_schedule 1f1b or interleaved with compilation"),
-    ]
-    return next((message for ok, message in checks if not ok), "")
+    """The pipeline's rules alone (parallel/rules.py PIPELINE), as tests/test_pp.py asks them."""
+    from parallel.rules import PIPELINE, Facts, refusal  # parallel.rules imports SCHEDULES
+    return refusal(PIPELINE, Facts(cfg, sizes))
 
 
 def messages(action, ranks):
