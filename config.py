@@ -29,7 +29,7 @@ from fault_tolerance import config as ft_config
 from fault_tolerance.config import FTConfig
 from model import ModelConfig
 from parallel.config import ParallelConfig
-from parallel.layout import check_keys, check_layout, grid_sizes
+from parallel.layout import check_keys, check_layout
 from data.prepare import PrepareConfig
 from planner.config import PlanConfig
 from trainer import TrainerConfig
@@ -84,6 +84,7 @@ class Config:
     prepare: PrepareConfig = field(default_factory=PrepareConfig)  # mode=prepare (data/prepare.py)
     plan: PlanConfig = field(default_factory=PlanConfig)  # mode=plan: the target cluster (planner/config.py)
     ft: FTConfig = field(default_factory=FTConfig)  # fault-tolerant replica groups, mode=lighthouse (fault_tolerance/)
+    sizes: typing.ClassVar[dict] = None  # not a key: the grid's {dim: degree}, set by validate
 
 
 def load_config(overrides, world_size: int, yaml_path: str = DEFAULT_YAML) -> Config:
@@ -199,8 +200,7 @@ def validate(cfg: Config, world_size: int):
     if cfg.mode in ("sample", "export", "prepare", "plan", "dryrun", "lighthouse"):  # no layout
         ft_config.check(cfg)  # of this job to check (dryrun checks its world: planner/dryrun.py)
         return
-    check_layout(cfg, world_size)  # parallel/layout.py: the grid, and each dimension's rules
-    sizes = grid_sizes(p, world_size)
+    cfg.sizes = sizes = check_layout(cfg, world_size)  # parallel/layout.py: the grid, its rules
     ft_config.check(cfg, sizes["dp_replicate"] * sizes["dp"])  # fault_tolerance/config.py
 
 

@@ -45,7 +45,6 @@ from parallel.comm import collective_failure
 from parallel.parallelize import parallelize
 from parallel.grid import ProcessGrid, together, uses_cuda
 from parallel.initial import GivenWeights, InitialWeights
-from parallel.layout import grid_sizes
 from planner.dryrun import dryrun
 from planner.report import plan
 from telemetry.ranks import write_ranks
@@ -319,7 +318,7 @@ def main(argv, rank, world_size, local_rank):
     device = pick_device(cfg.trainer.device, local_rank, world_size)
     init_process_group(device, cfg.parallel.timeout_s, rank, world_size)
     try:
-        grid = ProcessGrid(grid_sizes(cfg.parallel, world_size), device, cfg.parallel.timeout_s)
+        grid = ProcessGrid(cfg.sizes, device, cfg.parallel.timeout_s)  # config.validate's
         with determinism(cfg.trainer.deterministic):
             trained = train(cfg, grid)
         dist.barrier()  # nobody leaves while another rank may still need it

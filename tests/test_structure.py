@@ -3,7 +3,10 @@ no process): what a reviewer would otherwise check by grep.
 
 - Only parallel/model_plan.py names GPT's modules (`transformer.h`, `wte`) in the code
   of parallel/ and bench/ (comments and docstrings may mention them).
-- The root config.py names no strategy: layout rules live with their strategies.
+- The root config.py names no strategy: layout rules live in parallel/rules.py.
+- Configuration is a leaf (issue 43): config.py, every config dataclass's module and
+  planner/ import, transitively, no module that trains (`TRAINS`), and the planner never
+  imports the trainer.
 - parallel/'s root shared files import no subfolder (only parallelize.py and layout.py
   wire the dimensions; rules.py reads the pipeline's schedules).
 """
@@ -11,6 +14,8 @@ no process): what a reviewer would otherwise check by grep.
 import ast
 import os
 import re
+
+import pytest
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -129,4 +134,118 @@ def test_functions_run_eagerly_under_compile_are_never_imported_by_name():
                 names = {a.name for a in node.names}
                 found += [f"{os.path.relpath(path, REPO)}:{node.lineno} imports {name} from {module}"
                           for module, name in marked if node.module == module and name in names]
+    assert not found, "\n".join(found)
+
+
+# ---------------------------------------------------------------- configuration is a leaf
+# A module "trains" when it builds or runs a training step: the loop, the recipe that
+# parallelizes the model, the strategies and the dimensions' layers, the replica groups,
+# and PyTorch's distributed training wrappers and optimizers. A package's `config` module
+# never trains (it is a config dataclass's, checked below). Prefixes: a package and all
+# it holds.
+TRAINS = ("trainer", "training",                                     # the loop and its step
+          "parallel.parallelize", "parallel.strategy", "parallel.data_parallel",
+          "parallel.reference", "parallel.tensor_parallel", "parallel.context_parallel",
+          "parallel.pipeline_parallel.pipeline", "parallel.compile", "parallel.checkpointing",
+          "parallel.precision",                                      # parallelize() and strategies
+          "fault_tolerance.replica_group",                           # the replica groups
+          "torch.nn.parallel", "torch.distributed.fsdp", "torch.distributed.pipelining",
+          "torch.distributed.tensor", "torch.optim", "torchft")      # PyTorch's, torchft
+CONFIGS = ("config", "parallel.config", "planner.config", "fault_tolerance.config",
+           "training.config", "model", "char_dataset", "data.prepare")  # each section's dataclass
+PENDING = "trainer"  # config.py's TrainerConfig still lives in trainer.py (issue 43 moves it)
+
+
+def trains(module):
+    """Whether importing `module` runs training code of its own (a package of ours is
+    judged by what its __init__.py imports, not by its name)."""
+    path = module_file(module)
+    if module.rsplit(".", 1)[-1] == "config" or (path and path.endswith("__init__.py")):
+        return False
+    return any(module == t or module.startswith(t + ".") for t in TRAINS)
+
+
+def module_file(module):
+    """The checkout's file of a dotted module name, or None (not ours)."""
+    base = os.path.join(REPO, *module.split("."))
+    for path in (base + ".py", os.path.join(base, "__init__.py")):
+        if os.path.isfile(path):
+            return path
+    return None
+
+
+def imports_of(module, lazy=False):
+    """The modules `module` imports when it is imported (lazy: also inside functions),
+    parent packages included."""
+    path = module_file(module)
+    with open(path) as f:
+        tree = ast.parse(f.read(), path)
+    package = module if path.endswith("__init__.py") else module.rpartition(".")[0]
+    found, stack = set(), list(tree.body)
+    while stack:
+        node = stack.pop()
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda)) and not lazy:
+            continue
+        if isinstance(node, ast.Import):
+            found.update(a.name for a in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:  # relative
+                parent = package.split(".")[:len(package.split(".")) - node.level + 1]
+                base = ".".join(parent + ([node.module] if node.module else []))
+            found.add(base)
+            found.update(f"{base}.{a.name}" for a in node.names if module_file(f"{base}.{a.name}"))
+        stack.extend(ast.iter_child_nodes(node))
+    with_parents = set()
+    for name in found:
+        parts = name.split(".")
+        with_parents.update(".".join(parts[:i]) for i in range(1, len(parts) + 1))
+    return with_parents
+
+
+def import_chains(start, lazy=False, stop=()):
+    """{module: the chain of imports from `start` that reaches it}: what importing `start`
+    imports (ours followed, others' as named), not following `stop`."""
+    chains, todo = {start: [start]}, [start]
+    while todo:
+        module = todo.pop()
+        if module in stop or not module_file(module):
+            continue
+        for name in sorted(imports_of(module, lazy)):
+            if name not in chains:
+                chains[name] = chains[module] + [name]
+                todo.append(name)
+    return chains
+
+
+def planner_modules():
+    return sorted("planner." + f[:-3] for f in os.listdir(os.path.join(REPO, "planner"))
+                  if f.endswith(".py") and f != "__init__.py")
+
+
+@pytest.mark.parametrize("start", CONFIGS + ("planner",))
+def test_configuration_imports_nothing_that_trains(start):
+    starts = planner_modules() if start == "planner" else [start]
+    if not module_file(starts[0]):
+        pytest.skip(f"no {starts[0]} in this checkout")
+    found = {" -> ".join(chain) for s in starts
+             for module, chain in import_chains(s, stop={PENDING}).items()
+             if trains(module) and module != PENDING}  # PENDING: the xfail below
+    assert not found, "imports of a module that trains:\n" + "\n".join(sorted(found))
+
+
+@pytest.mark.xfail(strict=True, reason="config.py imports TrainerConfig from trainer.py until "
+                   "the loop's part of issue 43 moves it to a leaf: then remove this mark")
+def test_config_does_not_import_the_trainer():
+    chains = import_chains("config")
+    assert PENDING not in chains, " -> ".join(chains.get(PENDING, []))
+
+
+@pytest.mark.xfail(strict=True, reason="planner/dryrun.py builds a Trainer until the loop's part "
+                   "of issue 43 gives the dry run the step's own narrow function: then remove this mark")
+def test_the_planner_never_imports_the_trainer():
+    """Not even inside a function: the dry run reaches the step through training's own
+    narrow function, not through the loop."""
+    found = [" -> ".join(chain) for s in planner_modules()
+             for module, chain in import_chains(s, lazy=True).items() if module == PENDING]
     assert not found, "\n".join(found)
