@@ -7,7 +7,7 @@ from types import SimpleNamespace
 
 from errors import UserError
 from parallel.grid import DIMS
-from parallel.rules import GRID, KEYS, LAYOUT, MODEL_DIMS, Facts, refusal  # noqa: F401 (MODEL_DIMS: bench)
+from parallel.rules import GRID, KEYS, LAYOUT, MODEL_DIMS, Facts, refusal  # noqa: F401 (bench)
 
 
 def _check(rules, facts):

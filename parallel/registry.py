@@ -16,29 +16,30 @@ CAPABILITIES = {  # what a strategy may declare; the rules and parallelize() rea
                             "its whole forward",
     "hybrid_shards": "shards inside parallel.dp_replicate replica groups and averages across "
                      "them (HSDP, data_parallel/hybrid.py)",
-    "offloads": "parallel.offload puts its optimizer's shard in host memory (data_parallel/offload.py)",
+    "offloads": "parallel.offload puts its optimizer's shard in host memory (offload.py)",
     "parallelizes_tp_itself": "applies tensor parallelism itself, so parallelize() skips ours",
 }
 
 STRATEGIES = {  # name: ("module:Class", its capabilities)
-    # ours
-    "single": ("parallel.data_parallel.single:Single", {"compiles_whole_model"}),  # one rank: the parity reference
-    "ddp_naive": ("parallel.data_parallel.naive:DDPNaive", set()),  # one all-reduce per parameter after backward
-    "ddp_bucket": ("parallel.data_parallel.bucket:DDPBucket", set()),  # bucketed all-reduces overlapping backward
-    "fsdp": ("parallel.data_parallel.fsdp:FSDP", {"hybrid_shards", "offloads"}),  # ZeRO 1/2/3 (parallel.zero_stage)
-    # PyTorch's, the references ours are measured against
-    "torch_ddp": ("parallel.reference.torch_ddp:TorchDDP", set()),  # DistributedDataParallel; for ddp_*
-    "torch_fsdp": ("parallel.reference.torch_fsdp:TorchFSDP", {"hybrid_shards", "offloads"}),  # FSDP2; for fsdp
-    "torch_tp": ("parallel.reference.torch_tp:TorchTP", {"parallelizes_tp_itself"}),  # DTensor TP
-    "torch_pp": ("parallel.reference.torch_pp:TorchPP", set()),  # torch.distributed.pipelining
+    # ours: single (one rank, the parity reference), ddp_naive (an all-reduce per parameter
+    # after backward), ddp_bucket (buckets during backward), fsdp (ZeRO 1/2/3)
+    "single": ("parallel.data_parallel.single:Single", {"compiles_whole_model"}),
+    "ddp_naive": ("parallel.data_parallel.naive:DDPNaive", set()),
+    "ddp_bucket": ("parallel.data_parallel.bucket:DDPBucket", set()),
+    "fsdp": ("parallel.data_parallel.fsdp:FSDP", {"hybrid_shards", "offloads"}),
+    # PyTorch's, the references ours are measured against: DDP, FSDP2, DTensor TP, pipelining
+    "torch_ddp": ("parallel.reference.torch_ddp:TorchDDP", set()),
+    "torch_fsdp": ("parallel.reference.torch_fsdp:TorchFSDP", {"hybrid_shards", "offloads"}),
+    "torch_tp": ("parallel.reference.torch_tp:TorchTP", {"parallelizes_tp_itself"}),
+    "torch_pp": ("parallel.reference.torch_pp:TorchPP", set()),
 }
 TORCH_REFERENCES = {"tp": "torch_tp", "pp": "torch_pp"}  # parallel.<dim>_impl=torch runs these
 DATA_PARALLEL = [s for s in STRATEGIES if s not in TORCH_REFERENCES.values()]  # parallel.dp
 IMPLEMENTATIONS = ("own", "torch")  # parallel.tp_impl, parallel.pp_impl
-MOVED = {"torch_tp": "parallel.tp_impl=torch", "torch_pp": "parallel.pp_impl=torch"}  # old parallel.dp
+MOVED = {"torch_tp": "parallel.tp_impl=torch", "torch_pp": "parallel.pp_impl=torch"}  # were dp
 CP_IMPLEMENTATIONS = {  # parallel.cp_impl: the attention each block's becomes
-    "ring": "parallel.context_parallel.ring_attention:ring_attention",  # ours: K and V travel a ring
-    "allgather": "parallel.context_parallel.allgather_attention:allgather_attention",  # the reference
+    "ring": "parallel.context_parallel.ring_attention:ring_attention",  # ours: K, V travel a ring
+    "allgather": "parallel.context_parallel.allgather_attention:allgather_attention",  # reference
 }
 
 

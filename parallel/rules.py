@@ -1,8 +1,8 @@
 """Every layout rule: what cannot run, when, and the one line that says so.
 
-A rule is (for, refused when, message). `for` names what it is about; where it names
-strategies (registry.STRATEGIES), the rule binds only them. `refused when` is a
-condition whose parameters name the facts it reads (`Facts` below: `p` the `parallel:`
+A rule is (topic, refused, message). The topic is a key, or strategies of
+registry.STRATEGIES: then the rule binds only them. `refused` is a condition whose
+parameters name the facts it reads (`Facts` below: `p` the `parallel:`
 section, `tp` the grid's tp degree, `can` the chosen strategy's capabilities, ...); the
 message's {fields} are filled from the same facts. parallel/layout.py walks the tables
 in order and stops at the first rule that holds: KEYS on every mode, then GRID and
@@ -22,25 +22,26 @@ from parallel.pipeline_parallel.schedules import SCHEDULES
 from parallel.registry import (CP_IMPLEMENTATIONS, DATA_PARALLEL, IMPLEMENTATIONS, MOVED,
                                STRATEGIES, TORCH_REFERENCES, strategy_name)
 
-MODEL_DIMS = [d for d in reversed(DIMS) if d not in DATA_DIMS]  # each has its degree in parallel.<dim>
+MODEL_DIMS = [d for d in reversed(DIMS) if d not in DATA_DIMS]  # each its key: parallel.<dim>
 BACKENDS = ("inductor", "aot_eager", "eager")  # trainer.compile_backend: inductor generates
 # kernels; aot_eager: the same dynamo capture and AOT autograd without code generation (tests)
-REFERENCES = "torch_ddp torch_fsdp torch_tp torch_pp"
 
 
 @dataclass(frozen=True)
 class Rule:
-    topic: str          # a key, a dimension, or the strategies it binds
+    topic: str          # a key (section.key ...), or the strategies it binds
     refused: Callable   # (facts it names) -> true when the layout cannot run
     message: str        # one line; {fact} fields
     only: frozenset = field(init=False)  # the strategies it binds; empty: every one
 
     def __post_init__(self):
         names = set(self.topic.split())
-        object.__setattr__(self, "only", frozenset(names) if names <= set(STRATEGIES) else frozenset())
+        if not (names <= set(STRATEGIES) or "." in self.topic.split()[0]):  # a misspelt strategy
+            raise ValueError(f"a rule is for a key or for strategies, not {self.topic!r}")
+        object.__setattr__(self, "only", frozenset(names if names <= set(STRATEGIES) else ()))
 
 
-KEYS = [  # every mode: the parallel: section's values, alone
+KEYS = [  # the parallel: section's values, alone (every mode)
     Rule("parallel.dp", lambda p: p.dp in MOVED,
          "parallel.dp={p.dp} is now {moved}: PyTorch's reference implementations are chosen per "
          "dimension"),
@@ -51,7 +52,7 @@ KEYS = [  # every mode: the parallel: section's values, alone
          "parallel.tp_impl and parallel.pp_impl must be one of {implementations}"),
     Rule("parallel.cp_impl", lambda p: p.cp_impl not in CP_IMPLEMENTATIONS,
          "parallel.cp_impl must be one of {cp_implementations}, got {p.cp_impl!r}"),
-    Rule("degrees", lambda degrees: min(degrees.values()) < 1, "{degree_keys} must be >= 1"),
+    Rule("parallel.<degree>", lambda degrees: min(degrees.values()) < 1, "{degree_keys} must be >= 1"),
     Rule("parallel.reduce_dtype", lambda p: p.reduce_dtype not in ("fp32", "bf16"),
          "parallel.reduce_dtype must be fp32 or bf16, got {p.reduce_dtype!r}"),
     Rule("parallel.timeout_s", lambda p: not 0 < p.timeout_s < 10**7,
@@ -70,9 +71,10 @@ KEYS = [  # every mode: the parallel: section's values, alone
          "parallel.zero_stage must be 1, 2 or 3, got {p.zero_stage}"),
 ]
 
-GRID = [  # training: the world size cut into the grid (layout.grid_sizes)
-    Rule("grid", lambda world, model: world % model,
-         "world size {world} is not divisible by {model_keys} = {model_values}: the grid is {dims}"),
+GRID = [  # the grid: the world size over the model's degrees (layout.grid_sizes)
+    Rule("parallel.<degree>", lambda world, model: world % model,
+         "world size {world} is not divisible by {model_keys} = {model_values}: the grid is "
+         "{dims}"),
     Rule("parallel.dp_replicate", lambda p, data: data % p.dp_replicate,
          "parallel.dp_replicate={p.dp_replicate} does not divide the data-parallel degree {data} "
          "(world size {world} / ({model_keys} = {model})): hybrid sharding makes "
@@ -95,7 +97,8 @@ CONTEXT = [  # context parallelism (context_parallel/)
          "data.block_size={d.block_size} is not divisible by 2 x parallel.cp = {cp_chunks}: "
          "context parallelism cuts every sequence into 2 x cp equal chunks (the balanced causal "
          "split)"),
-    Rule("parallel.cp", lambda p, cp, tp, cp_tokens: cp > 1 and p.sequence_parallel and cp_tokens % tp,
+    Rule("parallel.cp", lambda p, cp, tp, cp_tokens: cp > 1 and p.sequence_parallel
+         and cp_tokens % tp,
          "data.block_size / parallel.cp = {cp_tokens} is not divisible by parallel.tp={tp}: "
          "sequence parallelism splits each rank's part of the sequence into tp equal shards"),
 ]
@@ -133,7 +136,7 @@ PIPELINE = [  # pipeline parallelism (pipeline_parallel/)
          "interleaved with compilation"),
 ]
 
-DATA = [  # data parallelism: hybrid sharding, offload, what each strategy composes with
+DATA = [  # data parallelism: hybrid sharding, offload, each strategy (data_parallel/, reference/)
     Rule("single", lambda dp_replicate: dp_replicate > 1,
          "parallel.dp_replicate={dp_replicate} with parallel.dp={p.dp}: one process has no "
          "replicas to make; hybrid sharding needs parallel.dp=fsdp on several data-parallel ranks"),
@@ -179,10 +182,11 @@ DATA = [  # data parallelism: hybrid sharding, offload, what each strategy compo
     Rule("torch_ddp torch_fsdp", lambda pp: pp > 1,
          "parallel.dp={p.dp} does not run under pipeline parallelism: PyTorch's references "
          "measure pure data or tensor parallelism (use ddp_naive, ddp_bucket or fsdp)"),
-    Rule(REFERENCES, lambda t: t.compile,  # our strategies are compiled (issue 23), not theirs
+    # compilation was verified for our strategies (issue 23), not for the references
+    Rule("torch_ddp torch_fsdp torch_tp torch_pp", lambda t: t.compile,
          "trainer.compile=true is for our own strategies: {what} is PyTorch's reference and runs "
          "eager here (compiling it was not verified); use trainer.compile=false"),
-    Rule(REFERENCES, lambda p: p.reduce_dtype != "fp32",
+    Rule("torch_ddp torch_fsdp torch_tp torch_pp", lambda p: p.reduce_dtype != "fp32",
          "parallel.reduce_dtype={p.reduce_dtype} applies to our strategies (ddp_naive, "
          "ddp_bucket, fsdp); {what} is PyTorch's reference and reduces in fp32"),
     # the ring's worker thread drives the gradient group's communicator while autograd
@@ -200,7 +204,7 @@ DATA = [  # data parallelism: hybrid sharding, offload, what each strategy compo
          "step); use zero_stage 1 or 2 with pipelines, as Megatron and DeepSpeed do"),
 ]
 
-COMPILE = [  # compilation (parallel/compile.py; what the schedules refuse with it: PIPELINE)
+COMPILE = [  # compilation (compile.py; with a zero-bubble schedule: PIPELINE)
     Rule("trainer.compile", lambda t: t.compile and t.compile_backend not in BACKENDS,
          "trainer.compile_backend must be one of {backends}, got {t.compile_backend!r}"),
     Rule("trainer.compile", lambda t: t.compile and t.compile_scope not in ("block", "model"),
@@ -213,7 +217,7 @@ COMPILE = [  # compilation (parallel/compile.py; what the schedules refuse with 
          "recompute), which must stay outside the compiled code; use trainer.compile_scope=block"),
 ]
 
-BATCH = [  # the global batch over the data-parallel ranks
+BATCH = [  # the global batch
     Rule("trainer.batch_size", lambda t, per_rank: t.batch_size % per_rank,
          "trainer.batch_size={t.batch_size} (the global batch) must be divisible by dp degree "
          "{data} x trainer.grad_accum {t.grad_accum} x parallel.microbatches {p.microbatches} = "
@@ -298,7 +302,7 @@ class Facts:
 
     # context and pipeline parallelism
     cp_chunks = property(lambda self: 2 * self.cp)
-    cp_tokens = property(lambda self: self.d.block_size // self.cp)  # a cp rank's part of a sequence
+    cp_tokens = property(lambda self: self.d.block_size // self.cp)  # a cp rank's of a sequence
     schedule = property(lambda self: SCHEDULES.get(self.p.pp_schedule))  # None: not one (KEYS)
     fixed = property(lambda self: self.schedule and self.schedule.virtual)  # zbv: always 2 a rank
     chunks_per_rank = property(lambda self: self.fixed or self.p.pp_virtual_stages)

@@ -126,3 +126,27 @@ def test_defaults_and_overrides():
 def test_bad_config_is_one_clear_error(overrides, world, message):
     with pytest.raises(UserError, match=message):
         load_config(overrides, world)
+
+
+def test_every_rule_reads_facts_that_exist():
+    """A rule's condition names its facts by its parameters and its message by {fields}:
+    each must be a fact (parallel/rules.py Facts) or a grid dimension, or the rule would
+    fail only on the layout that reaches it."""
+    import string
+    from parallel.grid import DIMS
+    from parallel.rules import GRID, KEYS, LAYOUT, Facts
+    known = set(dir(Facts)) | set(DIMS)
+    wrong = []
+    for rule in KEYS + GRID + LAYOUT:
+        code = rule.refused.__code__
+        fields = {f.split(".")[0].split("[")[0] for _, f, _, _ in string.Formatter().parse(rule.message)
+                  if f}
+        wrong += [f"{rule.topic}: {name}" for name in set(code.co_varnames[:code.co_argcount]) | fields
+                  if name not in known]
+    assert not wrong, wrong
+
+
+def test_the_registry_names_each_strategy_its_class_and_known_capabilities():
+    from parallel.registry import CAPABILITIES, STRATEGIES, load
+    for name, (where, can) in STRATEGIES.items():
+        assert load(where).name == name and can <= set(CAPABILITIES), (name, where, can)

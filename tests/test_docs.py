@@ -3,7 +3,8 @@ run for real).
 
 - docs/configuration.md is generated from the config schema (scripts/config_reference.py):
   every key has a line of meaning in its dataclass, and the committed page is the
-  generator's output, so it cannot go stale.
+  generator's output, so it cannot go stale; so is docs/layout-rules.md, from the rules'
+  table (scripts/layout_rules.py).
 - Every `key=value` in a command or code span of the docs names a real key, with a value
   of its type (and a real mode); every relative link and #anchor resolves; the quick
   commands (`mode=plan`) run; each page keeps its size; CI runs the README's
@@ -20,7 +21,7 @@ from omegaconf import OmegaConf
 
 import config
 from harness import REPO
-from scripts import config_reference
+from scripts import config_reference, layout_rules
 
 PAGES = ["README.md", "tests/README.md", "bench/README.md", "configs/README.md",
          "scripts/README.md", "parallel/README.md"] + sorted(
@@ -183,6 +184,18 @@ def test_every_config_key_has_a_meaning_in_its_dataclass():
 def test_configuration_reference_is_the_generated_one():
     assert read("docs/configuration.md") == config_reference.markdown(), \
         "docs/configuration.md is stale: python -m scripts.config_reference > docs/configuration.md"
+
+
+def test_layout_rules_page_is_the_generated_one():
+    """docs/layout-rules.md and its summary in docs/parallelism.md show every rule of
+    parallel/rules.py's tables as the code holds it."""
+    from parallel import rules
+    stale = "is stale: python -m scripts.layout_rules"
+    assert read(layout_rules.PAGE) == layout_rules.markdown(), f"{layout_rules.PAGE} {stale}"
+    assert layout_rules.section(read(layout_rules.SUMMARY_IN)) == layout_rules.summary(), \
+        f"{layout_rules.SUMMARY_IN} {stale}"
+    shown = sum(len(rows) for *_, rows in layout_rules.read_tables())
+    assert shown == len(rules.KEYS + rules.GRID + rules.LAYOUT), "a rule outside the tables' rows"
 
 
 def test_default_yaml_sets_every_key_to_the_schemas_default():
