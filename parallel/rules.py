@@ -14,7 +14,6 @@ checks it is current).
 
 import math
 from dataclasses import dataclass, field
-from functools import cached_property
 from typing import Callable
 
 from parallel.grid import DATA_DIMS, DIMS, GRAD_DIMS, uses_cuda
@@ -23,6 +22,7 @@ from parallel.registry import (CP_IMPLEMENTATIONS, DATA_PARALLEL, IMPLEMENTATION
                                STRATEGIES, TORCH_REFERENCES, strategy_name)
 
 MODEL_DIMS = [d for d in reversed(DIMS) if d not in DATA_DIMS]  # each its key: parallel.<dim>
+DEGREES = MODEL_DIMS + ["dp_replicate"]  # the degrees the config sets
 BACKENDS = ("inductor", "aot_eager", "eager")  # trainer.compile_backend: inductor generates
 # kernels; aot_eager: the same dynamo capture and AOT autograd without code generation (tests)
 
@@ -52,7 +52,8 @@ KEYS = [  # the parallel: section's values, alone (every mode)
          "parallel.tp_impl and parallel.pp_impl must be one of {implementations}"),
     Rule("parallel.cp_impl", lambda p: p.cp_impl not in CP_IMPLEMENTATIONS,
          "parallel.cp_impl must be one of {cp_implementations}, got {p.cp_impl!r}"),
-    Rule("parallel.<degree>", lambda degrees: min(degrees.values()) < 1, "{degree_keys} must be >= 1"),
+    Rule("parallel.<degree>", lambda p: min(getattr(p, d) for d in DEGREES) < 1,
+         "{degree_keys} must be >= 1"),
     Rule("parallel.reduce_dtype", lambda p: p.reduce_dtype not in ("fp32", "bf16"),
          "parallel.reduce_dtype must be fp32 or bf16, got {p.reduce_dtype!r}"),
     Rule("parallel.timeout_s", lambda p: not 0 < p.timeout_s < 10**7,
@@ -122,7 +123,7 @@ PIPELINE = [  # pipeline parallelism (pipeline_parallel/)
          "rank = {chunks} pipeline chunks (more stages than layers)"),
     Rule("parallel.pp", lambda p, m, chunks: p.pp_layers and (
         len(p.pp_layers) != chunks or sum(p.pp_layers) != m.n_layer or min(p.pp_layers) < 1),
-         "parallel.pp_layers={pp_layers} must give each of the {chunks} pipeline chunks at least "
+         "parallel.pp_layers={p.pp_layers} must give each of the {chunks} pipeline chunks at least "
          "one block, {m.n_layer} (model.n_layer) in all"),
     Rule("parallel.pp", lambda t, pp, split_backward: pp > 1 and split_backward
          and t.activation_checkpointing,
@@ -268,24 +269,11 @@ class Facts:
     backends = ", ".join(BACKENDS)
     dims = " x ".join(DIMS)
     model_keys = " * ".join(f"parallel.{d}" for d in MODEL_DIMS)
-
-    @cached_property
-    def degrees(self):  # {key: degree} of every degree the config sets
-        return {f"parallel.{d}": getattr(self.p, d) for d in MODEL_DIMS + ["dp_replicate"]}
-
-    @property
-    def degree_keys(self):
-        return ", ".join(self.degrees)
+    degree_keys = ", ".join(f"parallel.{d}" for d in DEGREES)
 
     # the grid
-    @property
-    def world(self):
-        return self._world if self._world is not None else math.prod(self.sizes.values())
-
-    @cached_property
-    def model(self):  # the ranks of one model replica: tp x cp x pp
-        return math.prod(getattr(self.p, d) for d in MODEL_DIMS)
-
+    world = property(lambda self: self._world or math.prod(self.sizes.values()))
+    model = property(lambda self: math.prod(getattr(self.p, d) for d in MODEL_DIMS))  # tp x cp x pp
     model_values = property(lambda self: " * ".join(str(getattr(self.p, d)) for d in MODEL_DIMS))
     data = property(lambda self: self.world // self.model)  # data-parallel ranks: dp_replicate x dp
     world_per_dp = property(lambda self: self.world // self.dp)
@@ -308,10 +296,9 @@ class Facts:
     chunks_per_rank = property(lambda self: self.fixed or self.p.pp_virtual_stages)
     chunks = property(lambda self: self.pp * self.chunks_per_rank)
     split_backward = property(lambda self: bool(self.schedule and self.schedule.split_backward))
-    pp_layers = property(lambda self: list(self.p.pp_layers))
 
     # the strategy
-    strategy = cached_property(lambda self: strategy_name(self.p))
+    strategy = property(lambda self: strategy_name(self.p))
     can = property(lambda self: STRATEGIES[self.strategy][1])  # its registry.CAPABILITIES
     dim = property(lambda self: next((d for d, s in TORCH_REFERENCES.items() if s == self.strategy),
                                      None))  # the dimension a reference measures
