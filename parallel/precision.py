@@ -20,9 +20,10 @@ steps without overflow it doubles (torch.amp.GradScaler's policy and
 defaults). Its state (scale, good steps since the last change) goes into the
 snapshot, so a resumed run continues exactly. bf16 has fp32's range: no scaler.
 
-The Strategy owns one Precision (parallel/strategy.py): it wraps every forward
-in `autocast()`, multiplies each backward's loss by `loss_scale`, and calls
-`unscale_and_check` before the gradient norm.
+parallelize() makes one Precision per rank (parallel/parallelize.py, step 6), which the
+Strategy, the pipeline and the step's forward and backward share: every forward runs in
+`autocast()`, each backward's loss is multiplied by `loss_scale`, and
+`unscale_and_check` runs before the gradient norm (parallel/clipping.py).
 """
 
 from contextlib import nullcontext
@@ -90,8 +91,13 @@ def unscale_and_find_inf(grads, inv_scale, device):
 class Precision:
     def __init__(self, name="fp32", device=torch.device("cpu"), init_scale=2.0**16,
                  growth_interval=2000, world_size=1):
-        self.name, self.device, self.world_size = name, device, world_size
-        self.dtype = DTYPES.get(name)
+        self.device, self.world_size = device, world_size
+        self.configure(name, init_scale, growth_interval)
+
+    def configure(self, name, init_scale=2.0**16, growth_interval=2000):
+        """trainer.precision (parallelize's step 6): set in place, as the strategy, its
+        pipeline and its forward and backward hold this one object."""
+        self.name, self.dtype = name, DTYPES.get(name)
         self.scaler = LossScaler(init_scale, growth_interval) if name == "fp16" else None
         self.skip_step = False  # the last unscale_and_check found an inf/NaN somewhere
 

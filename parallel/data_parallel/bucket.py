@@ -13,7 +13,7 @@ Like ddp_naive, every rank holds the model and gradients are averaged, but:
   backward we only wait for what is still in flight, then divide by the
   group size.
 - With gradient accumulation, the hooks do nothing on all but the last
-  micro-step (`no_sync`): gradients just accumulate in the buckets. Under
+  micro-step (`backward_scope`): gradients just accumulate in the buckets. Under
   pipeline parallelism that is each chunk's last backward of the step, so
   buckets start during the schedule's cool-down.
 
@@ -89,11 +89,17 @@ class DDPBucket(DDPNaive):
                 # hook, which fires once, after both of its uses have accumulated
                 on_grad_accumulated(p, self._on_grad_ready)  # held weakly (grad_hooks.py)
         self.ring = RingRunner(self.comm, self.group, self.device) if self.use_ring else None
-        self.syncing, self.next_launch, self.grads_copied = False, 0, 0
+        self.syncing, self.grads_copied = False, 0
+        self._point_grads_at_buckets()
 
-    def loss_and_gradients(self, micro_batches):
-        # optimizer_step drops every .grad (zero_grad(set_to_none=True)): point them back
-        # at their zeroed slots, so that backward accumulates straight into the buckets
+    def drop_gradients(self):
+        held = super().drop_gradients()  # every .grad dropped (zero_grad(set_to_none=True))
+        self._point_grads_at_buckets()
+        return held
+
+    def _point_grads_at_buckets(self):
+        """Every .grad a view of its zeroed slot, so that the next backward accumulates
+        straight into the buckets."""
         for bucket in self.buckets:
             bucket.buffer.zero_()
             bucket.ready = [False] * len(bucket.params)
@@ -101,13 +107,12 @@ class DDPBucket(DDPNaive):
             for p, view in zip(bucket.params, bucket.views):
                 p.grad = view
         self.next_launch = 0
-        return super().loss_and_gradients(micro_batches)
 
     @contextmanager
-    def no_sync(self, last_micro_step):
+    def backward_scope(self, chunk, last):
         """Hooks launch all-reduces only during the last micro-step's backward (with a
         pipeline: each chunk's last backward of the step)."""
-        self.syncing = last_micro_step
+        self.syncing = last
         try:
             yield
         finally:

@@ -41,17 +41,17 @@ from contextlib import contextmanager
 import torch
 import torch.distributed as dist
 
+from parallel.data_parallel.contract import DataParallel, build_adamw, sharded_group
 from parallel.data_parallel.grad_hooks import on_grad_accumulated
 from parallel.data_parallel.naive import REDUCE_DTYPES
 from parallel import model_plan as plan
 from parallel.data_parallel.fsdp_units import FlatUnit
 from parallel.data_parallel.hybrid import ReplicaMean
 from parallel.grid import SHARD_DIMS
-from parallel.placement import Region, writer_among
-from parallel.strategy import Strategy
+from parallel.placement import Region, load_regions, writer_among
 
 
-class FSDP(Strategy):
+class FSDP(DataParallel):
     name = "fsdp"
 
     def __init__(self, local, grid, cfg):
@@ -92,7 +92,8 @@ class FSDP(Strategy):
         self._register_grad_hooks()
         if self.stage == 3:
             self._register_unit_hooks()
-        self.materialize()  # this rank's shard of the initial weights (stages 1-2: all of them)
+        with self.comm.uncounted():  # this rank's shard of the initial weights, as a load
+            self.update(lambda: load_regions(self.regions(), None, local.init))
 
     # ------------------------------------------------ hooks: gradients ready -> reduce
 
@@ -189,19 +190,16 @@ class FSDP(Strategy):
 
     # ------------------------------------------------ the step
 
-    def configure_optimizer(self, tcfg):
+    def build_optimizer(self, tcfg):
         groups = self.module.optim_groups(tcfg.weight_decay)
-        self.group_names = [g["params"] for g in groups]
         # pieces of every unit's shard, by optimizer group; the order defines the
         # optimizer's parameter indices
         self.pieces = [[(u, a, b, t) for u in self.units for g, a, b, t in u.pieces if g == gi]
                        for gi in range(len(groups))]
         # offloaded pieces are host tensors: torch's fused CPU AdamW steps on them
-        self.optimizer = torch.optim.AdamW(
-            [{"params": [t for *_, t in ps], "weight_decay": g["weight_decay"]}
-             for ps, g in zip(self.pieces, groups)],
-            lr=tcfg.lr, betas=(tcfg.beta1, tcfg.beta2), weight_decay=tcfg.weight_decay,
-            **({"fused": True} if self.offload else {}))
+        self.optimizer = build_adamw([{"params": [t for *_, t in ps], "weight_decay": g["weight_decay"]}
+                                      for ps, g in zip(self.pieces, groups)],
+                                     tcfg, **({"fused": True} if self.offload else {}))
 
     def _units_per_chunk(self):
         """{pipeline chunk (None without a pipeline): the units its backward touches}."""
@@ -232,31 +230,34 @@ class FSDP(Strategy):
         yield
         self._finish_backward(units)
 
-    def grads(self):
-        return [t.grad for ps in self.pieces for *_, t in ps]  # shards only: no padding
-
     def norm_group(self):
         # gradient elements differ across the shards, stages and TP ranks (and are the
         # same on every replica group: counted once)
-        return self.sharded_group(*SHARD_DIMS, "pp", "tp")
+        return sharded_group(self.grid, *SHARD_DIMS, "pp", "tp")
 
-    def optimizer_step(self, lr):
-        for group in self.optimizer.param_groups:
-            group["lr"] = lr
+    @torch.no_grad()
+    def update(self, write):
+        """write(): AdamW's step on this rank's shards, or a load of them (a snapshot, the
+        initial weights). Offload: the last copy of the master weights to the device must
+        be done first, and the new ones go back after; stages 1-2 then all-gather everyone's
+        shard into the replicated parameters."""
         for u in self.units:
             u.before_update()
-        self.step_optimizer()
-        for u in self.units:  # offload: the updated master weights back to the device
+        write()
+        for u in self.units:
             u.push_params()
-        if self.stage < 3:  # replicated parameters: everyone's updated shard to everyone
+        if self.stage < 3:
             for work in [u.refresh_full(self.comm) for u in self.units]:
                 work.wait()
+
+    def drop_gradients(self):
         opt = sum(v.numel() * v.element_size() for s in self.optimizer.state.values()
                   for v in s.values() if torch.is_tensor(v))
-        self.last_state_bytes = sum(u.device_bytes() for u in self.units) + (0 if self.offload else opt)
-        self.last_host_state_bytes = sum(u.host_bytes() for u in self.units) + (opt if self.offload else 0)
+        device = sum(u.device_bytes() for u in self.units) + (0 if self.offload else opt)
+        host = sum(u.host_bytes() for u in self.units) + (opt if self.offload else 0)
         for u in self.units:
             u.zero_grads()
+        return device, host
 
     # ------------------------------------------------ what this rank holds, canonically
 
@@ -287,27 +288,3 @@ class FSDP(Strategy):
                 self._regions.append(Region(placement, a, b, piece, start - pa, writes=writes,
                                             in_norm=placement.counted_in_norm(g.tp_rank)))
         return self._regions
-
-    @torch.no_grad()
-    def load_shards(self, reader):
-        """Read only this rank's ranges; stages 1-2 then all-gather the replicated
-        parameters from everyone's shard (not training traffic: uncounted)."""
-        for u in self.units:
-            u.before_update()
-        super().load_shards(reader)
-        self._gather_after_load()
-
-    @torch.no_grad()
-    def materialize(self):
-        """The initial weights as a snapshot is loaded: this rank's shard, then (stages
-        1-2) everyone's gathered."""
-        super().materialize()
-        self._gather_after_load()
-
-    def _gather_after_load(self):
-        for u in self.units:  # offload: what was loaded into the host's master, to the device
-            u.push_params()
-        if self.stage < 3:
-            with self.comm.uncounted():
-                for work in [u.refresh_full(self.comm) for u in self.units]:
-                    work.wait()

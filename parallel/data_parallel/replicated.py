@@ -1,39 +1,23 @@
 """The shared base of the strategies where every dp rank holds the whole (TP-local)
 model: single, torch_ddp, ddp_naive, ddp_bucket (and the torch_fsdp, torch_tp and
-torch_pp references, which wrap it). They differ only in how gradients get averaged."""
+torch_pp references, which wrap it). They differ only in how gradients get averaged:
+a subclass adds `__init__` and `sync_gradients` or `backward_scope` (contract.py)."""
 
-from contextlib import nullcontext
+import torch
 
+from parallel.data_parallel.contract import DataParallel, build_adamw, sharded_group
 from parallel.initial import allocate
-from parallel.placement import Region, writer_among
-from parallel.strategy import Strategy, build_adamw, resident_bytes
+from parallel.placement import Region, load_regions, writer_among
 
 
-class ReplicatedStrategy(Strategy):
-    """Every dp rank holds the whole (TP-local) GPT; subclasses say how gradients are averaged.
-
-    Hooks for subclasses: `self.model` is what forward runs through (the GPT
-    or a wrapper), `no_sync(last)` is a context for each micro-step, and
-    `sync_gradients()` runs once after the last backward.
-    """
+class ReplicatedStrategy(DataParallel):
+    """Every dp rank holds the whole (TP-local) GPT; subclasses say how gradients are averaged."""
 
     def __init__(self, local, grid, cfg):
         super().__init__(local, grid, cfg)
         self._regions = None
         allocate(self.module, self.device)  # the whole (TP-local) stage: a replica's share
-        self.materialize()
-
-    def no_sync(self, last_micro_step):
-        return nullcontext()
-
-    def configure_optimizer(self, tcfg):
-        self.named = dict(self.module.named_parameters())
-        groups = self.module.optim_groups(tcfg.weight_decay)
-        self.group_names = [g["params"] for g in groups]
-        self.optimizer = build_adamw(self.named, groups, tcfg)
-
-    def backward_scope(self, chunk, last):
-        return self.no_sync(last)
+        load_regions(self.regions(), None, local.init)
 
     def regions(self):
         """One region per parameter. Replicas: every rank of the gradient group, and
@@ -53,14 +37,30 @@ class ReplicatedStrategy(Strategy):
         return self._regions
 
     def norm_group(self):
-        return self.sharded_group("pp", "tp")
+        return sharded_group(self.grid, "pp", "tp")
 
-    def grads(self):
-        return [p.grad for p in self.module.parameters() if p.grad is not None]
+    def build_optimizer(self, tcfg):
+        self.named = dict(self.module.named_parameters())
+        groups = self.module.optim_groups(tcfg.weight_decay)
+        self.optimizer = build_adamw([{**g, "params": [self.named[n] for n in g["params"]
+                                                       if n in self.named]} for g in groups], tcfg)
 
-    def optimizer_step(self, lr):
-        for group in self.optimizer.param_groups:
-            group["lr"] = lr
-        self.step_optimizer()
-        self.last_state_bytes = resident_bytes(self.module.parameters(), self.optimizer)
+    def drop_gradients(self):
+        held = resident_bytes(self.module.parameters(), self.optimizer)
         self.optimizer.zero_grad(set_to_none=True)
+        return held, 0
+
+
+def resident_bytes(params, optimizer):
+    """Parameters + their gradients + optimizer state tensors, in bytes (each tensor once)."""
+    seen, total = set(), 0
+    tensors = []
+    for p in params:
+        tensors += [p, p.grad]
+    for state in optimizer.state.values():
+        tensors += [v for v in state.values() if torch.is_tensor(v)]
+    for t in tensors:
+        if t is not None and id(t) not in seen:
+            seen.add(id(t))
+            total += t.numel() * t.element_size()
+    return total

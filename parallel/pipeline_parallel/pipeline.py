@@ -51,9 +51,10 @@ class Chunk:
 
 
 class Pipeline:
-    def __init__(self, model, grid, cfg, comm, placements):
+    def __init__(self, model, grid, cfg, comm, placements, precision=None):
         """Cut `model` to this rank's chunks; returns via self.placements the placements
-        of what stays (the tied copy marked)."""
+        of what stays (the tied copy marked). precision: what every chunk's forward runs
+        under (parallelize's step 6 sets it)."""
         self.grid, self.comm, self.model = grid, comm, model
         # under sequence parallelism the activations between stages are sequence shards
         self.seq_shards = grid.tp_size if cfg.sequence_parallel else 1
@@ -93,8 +94,7 @@ class Pipeline:
         # each action's start and end on the device's timeline (CUDA events on CUDA)
         self.clock = DeviceClock(grid.device)
         self.timeline, self.step_started = [], None
-        # every chunk forward runs under the strategy's precision (Strategy.configure_compute)
-        self.precision = Precision("fp32", grid.device)
+        self.precision = precision or Precision("fp32", grid.device)
         # what crosses a stage boundary: the residual stream, which stays in the parameters'
         # dtype (fp32) under autocast too -- only matmul outputs are bf16/fp16, and the
         # residual adds promote them back; the receive buffers take this dtype, and a chunk
@@ -245,10 +245,19 @@ class Pipeline:
     def _record(self, kind, c, m, started):
         self.timeline.append((kind, c, m, started, self.clock.mark()))
 
-    def drop_step_stats(self):
-        """Forget the last step's actions unread (a step the trainer does not log: reading
-        them would wait for the device)."""
-        self.timeline, self.step_started = [], None
+    def stats(self, last=False, measure=True):
+        """(figures for this step's metrics record, {file name: JSON-able} the main rank
+        writes into the run directory): busy/idle time per stage, and on the last step
+        the timeline. Collective when measure (every rank measures the same steps);
+        measure=False forgets the step's actions unread (reading them would wait for the
+        device)."""
+        if not measure:
+            self.timeline, self.step_started = [], None
+            return {}, {}
+        stats, timelines = self.step_stats(with_timeline=last)
+        files = {"pipeline_timeline.json": {"stages": timelines, "schedule": self.schedule,
+                                            "microbatches": self.M, "virtual_stages": self.V}}
+        return stats, files if last else {}
 
     def step_stats(self, with_timeline=False):
         """Busy and idle time of every stage of this rank's pipeline in the last step

@@ -6,6 +6,8 @@ parameters at construction, all-reduces gradient buckets from autograd hooks
 during backward, and skips that on accumulation micro-steps under no_sync().
 """
 
+from contextlib import nullcontext
+
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from parallel.data_parallel.replicated import ReplicatedStrategy
@@ -20,6 +22,6 @@ class TorchDDP(ReplicatedStrategy):
         self.model = DDP(self.module, process_group=grid.grad_group, device_ids=device_ids,
                          bucket_cap_mb=cfg.bucket_cap_mb)
 
-    def no_sync(self, last_micro_step):
-        return super().no_sync(True) if last_micro_step else self.model.no_sync()
+    def backward_scope(self, chunk, last):
+        return nullcontext() if last else self.model.no_sync()
 

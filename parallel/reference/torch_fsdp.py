@@ -43,6 +43,7 @@ def _full(t):
 
 class TorchFSDP(ReplicatedStrategy):
     name = "torch_fsdp"  # hybrid_shards: a 2-D mesh; offloads: CPUOffloadPolicy
+    replaces = ("clip_gradients", "state_dict", "shard_pieces", "load_shards")  # DTensors
 
     def __init__(self, local, grid, cfg):
         super().__init__(local, grid, cfg)
@@ -70,16 +71,13 @@ class TorchFSDP(ReplicatedStrategy):
         # device's loss
         return _full(norm).to(self.device)
 
-    def optimizer_step(self, lr):
-        for group in self.optimizer.param_groups:
-            group["lr"] = lr
-        self.step_optimizer()
+    def drop_gradients(self):
         tensors = [t for p in self.module.parameters() for t in (p, p.grad) if t is not None]
         tensors += [v for s in self.optimizer.state.values() for v in s.values() if torch.is_tensor(v)]
         state = sum(_local(t).numel() * _local(t).element_size() for t in tensors)
-        # offloaded: all of it in host memory (the device holds gathered units only)
-        self.last_state_bytes, self.last_host_state_bytes = (0, state) if self.offload else (state, 0)
         self.optimizer.zero_grad(set_to_none=True)
+        # offloaded: all of it in host memory (the device holds gathered units only)
+        return (0, state) if self.offload else (state, 0)
 
     # snapshots: full canonical tensors out (rank r writes every world-th key), this
     # rank's DTensor shards in

@@ -23,6 +23,7 @@ from torch.distributed.pipelining import (PipelineStage, Schedule1F1B, ScheduleG
                                           ScheduleZBVZeroBubble)
 
 from parallel import model_plan as plan
+from parallel.forward_backward import data_mean, finish_gradients
 from parallel.data_parallel.replicated import ReplicatedStrategy
 
 SCHEDULES = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B, "interleaved": ScheduleInterleaved1F1B,
@@ -57,6 +58,7 @@ class ChunkModule(nn.Module):
 
 class TorchPP(ReplicatedStrategy):
     name = "torch_pp"
+    replaces = ("loss_and_gradients", "step_stats")  # torch's schedules
 
     def __init__(self, local, grid, cfg):
         super().__init__(local, grid, cfg)  # our Pipeline cut the model (the same split)
@@ -91,5 +93,5 @@ class TorchPP(ReplicatedStrategy):
             self.schedule.step(*args, target=y.to(self.device) if self.last else None, losses=losses)
             if self.last:  # each is one micro-batch's mean loss x scale
                 total += torch.stack([loss.detach() for loss in losses]).sum()
-        self.finish_gradients()  # the tied embedding's gradient, summed between first and last
-        return self.dp_mean(self.pipeline.last_stage_value(total))
+        finish_gradients(self)  # the tied embedding's gradient, summed between first and last
+        return data_mean(self, self.pipeline.last_stage_value(total))

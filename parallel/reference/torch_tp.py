@@ -47,6 +47,9 @@ def head_major_rows(out_features, fused, tp):
 
 class TorchTP(ReplicatedStrategy):
     name = "torch_tp"
+    replaces = ("loss_and_gradients", "eval_loss", "clip_gradients", "state_dict",  # DTensors
+                "shard_pieces", "load_shards")
+
     def __init__(self, local, grid, cfg):
         super().__init__(local, grid, cfg)
         self.mesh = DeviceMesh.from_group(grid.tp_group, self.device.type)
@@ -92,16 +95,13 @@ class TorchTP(ReplicatedStrategy):
             self.module.train()
         return _full(loss).item()
 
-    def optimizer_step(self, lr):
-        for group in self.optimizer.param_groups:
-            group["lr"] = lr
-        self.optimizer.step()
+    def drop_gradients(self):
         local = lambda t: t.to_local() if isinstance(t, DTensor) else t
         tensors = [local(t) for p in self.module.parameters() for t in (p, p.grad) if t is not None]
         tensors += [local(v) for s in self.optimizer.state.values() for v in s.values()
                     if torch.is_tensor(v)]
-        self.last_state_bytes = sum(t.numel() * t.element_size() for t in tensors)
         self.optimizer.zero_grad(set_to_none=True)
+        return sum(t.numel() * t.element_size() for t in tensors), 0
 
     def clip_gradients(self, max_norm):
         """Sharded gradients' squares summed over TP; replicated ones (plain tensors)
