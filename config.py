@@ -32,7 +32,7 @@ from parallel.config import ParallelConfig
 from parallel.layout import check_keys, check_layout
 from data.prepare import PrepareConfig
 from planner.config import PlanConfig
-from trainer import TrainerConfig
+from training.config import TrainerConfig
 
 DEFAULT_YAML = os.path.join(os.path.dirname(os.path.abspath(__file__)), "gpt2_train_cfg.yaml")
 

@@ -247,24 +247,20 @@ def train(cfg, grid):
     if grid.is_main:
         print(f"{grid}; {model.num_params() / 1e6:.2f}M parameters, vocab {gpt_config.vocab_size}, "
               f"{len(train_set)} train windows", flush=True)
-    strategy = parallelize(model, grid, cfg.parallel, init)
+    strategy = parallelize(model, grid, cfg, init)  # ready: its optimizer built
     meta = {"config": to_dict(cfg), "gpt_config": asdict(gpt_config), "tokenizer": tokenizer.state()}
     trainer = Trainer(cfg, strategy, grid, train_set, val_set, meta)
-    replicas = None
     try:
         if snapshot:
             together(grid, "loading the snapshot", lambda: trainer.restore(snapshot))
         together(grid, "opening metrics.jsonl and wandb", trainer.open_metrics)
-        # ft.enabled: this launch is one replica group (fault_tolerance/); waits for the lighthouse
-        replicas = together(grid, "joining the replica groups",
-                            lambda: replica_group.start(cfg, grid, strategy, trainer.step))
-        if replicas is not None:
-            trainer.join_replicas(replicas)
+        # this launch's replica group (fault_tolerance/); ft.enabled: waits for the lighthouse
+        group = together(grid, "joining the replica groups",
+                         lambda: replica_group.start(cfg, grid, strategy, trainer.step))
+        trainer.join_replicas(group)
         trainer.train()
     finally:
-        trainer.close()
-        if replicas is not None:
-            replicas.close()
+        trainer.close()  # the replica group's too
     write_ranks(grid, strategy, cfg.trainer.run_dir)  # collective: every rank's memory, replicas
     state = strategy.state_dict()  # collective: gathers shards where there are any
     return state, tokenizer, gpt_config

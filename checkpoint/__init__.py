@@ -4,6 +4,7 @@
     snapshot_writer.py  each rank writes the boxes it owns; the atomic commit
     snapshot_reader.py  opening checks everything; ranged reads by box; which one to resume
     async_snapshot.py   the writer's steps in the background (trainer.snapshot_async)
+    sync_snapshot.py    the same interface without it: every rank waits for its write
     snapshot_dirs.py    the step directories' names, retention, and the checks on them
     boxes.py            boxes of canonical tensors, the unit of sharded state
     canonical.py        the single-device names and shapes every layout reads and writes

@@ -2,7 +2,7 @@
 guarantees of the synchronous path (checkpoint/snapshot_writer.py).
 
 A save at step S goes through four phases, each moved on by the scalar all-reduce
-the trainer already makes at the end of every step (launch/preemption.agreed_signal),
+the trainer already makes at the end of every step (launch/preemption.EndOfStep),
 never by a barrier of its own, and never by a collective from the writer thread:
 
 1. staged (the save step, main thread): every rank copies what it holds into host
@@ -54,7 +54,7 @@ from types import MappingProxyType
 import torch
 
 from checkpoint.snapshot_dirs import fs_and_root, join, remove_stale, step_dir_name
-from checkpoint.snapshot_writer import commit, prepare_step_dir, write_part
+from checkpoint.snapshot_writer import commit, prepare_step_dir, save_sharded, write_part
 from data.fs_json import read_json, write_json
 from errors import UserError
 
@@ -126,6 +126,17 @@ class AsyncSnapshots:
         self.write, self.commit = None, None  # the futures of the save in flight
         self.copied = None  # on CUDA: an event after the staging copies (begin)
         self.last_wait_ms = 0.0
+
+    def save_step(self, step, pieces, meta, final):
+        """The trainer's save (SyncSnapshots' interface): staged now, written in the
+        background; final (the end, a stop): the save in flight first, then this one
+        synchronously. Returns the record's snapshot_wait_ms (waiting for the one before)."""
+        if not final:
+            self.begin(step, pieces, meta)
+            return {"snapshot_wait_ms": self.last_wait_ms}
+        self.drain()
+        save_sharded(self.path, self.grid, step, pieces, keep=self.keep, meta=meta)
+        return {"snapshot_wait_ms": 0.0}
 
     # ------------------------------------------------ phase 1, on the save step
 

@@ -1,8 +1,8 @@
 """One replica group's side of fault tolerance: quorum, sum across groups, commit.
 
-Per step the trainer calls
+Per step the trainer calls (as it calls one_group.OneGroup, the plain run's)
 
-    step, shares = group.begin_step()     # quorum (torchft Manager.start_quorum): who is
+    step, shares = group.begin_step(step) # quorum (torchft Manager.start_quorum): who is
                                           # live; a group behind the others heals here
     ... this group's shares of the global batch, reduced inside it by its strategy ...
     loss = group.sum_across(loss, strategy.grads())   # weighted sum over torchft's group
@@ -26,6 +26,7 @@ import torch
 
 from errors import UserError
 from fault_tolerance import lighthouse, logs
+from fault_tolerance.one_group import OneGroup
 from fault_tolerance.shares import shares_of
 from fault_tolerance.state_transfer import held_state, load_held_state, wait_for_device
 
@@ -85,9 +86,12 @@ class ReplicaGroup:
 
     # ------------------------------------------------------------------ the step
 
-    def begin_step(self):
-        """The quorum of the next step. Returns (step, shares): the step to compute (a
-        group that healed jumps to the live groups') and the shares this group computes."""
+    replicas = property(lambda self: self.ft.replicas)  # the shares of a step's global batch
+
+    def begin_step(self, step=None):
+        """The quorum of the next step. Returns (step, shares): the step to compute (the
+        quorum's, not the trainer's `step`: a group that healed jumps to the live groups')
+        and the shares this group computes."""
         self.started = time.perf_counter()
         try:
             self.manager.start_quorum()
@@ -109,6 +113,9 @@ class ReplicaGroup:
             self.healed_from = None
         self.shares = shares_of(self.ft.replicas, rank, live)
         return self.manager.current_step(), self.shares
+
+    def next_shares(self):
+        return None  # this group's shares of the next step: dealt at its quorum only
 
     def sum_across(self, loss, grads):
         """The global batch's loss and gradients from this group's (each the mean over its
@@ -279,7 +286,7 @@ def part(piece):
 
 
 def start(cfg, grid, strategy, step):
-    """The ReplicaGroup of this launch, or None without ft.enabled."""
+    """This launch's replica group: a ReplicaGroup, or without ft.enabled a OneGroup."""
     if not cfg.ft.enabled:  # (what ft.enabled cannot run is refused with the config: config.refuse)
-        return None
+        return OneGroup()
     return ReplicaGroup(cfg.ft, grid, strategy, cfg.trainer.run_dir, step)

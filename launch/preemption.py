@@ -7,12 +7,12 @@ torchrun forwards the signal it gets to every worker. So each worker:
 1. `install()`: handlers for SIGTERM and SIGUSR1 that only note the signal
    (and restart interrupted system calls, so a collective in flight is not
    disturbed); the step in progress runs to its end.
-2. `agreed_signal(device)` at the end of every step: one all-reduce (MAX) of a
-   scalar over all ranks, so a rank that got no signal learns that another did
-   and every rank stops after the same step. Not training traffic: it does not
-   go through the strategies' counters (parallel/comm.py). (It carries a
-   second flag: whether a rank failed to read the next step's data.)
-3. The trainer writes the snapshot of that step (unless it just did) and raises
+2. `EndOfStep.after_step` at the end of every step: one all-reduce (MAX) over all
+   ranks, so a rank that got no signal learns that another did and every rank stops
+   after the same step. Not training traffic: it does not go through the strategies'
+   counters (parallel/comm.py). (It carries more flags: whether a rank failed to read
+   the next step's data, and how far a background snapshot got.)
+3. It writes the snapshot of that step (unless the step just did) and raises
    `Preempted`; main.py closes metrics and wandb on the way out, the main rank
    prints one line, and every rank exits with EXIT_STATUS. The main rank also
    writes MARKER in the run directory (the next run of it removes it): torchrun
@@ -26,7 +26,10 @@ with the losses of an uninterrupted run. What torchrun and Slurm report
 around it is in docs/checkpointing.md and docs/clusters.md.
 """
 
+import os
 import signal
+
+from errors import UserError
 
 EXIT_STATUS = 75
 MARKER = "preempted"  # in trainer.run_dir: this run stopped on a signal, with a snapshot
@@ -36,7 +39,7 @@ _received = 0  # the signal number noted by the handler, 0 if none
 
 
 class Preempted(Exception):
-    """Raised by the trainer after the snapshot of the stopping step is written."""
+    """Raised at the end of the stopping step, once its snapshot is written."""
 
 
 def _note(signum, frame):
@@ -56,18 +59,45 @@ def received() -> int:
     return _received
 
 
-def agreed_signal(grid, failed=False, extra=()):
-    """Collective over every rank of `grid`: (the largest signal number any rank got, 0 if
-    none; whether any rank passed failed=True; the MAX over ranks of each of `extra`). The
-    trainer has the ranks agree on a damaged read of the next step's data, and the
-    progress of an asynchronous snapshot (ints), in this same all-reduce
-    (`grid.max_over_ranks`: device-checked, uncounted)."""
-    values = grid.max_over_ranks([_received, int(failed), *extra])
-    return int(values[0]), bool(values[1]), values[2:]
-
-
 def signal_name(signum: int) -> str:
     try:
         return signal.Signals(signum).name
     except ValueError:
         return f"signal {signum}"
+
+
+class EndOfStep:
+    """The one all-reduce (MAX) that ends every step but the last, over every rank
+    (grid.max_over_ranks: host integers, uncounted): a stop signal, a damaged read of the
+    next step's batches (training/batches.py), a background snapshot's progress
+    (checkpoint/async_snapshot.py)."""
+
+    def __init__(self, grid, snapshots, save, tcfg, snapshot_path):
+        """save(): the trainer's snapshot of the step reached (collective)."""
+        self.grid, self.snapshots, self.save = grid, snapshots, save
+        self.t, self.path = tcfg, snapshot_path
+
+    def after_step(self, step, saved, read_error):
+        """saved: this step wrote its snapshot; read_error: this rank's, or None."""
+        signum, failed, *progress = self.grid.max_over_ranks(
+            [_received, int(read_error is not None), *self.snapshots.flags()])
+        self.snapshots.advance(progress)  # raises on a failed write
+        if signum:  # a stop signal: snapshot this step (the next one's data waits)
+            self._stop(signum, step, saved)
+        if failed:  # one rank's windows are damaged: all stop before any collective
+            raise read_error or UserError("stopping: another rank failed while reading the "
+                                          "data (see its error)")
+
+    def _stop(self, signum, step, saved):
+        """Every rank is here after the same step: snapshot it, so nothing trained is lost,
+        and leave with EXIT_STATUS."""
+        self.snapshots.drain()  # this step's save (if it was one) is committed now
+        if not saved:
+            self.save()
+        message = (f"preempted: {signal_name(signum)} received, stopped after step {step} of "
+                   f"{self.t.max_steps} and wrote its snapshot to {self.path}; run the same "
+                   f"command to resume (exit status {EXIT_STATUS})")
+        if self.grid.is_main:
+            with open(os.path.join(self.t.run_dir, MARKER), "w") as f:
+                f.write(message + "\n")
+        raise Preempted(message)

@@ -7,8 +7,8 @@ N x G ranks, a few of them (the first and the last rank, and the first rank of e
 pipeline stage) run one after the other in this process, each under PyTorch's fake
 process-group backend (collectives return at once and move no data), on the code a
 real rank runs: main.py's wiring (the grid, the GPT on the meta device, parallelize
-with the initial weights), then the trainer's step (Trainer.compute_step: forward and
-backward under the activation meter, the clip, AdamW) on windows of random tokens of
+with the initial weights), then the trainer's step (training/step.compute_step: forward
+and backward under the activation meter, the clip, AdamW) on windows of random tokens of
 the real shape. Each rank's tensors are real (on the CPU) where the planner says they
 fit in half of this machine's memory; otherwise they stay on the meta device (shapes,
 no memory, no arithmetic), where the same code runs and the meter counts them by size
@@ -211,12 +211,14 @@ def one_step(cfg, rank, world, vocab, device):
     builds it, under the fake backend."""
     from torch.testing._internal.distributed.fake_pg import FakeStore  # registers "fake"
 
+    from char_dataset import GlobalBatches
+    from fault_tolerance.one_group import OneGroup
     from model import GPT, GPTConfig, shapes_only
     from parallel.grid import ProcessGrid
     from parallel.initial import InitialWeights
     from parallel.parallelize import parallelize
     from telemetry.activation_meter import ActivationMeter
-    from trainer import Trainer
+    from training import step
 
     capable = dist.Backend.backend_capability["fake"]
     if device.type not in capable:  # meta tensors' sends and receives: the fake group too
@@ -226,7 +228,6 @@ def one_step(cfg, rank, world, vocab, device):
         t = dataclasses.replace(cfg.trainer, measure_activations=True, compile=False,
                                 snapshot_async=False, profile_from=0, memory_snapshot=False,
                                 max_steps=1)
-        run = dataclasses.replace(cfg, trainer=t)
         grid = ProcessGrid(grid_sizes(cfg.parallel, world), device, cfg.parallel.timeout_s)
         gpt_config = GPTConfig(**{k: v for k, v in dataclasses.asdict(cfg.model).items()
                                   if k != "init_from"},
@@ -235,17 +236,15 @@ def one_step(cfg, rank, world, vocab, device):
             model = GPT(gpt_config)
         init = ShapesOnly(model) if device.type == "meta" else InitialWeights(model, t.seed)
         strategy = parallelize(model, grid, cfg.parallel, init)
+        strategy.configure_compute(t)  # as the trainer prepares it
+        strategy.configure_optimizer(t)
         data = RandomWindows(vocab, cfg.data.block_size)
-        trainer = Trainer(run, strategy, grid, data, data,
-                          {"config": {}, "gpt_config": dataclasses.asdict(gpt_config)})
-        trainer.activations = ActivationMeter(meta=device.type == "meta")
-        micro, _, error = trainer._read_step(0)
-        if error is not None:
-            raise error
+        micro = GlobalBatches(len(data), t.batch_size, t.seed, cfg.data.sampler) \
+            .local_micro_batches(data, 0, grid.data_rank, grid.data_size, t.grad_accum)
+        meter = ActivationMeter(meta=device.type == "meta")
         with meta_kernels() if device.type == "meta" else nullcontext():
-            trainer.compute_step(micro)
-        state = strategy.state_figures()["state_bytes"]
-        return state, trainer.activations.peak_bytes
+            step.compute_step(strategy, micro, 0, t, OneGroup(), meter)
+        return strategy.state_figures()["state_bytes"], meter.peak_bytes
     finally:
         dist.destroy_process_group()
         dist.Backend.backend_capability["fake"] = capable

@@ -1,8 +1,14 @@
 """What a run reports about itself.
 
     metrics.py           metrics.jsonl, the console line, wandb; peak memory
+    step_record.py       a step's record, from its sources; when a step writes one
+    loss_watch.py        an inf or NaN loss, watched on the device, read with the record
+    compile_time.py      trainer.compile's fields in the record
     mfu.py               model FLOPs utilisation against a known GPU's peak
     activation_meter.py  bytes of activations saved for backward (trainer.measure_activations)
+    profiling.py         torch.profiler and CUDA memory snapshots over chosen steps
+    ranks.py             every rank's memory and replica digests, once at the end
 
-May import: nothing of the project (torch and the standard library only).
+May import: errors (nothing else of the project: the strategy and the other sources are
+given).
 """

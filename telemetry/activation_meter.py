@@ -23,22 +23,29 @@ from torch.autograd.graph import saved_tensors_hooks
 
 
 class ActivationMeter:
-    def __init__(self, meta=False):
+    def __init__(self, meta=False, on=True):
         """meta: count tensors on the meta device too (mode=dryrun's shapes-only ranks),
-        each storage once by its identity (meta storages have no address)."""
+        each storage once by its identity (meta storages have no address). on=False
+        (trainer.measure_activations off): no hooks, no field in the metrics record."""
         self.live, self.current, self.peak_bytes = {}, 0, 0  # storage key -> [bytes, refs]
         self._hooks = None
-        self.meta = meta
+        self.meta, self.on = meta, on
 
     def __enter__(self):
-        self.peak_bytes = self.current
-        self._hooks = saved_tensors_hooks(self._pack, lambda t: t)
-        self._hooks.__enter__()
+        if self.on:
+            self.peak_bytes = self.current
+            self._hooks = saved_tensors_hooks(self._pack, lambda t: t)
+            self._hooks.__enter__()
         return self
 
     def __exit__(self, *exc):
-        self._hooks.__exit__(*exc)
-        self._hooks = None
+        if self._hooks is not None:
+            self._hooks.__exit__(*exc)
+            self._hooks = None
+
+    def figures(self):
+        """(fields for the step's metrics record, False: they never make it written)."""
+        return ({"activation_peak_mb": self.peak_bytes / 2**20} if self.on else {}), False
 
     def _pack(self, t):
         if isinstance(t, torch.nn.Parameter) or isinstance(t._base, torch.nn.Parameter) \

@@ -49,9 +49,14 @@ class StepProfiler:
         self.prof = None
         self.recording = False
         self.range = None  # the current step's record_function
+        self.in_step = False  # between before_step and after_step
 
     def before_step(self, step):
-        """Called with the number of the step about to run (1 = the first)."""
+        """Called with the number of the step about to run (1 = the first); again for a
+        redone try of it (a replica group failed in it), which stays in the first one's."""
+        if self.in_step:
+            return
+        self.in_step = True
         if self.prof is not None:
             self.range = torch.profiler.record_function(f"train step {step}")
             self.range.__enter__()
@@ -72,6 +77,7 @@ class StepProfiler:
 
     def after_step(self, step, last=False):
         """Called after step `step` (and its record, evaluation and snapshot)."""
+        self.in_step = False
         if self.range is not None:
             self.range.__exit__(None, None, None)
             self.range = None

@@ -35,7 +35,7 @@ from parallel.parallelize import parallelize  # noqa: E402
 from parallel.compile import compile_events  # noqa: E402
 from parallel.config import ParallelConfig  # noqa: E402
 from parallel.grid import ProcessGrid  # noqa: E402
-from trainer import TrainerConfig  # noqa: E402
+from training.config import TrainerConfig  # noqa: E402
 
 # two evaluations between training steps: every signature a block meets (training,
 # evaluation, training again after it) is compiled and met again

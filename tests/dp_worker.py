@@ -37,7 +37,7 @@ from parallel.comm import CommCounter  # noqa: E402
 from parallel.config import ParallelConfig  # noqa: E402
 from parallel.grid import DIMS, ProcessGrid  # noqa: E402
 from parallel.data_parallel.ring import RingRunner, ring_all_reduce  # noqa: E402
-from trainer import TrainerConfig  # noqa: E402
+from training.config import TrainerConfig  # noqa: E402
 
 # odd vocabulary, so no parameter size is a multiple of 2, 3 or 4 by accident
 GPT_CFG = GPTConfig(n_layer=2, n_head=2, n_embd=32, vocab_size=65, block_size=16)

@@ -26,12 +26,12 @@ die_at = int(next(a for a in sys.argv[1:] if a.startswith(FLAG))[len(FLAG):])
 begin_step = ReplicaGroup.begin_step
 
 
-def dying_begin_step(self):
+def dying_begin_step(self, *args):
     step = self.manager.current_step() + 1
     if step >= die_at:
         print(f"DYING at step {step}", flush=True)
         os.kill(os.getpid(), signal.SIGKILL)
-    return begin_step(self)
+    return begin_step(self, *args)
 
 
 ReplicaGroup.begin_step = dying_begin_step

@@ -43,7 +43,7 @@ from model import GPT, GPTConfig  # noqa: E402
 from parallel.parallelize import parallelize  # noqa: E402
 from parallel.config import ParallelConfig  # noqa: E402
 from parallel.grid import ProcessGrid  # noqa: E402
-from trainer import TrainerConfig  # noqa: E402
+from training.config import TrainerConfig  # noqa: E402
 
 # 3 steps: the first creates AdamW's state, the next two update it (and reuse every
 # bucket, shard and pipeline buffer), accumulation and clipping in each

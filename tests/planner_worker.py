@@ -26,7 +26,7 @@ from parallel.parallelize import parallelize  # noqa: E402
 from parallel.config import ParallelConfig  # noqa: E402
 from parallel.grid import ProcessGrid  # noqa: E402
 from telemetry.activation_meter import ActivationMeter  # noqa: E402
-from trainer import TrainerConfig  # noqa: E402
+from training.config import TrainerConfig  # noqa: E402
 
 N_HEAD, N_EMBD, BLOCK, BATCH, STEPS = 4, 32, 16, 16, 2
 

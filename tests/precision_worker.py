@@ -45,7 +45,7 @@ from model import GPT  # noqa: E402
 from parallel.parallelize import parallelize  # noqa: E402
 from parallel.config import ParallelConfig  # noqa: E402
 from parallel.grid import ProcessGrid  # noqa: E402
-from trainer import TrainerConfig  # noqa: E402
+from training.config import TrainerConfig  # noqa: E402
 
 STEPS, VOCAB, LAYERS, LR = 30, 65, 2, 3e-3
 FP16 = {"fp16_growth_interval": 3}  # the scale grows until it overflows, then halves: skipped steps

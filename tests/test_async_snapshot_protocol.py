@@ -16,6 +16,7 @@ writer thread on an Event where it must be in flight.
 import json
 import os
 import threading
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -284,7 +285,9 @@ def test_a_save_in_flight_when_the_run_stops_for_another_reason_is_reported(tmp_
         end_of_step(saver)
         assert held.entered.wait(60)
         held.release()  # it fails while the run is already on its way out
-    stub = type("Stub", (), {"metrics": None, "async_snapshots": saver, "grid": saver.grid})()
+    closed = SimpleNamespace(close=lambda: None)  # the profiler, the record, the replica group
+    stub = SimpleNamespace(profiler=closed, record=closed, group=closed, snapshots=saver,
+                           grid=saver.grid)
     trainer.Trainer.close(stub)
     err = capfd.readouterr().err
     want = {"commit": f"warning on rank 0: could not commit snapshot step 2 at {path}: OSError: "

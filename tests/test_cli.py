@@ -112,10 +112,16 @@ def documented_metrics():
 
 def written_statically():
     """Keys the code writes into a step's record by name (AST: dict literals of the
-    trainer's step and save and of telemetry's peak_memory, record["x"] = ...,
-    record.update(x=...)): some appear only on CUDA, which no test here has."""
+    trainer's step and save, of the record and its sources (fault tolerance's have a
+    section of their own) and of telemetry's peak_memory,
+    record["x"] = ..., record.update(x=...)): some appear only on CUDA, which no test
+    here has."""
     found = set()
     for path, functions in (("trainer.py", {"train", "save"}),
+                            ("telemetry/step_record.py", {"after_step"}),
+                            ("telemetry/compile_time.py", {"figures", "after_eval"}),
+                            ("telemetry/activation_meter.py", {"figures"}),
+                            ("checkpoint/async_snapshot.py", {"save_step"}),
                             ("telemetry/metrics.py", {"peak_memory"})):
         with open(os.path.join(REPO, path)) as f:
             tree = ast.parse(f.read())

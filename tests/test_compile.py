@@ -144,7 +144,7 @@ def test_no_block_runs_its_eager_forward_after_warm_up():
     from parallel import model_plan as plan
     from parallel.config import ParallelConfig
     from parallel.parallelize import parallelize
-    from trainer import TrainerConfig
+    from training.config import TrainerConfig
 
     torch.manual_seed(0)
     gpt = GPT(GPTConfig(n_layer=3, n_head=2, n_embd=32, vocab_size=65, block_size=16))

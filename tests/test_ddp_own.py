@@ -218,7 +218,7 @@ def test_step_loss_and_gradients_are_the_whole_global_batchs(accum):
     from dp_worker import OneRank
     from parallel.config import ParallelConfig
     from parallel.parallelize import parallelize
-    from trainer import TrainerConfig
+    from training.config import TrainerConfig
     config = GPTConfig(n_layer=2, n_head=2, n_embd=32, vocab_size=65, block_size=16)
     torch.manual_seed(0)
     plain = GPT(config)

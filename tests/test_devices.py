@@ -337,7 +337,7 @@ def offloaded(grid, dp):
     from parallel.config import ParallelConfig
     from parallel.initial import InitialWeights
     from parallel.parallelize import parallelize
-    from trainer import TrainerConfig
+    from training.config import TrainerConfig
     config = GPTConfig(n_layer=1, n_head=2, n_embd=16, vocab_size=11, block_size=8, dropout=0.0)
     with torch.device("meta"):
         meta = GPT(config)

@@ -57,7 +57,7 @@ def write_snapshot(grid, path, gpt, tokenizer, seed=0):
     """A snapshot of a freshly initialised (or given) GPT, written in this process."""
     from parallel.config import ParallelConfig
     from parallel.parallelize import parallelize
-    from trainer import TrainerConfig
+    from training.config import TrainerConfig
     torch.manual_seed(seed)
     model = gpt if isinstance(gpt, GPT) else GPT(GPTConfig(**gpt))
     if not isinstance(gpt, GPT):

@@ -94,7 +94,7 @@ def test_stage3_prefetch_gathers_the_next_block_while_this_one_computes(
     from parallel.parallelize import parallelize
     from parallel.config import ParallelConfig
     from parallel.data_parallel.fsdp_units import FREED
-    from trainer import TrainerConfig
+    from training.config import TrainerConfig
 
     torch.manual_seed(0)
     n_blocks = 3

@@ -248,7 +248,7 @@ HOST_READS = {
     "parallel/precision.py:Precision.unscale_and_check": "fp16 only: whether to step is the "
         "host's decision, read every step as torch.amp.GradScaler reads it",
 }
-LOGGED_READS = {"trainer.py:LossWatch.read"}  # the logged loss and grad norm, at logged steps
+LOGGED_READS = {"telemetry/loss_watch.py:LossWatch.read"}  # the logged loss and grad norm, at logged steps
 READERS = ("item", "tolist", "cpu", "numpy", "__float__", "__int__", "__bool__", "__index__")
 
 
@@ -256,15 +256,15 @@ def count_host_reads(monkeypatch):
     """Wrap every Tensor method that reads values into host memory; returns a list that
     collects (call site "file:Class.function", step) for each call from our code (not
     torch's own internals: AdamW's step counters are host tensors by torch's design)."""
-    import trainer as trainer_module
+    from training import step as step_module
     reads, now = [], [0]
-    real_reseed = trainer_module.Trainer._reseed
+    real_reseed = step_module.reseed
 
-    def reseed(self, step):  # the start of step step + 1
+    def reseed(strategy, t, step):  # the start of step step + 1
         now[0] = step + 1
-        return real_reseed(self, step)
+        return real_reseed(strategy, t, step)
 
-    monkeypatch.setattr(trainer_module.Trainer, "_reseed", reseed)
+    monkeypatch.setattr(step_module, "reseed", reseed)
     repo = os.path.realpath(REPO)
     for name in READERS:
         real = getattr(torch.Tensor, name)

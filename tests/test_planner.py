@@ -134,7 +134,7 @@ def test_planner_equals_one_process_counts(ckpt):
     from parallel.parallelize import parallelize
     from parallel.config import ParallelConfig
     from telemetry.activation_meter import ActivationMeter
-    from trainer import TrainerConfig
+    from training.config import TrainerConfig
     torch.manual_seed(0)
     gpt = GPT(GPTConfig(n_layer=2, n_head=N_HEAD, n_embd=N_EMBD, vocab_size=65, block_size=BLOCK))
     strategy = parallelize(gpt, OneRank(), ParallelConfig(dp="single"))

@@ -29,7 +29,7 @@ from harness import (LAYOUT_SESSIONS, assert_layout_matches, assert_parity, layo
 from layout_worker import BATCH, BLOCK, CASES, N_EMBD
 from parallel.pipeline_parallel import schedules as pp_schedules
 from parallel.pipeline_parallel import simulator as pp_simulator
-from trainer import TrainerConfig
+from training.config import TrainerConfig
 
 pytestmark = pytest.mark.worker_sessions(*LAYOUT_SESSIONS)  # prefetch.py
 

@@ -16,7 +16,7 @@ import torch
 from model import GPT, GPTConfig
 from parallel.config import ParallelConfig
 from parallel.parallelize import parallelize
-from trainer import TrainerConfig
+from training.config import TrainerConfig
 
 STRATEGIES = {
     "single": {"dp": "single"},

@@ -234,15 +234,11 @@ def test_configuration_imports_nothing_that_trains(start):
     assert not found, "imports of a module that trains:\n" + "\n".join(sorted(found))
 
 
-@pytest.mark.xfail(strict=True, reason="config.py imports TrainerConfig from trainer.py until "
-                   "the loop's part of issue 43 moves it to a leaf: then remove this mark")
 def test_config_does_not_import_the_trainer():
     chains = import_chains("config")
     assert PENDING not in chains, " -> ".join(chains.get(PENDING, []))
 
 
-@pytest.mark.xfail(strict=True, reason="planner/dryrun.py builds a Trainer until the loop's part "
-                   "of issue 43 gives the dry run the step's own narrow function: then remove this mark")
 def test_the_planner_never_imports_the_trainer():
     """Not even inside a function: the dry run reaches the step through training's own
     narrow function, not through the loop."""

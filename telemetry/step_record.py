@@ -1,0 +1,77 @@
+"""A step's metrics record (metrics.jsonl, the console line, wandb), from its sources.
+
+Every step asks its sources for their figures, which count from one step to the next (the
+strategy's traffic and statistics, the replica groups' events, compile time). A record is
+written at the steps every rank measures alike (logged or evaluated: their figures take
+collectives), and at a step that compiled or whose replica groups changed. The loss and
+gradient norm stay on the device, watched for inf and NaN, and are read only at a step
+written or saved.
+"""
+
+from telemetry import mfu
+from telemetry.loss_watch import LossWatch
+from telemetry.metrics import MetricsLog, peak_memory, peak_rss_kib
+
+
+class StepRecord:
+    def __init__(self, t, grid, strategy, clock, tokens_per_step, flops_per_token):
+        """clock: a DeviceClock (step_ms: CUDA events on a GPU, else the host's)."""
+        self.t, self.grid, self.strategy, self.clock = t, grid, strategy, clock
+        self.tokens_per_step, self.flops_per_token = tokens_per_step, flops_per_token
+        # the strategy is built (this rank's parameters materialized) and nothing trained
+        # yet: the fullest rank's peak host memory so far, for the first record written
+        self.setup = {"setup_peak_rss_mb": grid.max_over_ranks([peak_rss_kib()])[0] / 1024}
+        # model FLOPs utilisation where the device's peak is known (never on CPU: mfu.py)
+        self.peak_flops = mfu.device_peak(grid.device, t.precision)
+        self.losses = LossWatch(grid.device)
+        self.log, self.started = None, None
+
+    def open(self, cfg, config_dict, step, wandb_id, resumed_record):
+        self.log = MetricsLog(cfg, config_dict, self.grid.is_main, step, wandb_id, resumed_record)
+
+    def before_step(self):
+        self.started = self.clock.mark()
+
+    def after_step(self, step, loss, grad_norm, lr, data_ms, measured, last, saved, sources):
+        """The record of step `step` (from 1), or None at a step that writes none. measured:
+        it logs or evaluates (on every rank alike); saved: it writes a snapshot (the loss
+        is read then too: a model a non-finite loss trained is never saved); sources: the
+        objects whose figures() gives (fields, whether the step must be written)."""
+        ended = self.clock.mark()  # after the optimizer's kernels, not before them
+        self.losses.watch(loss, step)
+        comm = self.strategy.comm_stats()
+        stats, files = self.strategy.step_stats(last, measure=measured or last)
+        figures = [source.figures() for source in sources]
+        written = measured or any(eventful for _, eventful in figures)
+        record = None
+        if written or saved:
+            loss, grad_norm = self.losses.read(loss, grad_norm)  # raises on a non-finite loss
+        if written:
+            # the whole step on the device's timeline, optimizer included (data: read before it)
+            elapsed = self.clock.seconds(self.started, [ended])[0] + data_ms / 1000
+            record = {"step": step, "loss": loss, "grad_norm": grad_norm, "lr": lr,
+                      "tokens_per_s": self.tokens_per_step / elapsed,
+                      "step_ms": 1000 * elapsed, "data_ms": data_ms,
+                      **peak_memory(self.grid.device),
+                      # state_bytes (and host_state_bytes): a collective, at measured steps
+                      **(self.strategy.state_figures() if measured else {}),
+                      **comm, **stats, **self.strategy.precision.metrics()}
+            if self.peak_flops:
+                record["mfu"] = mfu.mfu(self.flops_per_token, record["tokens_per_s"],
+                                        self.peak_flops, self.grid.world_size)
+            for fields, _ in figures:
+                record.update(fields)
+        self.log.write_files(files)
+        return record
+
+    def write(self, record, step, console):
+        """The step's record (None: the progress bar only); console: its line too."""
+        if record is None:
+            return self.log.progress(step, self.t.max_steps)
+        record.update(self.setup)  # the first record only
+        self.setup = {}
+        self.log.write(record, self.t.max_steps, console=console)
+
+    def close(self):
+        if self.log is not None:
+            self.log.close()

@@ -1,0 +1,46 @@
+"""TrainerConfig: a leaf, importing nothing, so config.py and the planner read it without
+the loop."""
+
+from dataclasses import dataclass
+
+
+@dataclass
+class TrainerConfig:
+    """The `trainer:` section of gpt2_train_cfg.yaml."""
+    max_steps: int = 300        # optimizer steps to train (raise it to continue a finished run)
+    batch_size: int = 32        # GLOBAL sequences per optimizer step, fixed whatever the layout
+    grad_accum: int = 1         # micro-steps per optimizer step on each data-parallel rank
+    lr: float = 2e-3            # peak learning rate (AdamW)
+    min_lr: float = 2e-4        # the cosine decay ends here, at max_steps
+    warmup_steps: int = 20      # linear warm-up steps
+    weight_decay: float = 0.1   # AdamW weight decay, on matrices only (not biases or norms)
+    beta1: float = 0.9          # AdamW beta1
+    beta2: float = 0.95         # AdamW beta2
+    grad_clip: float = 1.0      # max global gradient norm; 0 = no clipping
+    eval_every: int = 50        # val loss every N optimizer steps and at the end; 0 = never
+    eval_batches: int = 4       # global batches of val data per evaluation
+    log_every: int = 10         # a metrics.jsonl record and a console line every N steps
+    save_every: int = 50        # snapshot every N steps (and always at the end); 0 = only at the end
+    seed: int = 1337            # initial weights, data order, dropout
+    run_dir: str = "runs/default"  # metrics.jsonl, config.yaml, wandb files, the snapshot by default
+    snapshot_path: str = ""     # snapshot directory, any fsspec URL ("" = <run_dir>/snapshot);
+                                # resumed from when present
+    keep_snapshots: int = 1     # the newest K snapshots survive each write
+    resume_step: int = -1       # -1 = resume from the newest snapshot; S = go back to kept step S
+    device: str = "auto"        # auto (cuda if available) | cpu | cuda; a rank's GPU is its LOCAL_RANK
+    measure_activations: bool = False  # log activation_peak_mb, the bytes autograd saves for
+                                       # backward (a hook per saved tensor: small overhead)
+    precision: str = "fp32"     # fp32 | bf16 | fp16: autocast compute; weights, gradients and
+                                # AdamW state stay fp32; fp16 adds a dynamic loss scaler
+    fp16_init_scale: float = 65536.0  # fp16: the loss scaler's first scale (halved on overflow)
+    fp16_growth_interval: int = 2000  # fp16: steps without overflow before the scale doubles
+    activation_checkpointing: bool = False  # recompute each block in backward: less memory, ~1/3 more compute
+    snapshot_async: bool = False  # write snapshots in the background from a host copy of each
+                                  # rank's state (false: every rank waits for its write)
+    compile: bool = False       # torch.compile each transformer block after parallelizing (parallel/compile.py)
+    compile_backend: str = "inductor"  # inductor | aot_eager (no code generation: the tests) | eager
+    compile_scope: str = "block"  # block | model (the whole GPT in one graph: one process, no checkpointing)
+    deterministic: bool = False  # deterministic kernels (torch.use_deterministic_algorithms): bitwise-repeatable GPU runs, slower
+    profile_from: int = 0       # first optimizer step torch.profiler records (0 = off); traces in <run_dir>/profile/
+    profile_steps: int = 2      # how many steps from profile_from it records: one Chrome trace per rank
+    memory_snapshot: bool = False  # CUDA only: a torch.cuda.memory snapshot per rank of the profiled steps
