@@ -8,22 +8,16 @@ The trainer never asks which strategy it runs. Per optimizer step it calls
     strategy.optimizer_step(lr)                          # update, then drop the grads
 
 `loss` and `norm` stay on the device (0-d tensors): the trainer reads them only at the
-steps it logs, so a step makes no host sync of its own on a GPU. `forward_backward` and
-`clip_grad_norm_` are the same two returning Python floats (tests, benchmarks). For
-evaluation and snapshots: `eval_loss`, `shard_pieces` / `load_shards` (each rank writes
-and reads only what it holds) and `state_dict`, all in *canonical* form: the names and
-full shapes of the single-device model (`GPT.named_parameters()`, which names the tied
-embedding / LM-head weight once). That is what lets a snapshot written under one layout
-resume under another.
+steps it logs, so a step makes no host sync of its own on a GPU (`forward_backward` and
+`clip_grad_norm_` return them as Python floats: tests, benchmarks). For evaluation and
+snapshots: `eval_loss`, `shard_pieces` / `load_shards` (each rank writes and reads only
+what it holds) and `state_dict`, all in *canonical* form, the names and full shapes of the
+single-device model: a snapshot written under one layout resumes under another.
 
-A Strategy is not a base class. It holds the data-parallel strategy that parallelize()
-chose (`self.dp`: eight methods, parallel/data_parallel/contract.py) and does for it what
-every one needs, written once against its contract: the step's forward and backward
-(parallel/forward_backward.py, which owns forward and backward because tensor
-parallelism rewrites layers and a pipeline runs its own schedule inside the step), the
-gradient norm and clip (parallel/clipping.py), AdamW's step, snapshots through its
-Regions (parallel/placement.py) and the statistics. PyTorch's references answer some
-of these calls themselves (their `replaces`).
+A Strategy is no base class: it holds the data-parallel strategy (`dp`, eight methods:
+parallel/data_parallel/contract.py) and does for it, once, what every one needs: the
+step's forward and backward (forward_backward.py), the gradient norm and the clip
+(clipping.py), AdamW's step, snapshots through its Regions (placement.py), statistics.
 """
 
 from dataclasses import dataclass
@@ -213,7 +207,3 @@ class Strategy:
         device, host = (int(v) for v in self.grid.max_over_ranks(
             [self.last_state_bytes, self.last_host_state_bytes]))
         return {"state_bytes": device, **({"host_state_bytes": host} if host else {})}
-
-    def state_bytes(self) -> int:
-        """state_figures()'s device bytes."""
-        return self.state_figures()["state_bytes"]

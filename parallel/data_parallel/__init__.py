@@ -1,8 +1,9 @@
-"""The data-parallel dimension (`parallel.dp`): Strategy subclasses that hold this rank's
-share of the model (after tensor and pipeline parallelism) and average gradients over
-grid.grad_group.
+"""The data-parallel dimension (`parallel.dp`): strategies that hold this rank's share of
+the model (after tensor, context and pipeline parallelism) and average gradients over
+grid.grad_group, each implementing the eight methods of contract.py.
 
-    replicated.py  the base of full replicas: one Region per parameter
+    contract.py    DataParallel: the contract, in the order a step calls it; build_adamw
+    replicated.py  its replicas' half: one Region per parameter, AdamW over them
     single.py      one data-parallel rank: the parity reference
     naive.py       ddp_naive: one all-reduce per parameter after backward
     bucket.py      ddp_bucket: flat buckets, all-reduced from gradient hooks during backward
@@ -13,5 +14,6 @@ grid.grad_group.
     offload.py     parallel.offload: a unit's shard of master weights and gradient in host memory
     grad_hooks.py  gradient hooks that hold their strategy weakly (else it is never freed)
 
-May import: parallel/'s root files (strategy, placement, comm, grid, model_plan) and errors.
+May import: parallel/'s root files (strategy, placement, comm, grid, model_plan, initial) and
+errors.
 """

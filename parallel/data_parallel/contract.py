@@ -1,34 +1,17 @@
-"""What a data-parallel strategy implements: eight methods, in the order a step calls them.
+"""What a data-parallel strategy implements: eight methods, below in the order a step calls them.
 
 A strategy holds this rank's share of the model that tensor, context and pipeline
-parallelism left (a `LocalModel`, parallel/strategy.py), as replicas or shards, and
-averages gradients over grid.grad_group. That is all it knows. What every strategy
-needs beside it is given, by the `Strategy` that parallelize() wraps around it
-(parallel/strategy.py), and written once:
+parallelism left (a `LocalModel`), as replicas or shards, and averages gradients over
+grid.grad_group. That is all it knows. The rest is given, by the `Strategy` that
+parallelize() wraps around it (parallel/strategy.py): the step's forward and backward
+over micro-batches or the pipeline's schedule, its random state (forward_backward.py),
+the gradient norm across shards and the clip (clipping.py), AdamW's step, snapshots and
+state_dict through `regions()` (placement.py), and the statistics.
 
-    the step's forward and backward      parallel/forward_backward.py (micro-batches, the
-      and its random state                 pipeline's schedule, TP and tied-embedding sums)
-    the gradient norm across shards      parallel/clipping.py (fp16 unscaling, the clip)
-    AdamW's step                         parallel/strategy.py (the learning rate, fp16 skips)
-    snapshots and state_dict             parallel/placement.py (through `regions()`)
-    statistics                           parallel/comm.py (traffic), the pipeline's timeline
-
-The contract (parallel/README.md lists it too):
-
-    __init__(local, grid, cfg)   allocate what this rank holds and fill it from `local.init`
-                                 (placement.load_regions); `self.model` is what forward runs
-                                 through (the GPT, or a wrapper of it)
-    backward_scope(chunk, last)  context around each micro-batch's backward
-    sync_gradients()             after the step's last backward
-    regions()                    what this rank holds, as Regions (placement.py)
-    norm_group()                 the group over which ranks hold other gradient elements
-    build_optimizer(tcfg)        `self.optimizer`: AdamW over the tensors this rank updates
-    update(write)                around `write()`, which changes this rank's values
-    drop_gradients()             the step's end: free its gradients
-
-`ReplicatedStrategy` (replicated.py) implements the last five for full replicas: ddp_naive
-adds `__init__` and `sync_gradients`. PyTorch's references (parallel/reference/) also
-answer some of the Strategy's calls themselves, PyTorch's way (`replaces`).
+`ReplicatedStrategy` (replicated.py) implements build_optimizer, regions, norm_group and
+drop_gradients for full replicas: ddp_naive adds `__init__` and `sync_gradients`. PyTorch's references also answer some of
+the Strategy's calls themselves, PyTorch's way (`replaces`). parallel/README.md lists the
+contract too.
 """
 
 from contextlib import nullcontext
@@ -43,10 +26,15 @@ class DataParallel:
     replaces = ()  # the Strategy's calls it answers itself (PyTorch's references only)
 
     def __init__(self, local, grid, cfg):
-        """local: a LocalModel; cfg: the `parallel:` section."""
+        """Allocate what this rank holds and fill it from `local.init` (the initial weights,
+        through placement.load_regions). local: a LocalModel; cfg: the `parallel:` section."""
         hold(self, local, grid, cfg)  # grid, cfg, device, comm, placements, precision, tp,
         # pipeline, module and model (what forward runs through: the module, or a wrapper)
         self.optimizer = None  # build_optimizer
+
+    def build_optimizer(self, tcfg):
+        """Set `self.optimizer`: AdamW (`build_adamw`) over what this rank updates."""
+        raise NotImplementedError
 
     def backward_scope(self, chunk, last):
         """Context around one micro-batch's backward through one pipeline chunk, or (chunk
@@ -67,10 +55,6 @@ class DataParallel:
     def norm_group(self):
         """The group over which ranks hold different gradient elements (None: every rank
         holds them all); the squared norm is summed over it."""
-        raise NotImplementedError
-
-    def build_optimizer(self, tcfg):
-        """Set `self.optimizer`: AdamW (`build_adamw`) over what this rank updates."""
         raise NotImplementedError
 
     def update(self, write):

@@ -38,7 +38,7 @@ class FlatUnit:
         """named_params: [(canonical name, nn.Parameter)], on the meta device (or with
         values, which are not read); group_of: name -> optimizer group index (from
         GPT.optim_groups). Allocates zeros for what this rank holds; the strategy fills
-        them (FSDP.materialize: its shard, then stages 1-2 gather the rest). offload:
+        them (FSDP.__init__: its shard, then stages 1-2 gather the rest). offload:
         the shard's master weights and gradient in host memory."""
         order = sorted(named_params, key=lambda np_: group_of[np_[0]])  # stable within a group
         self.names = [n for n, _ in order]

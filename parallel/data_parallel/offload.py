@@ -17,7 +17,8 @@ while the host goes on (the step's bookkeeping, the next batch) until the stages
 all-gathers or stage 3's first gather of the next forward need them; the next write to
 the master waits for them. (The step itself is one fused AdamW over every unit's pieces,
 so a unit's copy does not start before the last unit is stepped.) Gradients other code
-sums over TP or the pipeline's tied ends travel through a device copy (Strategy._sum_grads).
+sums over TP or the pipeline's tied ends travel through a device copy
+(forward_backward.finish_gradients).
 
 On CPU the same path runs with separate host tensors and real copies (a CPU device
 needs no pinning and has no events), so the parity tests prove the code CUDA runs.

@@ -143,7 +143,7 @@ class Pipeline:
 
     def run(self, micro_batches, scale, backward_scope):
         """One pass of the schedule over len(micro_batches) == M micro-batches (on the
-        device already: Strategy.to_device, once per step). Returns
+        device already: forward_backward.to_device, once per step). Returns
         the sum of the micro-batches' losses on the last stage (else 0).
         backward_scope(chunk, last) wraps each backward that accumulates into .grad (B,
         or W under a split schedule): `last` is the chunk's last of this pass
@@ -247,25 +247,17 @@ class Pipeline:
 
     def stats(self, last=False, measure=True):
         """(figures for this step's metrics record, {file name: JSON-able} the main rank
-        writes into the run directory): busy/idle time per stage, and on the last step
-        the timeline. Collective when measure (every rank measures the same steps);
-        measure=False forgets the step's actions unread (reading them would wait for the
-        device)."""
+        writes into the run directory): busy and idle time of every stage of this rank's
+        pipeline in the step (idle: time inside the schedule not spent computing --
+        waiting for a neighbour, the bubble), on every rank; on the last step also every
+        stage's actions (kind, chunk, micro-batch, start ms, end ms). Then start the next
+        step's record. One all-gather of every stage's table of actions (each stage runs
+        the same number); not training traffic: uncounted. measure=False (a step nobody
+        logs; every rank measures the same steps): forget the actions unread, as reading
+        them would wait for the device."""
         if not measure:
             self.timeline, self.step_started = [], None
             return {}, {}
-        stats, timelines = self.step_stats(with_timeline=last)
-        files = {"pipeline_timeline.json": {"stages": timelines, "schedule": self.schedule,
-                                            "microbatches": self.M, "virtual_stages": self.V}}
-        return stats, files if last else {}
-
-    def step_stats(self, with_timeline=False):
-        """Busy and idle time of every stage of this rank's pipeline in the last step
-        (idle: time inside the schedule not spent computing -- waiting for a neighbour,
-        the bubble), on every rank; with_timeline: also every stage's actions
-        (kind, chunk, micro-batch, start ms, end ms). Then start the next step's record.
-        One all-gather of every stage's table of actions (each stage runs the same
-        number); not training traffic: uncounted."""
         seconds = self.clock.seconds(self.step_started, [t for *_, t0, t1 in self.timeline
                                                          for t in (t0, t1)])
         # on the grid's device: an NCCL group has no CPU backend
@@ -286,7 +278,9 @@ class Pipeline:
                               for k, c, m, t0, t1 in table])
         stats["pp_bubble"] = bubble
         self.timeline, self.step_started = [], None
-        return stats, (timelines if with_timeline else None)
+        return stats, {"pipeline_timeline.json": {"stages": timelines, "schedule": self.schedule,
+                                                  "microbatches": self.M,
+                                                  "virtual_stages": self.V}} if last else {}
 
     # ------------------------------------------------ loss and evaluation
 
