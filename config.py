@@ -196,12 +196,11 @@ def validate(cfg: Config, world_size: int):
     for ok, message in checks:
         if not ok:
             raise UserError(message)
-    check_keys(p)
+    check_keys(p)  # parallel/rules.py KEYS
+    ft_config.check(cfg)  # fault_tolerance/config.py
     if cfg.mode in ("sample", "export", "prepare", "plan", "dryrun", "lighthouse"):  # no layout
-        ft_config.check(cfg)  # of this job to check (dryrun checks its world: planner/dryrun.py)
-        return
-    cfg.sizes = sizes = check_layout(cfg, world_size)  # parallel/layout.py: the grid, its rules
-    ft_config.check(cfg, sizes["dp_replicate"] * sizes["dp"])  # fault_tolerance/config.py
+        return  # of this job to check (dryrun checks its world: planner/dryrun.py)
+    cfg.sizes = check_layout(cfg, world_size)  # parallel/layout.py: the grid, every rule
 
 
 def resolved_yaml(cfg: Config) -> str:

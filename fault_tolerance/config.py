@@ -1,4 +1,5 @@
-"""The `ft:` section: fault-tolerant replica groups, and the rules its keys obey."""
+"""The `ft:` section: fault-tolerant replica groups, and the values its keys may take (what
+ft.enabled cannot run with is in parallel/rules.py, FT)."""
 
 from dataclasses import dataclass
 
@@ -19,10 +20,9 @@ class FTConfig:
                                 # groups or a state transfer before giving up
 
 
-def check(cfg, data_size=None):
-    """One clear error for an impossible ft: section. data_size: the data-parallel ranks of
-    one group (None where the layout does not matter: mode=lighthouse)."""
-    f, t = cfg.ft, cfg.trainer
+def check(cfg):
+    """One clear error for an impossible ft: section (every mode)."""
+    f = cfg.ft
     if f.replicas < 1:
         raise UserError(f"ft.replicas must be >= 1, got {f.replicas}")
     if not 0 <= f.replica_id < f.replicas:
@@ -37,18 +37,6 @@ def check(cfg, data_size=None):
     if f.timeout_s <= 0:
         raise UserError(f"ft.timeout_s must be > 0, got {f.timeout_s}")
     host_port(f.lighthouse)
-    if not f.enabled or data_size is None:
-        return
-    refusal = refuse(cfg)
-    if refusal:
-        raise UserError(refusal)
-    per_share = f.replicas * data_size * t.grad_accum
-    if t.batch_size % per_share:
-        raise UserError(
-            f"trainer.batch_size={t.batch_size} must be divisible by ft.replicas * data-parallel "
-            f"ranks * trainer.grad_accum = {f.replicas} * {data_size} * {t.grad_accum} = "
-            f"{per_share}: each step's batch is cut into ft.replicas equal shares, each split "
-            "over a group's data-parallel ranks and micro-steps")
 
 
 def host_port(address):
@@ -58,21 +46,3 @@ def host_port(address):
         raise UserError(f"ft.lighthouse must be HOST:PORT (e.g. localhost:29510), got {address!r}")
     return host.strip("[]"), int(port)
 
-
-def refuse(cfg):
-    """Why ft.enabled cannot run with this config's parallel: section, or "". Checked with
-    the config, before any collective."""
-    f, p = cfg.ft, cfg.parallel
-    if p.tp_impl == "torch":
-        return ("ft.enabled with parallel.tp_impl=torch: PyTorch's DTensor TP reference cannot "
-                "drop an uncommitted step; use the own tensor parallelism")
-    if p.dp == "torch_fsdp":
-        return ("ft.enabled with parallel.dp=torch_fsdp: PyTorch's FSDP reference holds DTensor "
-                "gradients and state, which the sum across groups and a joining group's healing "
-                "cannot take (and its gathers would run on torchft's thread); use parallel.dp=fsdp")
-    if p.timeout_s <= f.timeout_s:
-        return (f"parallel.timeout_s={p.timeout_s:g} must be above ft.timeout_s={f.timeout_s:g} "
-                "with ft.enabled: a group's own collectives queued behind an all-reduce across "
-                "groups that hangs on a dead group would time out (and stop the group) before "
-                "torchft drops the dead one")
-    return ""

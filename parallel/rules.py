@@ -225,8 +225,28 @@ BATCH = [  # the global batch
          "{per_rank}"),
 ]
 
+FT = [  # fault-tolerant replica groups (fault_tolerance/), checked with the config
+    Rule("ft.enabled", lambda f, p: f.enabled and p.tp_impl == "torch",
+         "ft.enabled with parallel.tp_impl=torch: PyTorch's DTensor TP reference cannot drop an "
+         "uncommitted step; use the own tensor parallelism"),
+    Rule("ft.enabled", lambda f, p: f.enabled and p.dp == "torch_fsdp",
+         "ft.enabled with parallel.dp=torch_fsdp: PyTorch's FSDP reference holds DTensor "
+         "gradients and state, which the sum across groups and a joining group's healing cannot "
+         "take (and its gathers would run on torchft's thread); use parallel.dp=fsdp"),
+    Rule("ft.enabled", lambda f, p: f.enabled and p.timeout_s <= f.timeout_s,
+         "parallel.timeout_s={p.timeout_s:g} must be above ft.timeout_s={f.timeout_s:g} with "
+         "ft.enabled: a group's own collectives queued behind an all-reduce across groups that "
+         "hangs on a dead group would time out (and stop the group) before torchft drops the "
+         "dead one"),
+    Rule("ft.enabled", lambda f, t, per_share: f.enabled and t.batch_size % per_share,
+         "trainer.batch_size={t.batch_size} must be divisible by ft.replicas * data-parallel ranks "
+         "* trainer.grad_accum = {f.replicas} * {data} * {t.grad_accum} = {per_share}: each "
+         "step's batch is cut into ft.replicas equal shares, each split over a group's "
+         "data-parallel ranks and micro-steps"),
+]
+
 # training: the grid's sizes with the rest of the config, in the order parallelize() applies
-LAYOUT = TENSOR + CONTEXT + PIPELINE + DATA + COMPILE + BATCH
+LAYOUT = TENSOR + CONTEXT + PIPELINE + DATA + COMPILE + BATCH + FT
 
 
 def refusal(rules, facts) -> str:
@@ -259,6 +279,7 @@ class Facts:
     d = property(lambda self: self.cfg.data)
     t = property(lambda self: self.cfg.trainer)
     p = property(lambda self: self.cfg.parallel)
+    f = property(lambda self: self.cfg.ft)
 
     # the names a message lists
     moved = property(lambda self: MOVED.get(self.p.dp))
@@ -280,6 +301,7 @@ class Facts:
     model_ranks = property(lambda self: " * ".join(f"{d} {n}" for d, n in self.sizes.items()
                                                     if d != "dp"))  # the world but dp
     per_rank = property(lambda self: self.data * self.t.grad_accum * self.p.microbatches)
+    per_share = property(lambda self: self.f.replicas * self.data * self.t.grad_accum)  # ft
 
     def beside(self, dims):  # "parallel.cp=2, ..." of those of `dims` that are > 1
         return [f"parallel.{d}={self.sizes[d]}" for d in dims if self.sizes[d] > 1]
