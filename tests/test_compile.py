@@ -199,7 +199,8 @@ def test_eager_functions_are_disabled_once_compilation_starts_and_dynamo_is_not_
     from model import GPT, GPTConfig
     from parallel.compile import _EAGER, compile_model
     from parallel.tensor_parallel import layers  # noqa: F401  (registers its marks)
-    from parallel.context_parallel import apply  # noqa: F401
+    # the cp implementations are loaded by name when parallelize applies cp, before compiling
+    from parallel.context_parallel import allgather_attention, ring_attention  # noqa: F401
     assert len(_EAGER) >= 8, _EAGER
     compile_model(GPT(GPTConfig(n_layer=1, n_head=2, n_embd=16, vocab_size=8, block_size=8)), "eager")
     for module, qualname in _EAGER:
