@@ -29,25 +29,15 @@ from torch.distributed.tensor import DTensor, distribute_tensor
 
 from parallel import model_plan as plan
 from parallel.grid import DIMS, GRAD_DIMS, SHARD_DIMS
-from parallel.data_parallel.replicated import ReplicatedStrategy
-from checkpoint.canonical import check_state_names, optimizer_state_from
+from parallel.reference.dtensor_state import DTensorReference, full, local_part
 
 
-def _local(t):
-    return t.to_local() if isinstance(t, DTensor) else t
-
-
-def _full(t):
-    return t.full_tensor() if isinstance(t, DTensor) else t
-
-
-class TorchFSDP(ReplicatedStrategy):
+class TorchFSDP(DTensorReference):
     name = "torch_fsdp"  # hybrid_shards: a 2-D mesh; offloads: CPUOffloadPolicy
-    replaces = ("clip_gradients", "state_dict", "shard_pieces", "load_shards")  # DTensors
+    replaces = DTensorReference.replaces + ("clip_gradients",)
 
     def __init__(self, local, grid, cfg):
         super().__init__(local, grid, cfg)
-        self.offload = cfg.offload
         mesh = data_parallel_mesh(grid, host_tensors=cfg.offload)
         kw = {"reshard_after_forward": cfg.reshard_after_forward}
         if cfg.offload:
@@ -62,55 +52,20 @@ class TorchFSDP(ReplicatedStrategy):
                 block.set_modules_to_backward_prefetch(blocks[max(i - 1, 0):i])
 
     def clip_gradients(self, max_norm):
-        self.precision.unscale_and_check([_local(p.grad) for p in self.module.parameters()
+        self.precision.unscale_and_check([local_part(p.grad) for p in self.module.parameters()
                                           if p.grad is not None])
         if self.precision.skip_step:
             max_norm = float("inf")  # the gradients are dropped: just measure
         norm = torch.nn.utils.clip_grad_norm_(self.module.parameters(), max_norm)
         # offloaded: a host tensor like the gradients; the trainer reads it beside the
         # device's loss
-        return _full(norm).to(self.device)
+        return full(norm).to(self.device)
 
-    def drop_gradients(self):
-        tensors = [t for p in self.module.parameters() for t in (p, p.grad) if t is not None]
-        tensors += [v for s in self.optimizer.state.values() for v in s.values() if torch.is_tensor(v)]
-        state = sum(_local(t).numel() * _local(t).element_size() for t in tensors)
-        self.optimizer.zero_grad(set_to_none=True)
-        # offloaded: all of it in host memory (the device holds gathered units only)
-        return (0, state) if self.offload else (state, 0)
-
-    # snapshots: full canonical tensors out (rank r writes every world-th key), this
-    # rank's DTensor shards in
-
-    def state_dict(self):
-        return {n: _full(p.detach()).cpu().clone() for n, p in self.module.named_parameters()}
-
-    def shard_pieces(self):
-        tensors = {f"model/{n}": t for n, t in self.state_dict().items()}
-        for name, p in self.named.items():
-            for field, v in self.optimizer.state.get(p, {}).items():
-                tensors[f"optim/{name}/{field}"] = _full(v).cpu()
-        mine = sorted(tensors)[self.grid.rank::self.grid.world_size]
-        return [(k, tuple(tensors[k].shape), 0, tensors[k].reshape(-1)) for k in mine]
-
-    @torch.no_grad()
-    def load_shards(self, reader):
-        params = self.named
-        state = {n: reader.read_full(f"model/{n}") for n in params}
-        check_state_names(params, state, "snapshot model state")
-        for name, p in params.items():
-            p.to_local().copy_(self._shard_of(state[name], p))
-        for name, fields in optimizer_state_from(reader).items():
-            p = params[name]
-            self.optimizer.state[p] = {
-                k: v.reshape(()).clone() if k == "step" else
-                DTensor.from_local(self._shard_of(v, p).to(_local(p).device), p.device_mesh,
-                                   p.placements)
-                for k, v in fields.items()}
-
-    def _shard_of(self, full, p):
-        """This rank's local part of canonical `full` as parameter p is sharded."""
-        return distribute_tensor(full.to(self.device), p.device_mesh, p.placements).to_local()
+    def local(self, name, canonical, like):
+        """FSDP2's shard of `canonical` (dim 0), where `like`'s lives (offload: the host)."""
+        shard = distribute_tensor(canonical.to(self.device), like.device_mesh, like.placements)
+        return DTensor.from_local(shard.to_local().to(local_part(like).device), like.device_mesh,
+                                  like.placements)
 
 
 def data_parallel_mesh(grid, host_tensors=False):

@@ -28,12 +28,7 @@ from torch.distributed.tensor.parallel import (ColwiseParallel, RowwiseParallel,
                                                parallelize_module)
 
 from parallel import model_plan as plan
-from parallel.data_parallel.replicated import ReplicatedStrategy
-from checkpoint.canonical import check_state_names, optimizer_state_from
-
-
-def _full(t):
-    return t.full_tensor() if isinstance(t, DTensor) else t
+from parallel.reference.dtensor_state import DTensorReference, full
 
 
 def head_major_rows(out_features, fused, tp):
@@ -45,10 +40,9 @@ def head_major_rows(out_features, fused, tp):
                       for r in range(tp) for k in range(fused)])
 
 
-class TorchTP(ReplicatedStrategy):
+class TorchTP(DTensorReference):
     name = "torch_tp"
-    replaces = ("loss_and_gradients", "eval_loss", "clip_gradients", "state_dict",  # DTensors
-                "shard_pieces", "load_shards")
+    replaces = DTensorReference.replaces + ("loss_and_gradients", "eval_loss", "clip_gradients")
 
     def __init__(self, local, grid, cfg):
         super().__init__(local, grid, cfg)
@@ -82,7 +76,7 @@ class TorchTP(ReplicatedStrategy):
             for x, y in micro_batches:
                 _, loss = self.model(x.to(self.device), y.to(self.device))
                 (loss / len(micro_batches)).backward()
-                total += _full(loss).detach()
+                total += full(loss).detach()
         return total / len(micro_batches)
 
     @torch.no_grad()
@@ -93,15 +87,7 @@ class TorchTP(ReplicatedStrategy):
                 _, loss = self.module(x.to(self.device), y.to(self.device))
         finally:
             self.module.train()
-        return _full(loss).item()
-
-    def drop_gradients(self):
-        local = lambda t: t.to_local() if isinstance(t, DTensor) else t
-        tensors = [local(t) for p in self.module.parameters() for t in (p, p.grad) if t is not None]
-        tensors += [local(v) for s in self.optimizer.state.values() for v in s.values()
-                    if torch.is_tensor(v)]
-        self.optimizer.zero_grad(set_to_none=True)
-        return sum(t.numel() * t.element_size() for t in tensors), 0
+        return full(loss).item()
 
     def clip_gradients(self, max_norm):
         """Sharded gradients' squares summed over TP; replicated ones (plain tensors)
@@ -127,41 +113,14 @@ class TorchTP(ReplicatedStrategy):
                 (p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad).mul_(coef)
         return norm
 
-    # snapshots: full canonical tensors out (rank r writes every world-th key), shards in
-
-    def _canonical(self, name, t):
-        t = _full(t.detach()).cpu()
+    def canonical(self, name, t):
+        t = super().canonical(name, t)
         return t[self.perms[name][1]] if name in self.perms else t
 
-    def state_dict(self):
-        return {n: self._canonical(n, p).clone() for n, p in self.module.named_parameters()}
-
-    def shard_pieces(self):
-        tensors = {f"model/{n}": t for n, t in self.state_dict().items()}
-        for name, p in self.named.items():
-            for field, v in self.optimizer.state.get(p, {}).items():
-                tensors[f"optim/{name}/{field}"] = self._canonical(name, v) if field != "step" \
-                    else v.cpu()
-        mine = sorted(tensors)[self.grid.rank::self.grid.world_size]
-        return [(k, tuple(tensors[k].shape), 0, tensors[k].reshape(-1)) for k in mine]
-
-    def _local(self, name, full, like):
+    def local(self, name, canonical, like):
         if name in self.perms:
-            full = full[self.perms[name][0]]
-        full = full.to(self.device)
+            canonical = canonical[self.perms[name][0]]
+        canonical = canonical.to(self.device)
         if isinstance(like, DTensor):
-            return distribute_tensor(full, like.device_mesh, like.placements)
-        return full
-
-    @torch.no_grad()
-    def load_shards(self, reader):
-        params = self.named
-        state = {n: reader.read_full(f"model/{n}") for n in params}
-        check_state_names({n: self._canonical(n, p) for n, p in params.items()}, state,
-                          "snapshot model state")
-        for name, p in params.items():
-            p.copy_(self._local(name, state[name], p))
-        for name, fields in optimizer_state_from(reader).items():
-            p = params[name]
-            self.optimizer.state[p] = {k: v.reshape(()).clone() if k == "step" else
-                                       self._local(name, v, p) for k, v in fields.items()}
+            return distribute_tensor(canonical, like.device_mesh, like.placements)
+        return canonical
