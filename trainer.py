@@ -63,9 +63,10 @@ def due(every, step, last=False):
 
 class Trainer:
     def __init__(self, cfg, strategy, grid, train_set, val_set, snapshot_meta):
-        """snapshot_meta: what the snapshot carries beyond the training state (the
-        config as a dict, GPT shape, tokenizer). Then restore() (optional),
-        open_metrics() and join_replicas() before train()."""
+        """strategy: ready to train (parallelize(model, grid, cfg): compiled, recomputed,
+        its precision and optimizer set). snapshot_meta: what the snapshot carries beyond
+        the training state (the config as a dict, GPT shape, tokenizer). Then restore()
+        (optional), open_metrics() and join_replicas() before train()."""
         self.cfg, self.t = cfg, cfg.trainer
         self.strategy, self.grid = strategy, grid
         self.train_set, self.val_set = train_set, val_set
@@ -74,8 +75,6 @@ class Trainer:
         self.step, self.wandb_id = 0, uuid.uuid4().hex[:12]
         self.resumed_record = None  # the snapshot step's metrics record (restore())
         t = self.t
-        strategy.configure_compute(t)
-        strategy.configure_optimizer(t)
         self.record = StepRecord(t, grid, strategy, DeviceClock(grid.device),
                                  t.batch_size * train_set.block_size,
                                  mfu.flops_per_token(snapshot_meta["gpt_config"]))
@@ -100,8 +99,7 @@ class Trainer:
             print(f"resuming from snapshot {self.snapshot_path} at step {self.step}", flush=True)
 
     def join_replicas(self, group):
-        """This launch's replica group (fault_tolerance/replica_group.start): it deals
-        each step's shares of the batch, sums them across the groups and votes."""
+        """This launch's replica group (fault_tolerance/replica_group.start)."""
         self.group = group
 
     def open_metrics(self):

@@ -1,7 +1,6 @@
-"""trainer.compile in the metrics record: compile_ms (the part of a step's step_ms spent
-compiling: a step that compiled is always written), val_compile_ms (evaluation compiles
-for its own mode and shape) and compilations per code object, from parallel/compile.py's
-CompileEvents (given, not imported)."""
+"""trainer.compile in the metrics record, from parallel/compile.py's CompileEvents (given):
+compile_ms (of step_ms: a step that compiled is always written), val_compile_ms
+(evaluation compiles for its own mode and shape), compilations per code object."""
 
 
 class CompileTime:

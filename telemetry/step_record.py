@@ -1,11 +1,7 @@
-"""A step's metrics record (metrics.jsonl, the console line, wandb), from its sources.
-
-Every step asks its sources for their figures, which count from one step to the next (the
-strategy's traffic and statistics, the replica groups' events, compile time). A record is
-written at the steps every rank measures alike (logged or evaluated: their figures take
-collectives), and at a step that compiled or whose replica groups changed. The loss and
-gradient norm stay on the device, watched for inf and NaN, and are read only at a step
-written or saved.
+"""A step's metrics record (metrics.jsonl, the console line, wandb), from its sources, asked
+every step (their figures count from one step to the next). Written at the steps every
+rank measures alike (logged or evaluated: their figures take collectives) and at one that
+compiled or changed the replica groups; the loss is read (LossWatch) only then or at a save.
 """
 
 from telemetry import mfu
@@ -33,10 +29,9 @@ class StepRecord:
         self.started = self.clock.mark()
 
     def after_step(self, step, loss, grad_norm, lr, data_ms, measured, last, saved, sources):
-        """The record of step `step` (from 1), or None at a step that writes none. measured:
-        it logs or evaluates (on every rank alike); saved: it writes a snapshot (the loss
-        is read then too: a model a non-finite loss trained is never saved); sources: the
-        objects whose figures() gives (fields, whether the step must be written)."""
+        """The record of step `step` (from 1), or None. saved: it writes a snapshot (never of
+        a model a non-finite loss trained); sources: their figures() give (fields, whether
+        the step must be written)."""
         ended = self.clock.mark()  # after the optimizer's kernels, not before them
         self.losses.watch(loss, step)
         comm = self.strategy.comm_stats()
