@@ -29,6 +29,7 @@ from harness import (LAYOUT_SESSIONS, assert_layout_matches, assert_parity, layo
 from layout_worker import BATCH, BLOCK, CASES, N_EMBD
 from parallel.pipeline_parallel import schedules as pp_schedules
 from parallel.pipeline_parallel import simulator as pp_simulator
+from parallel.rules import PIPELINE, Facts, refusal
 from training.config import TrainerConfig
 
 pytestmark = pytest.mark.worker_sessions(*LAYOUT_SESSIONS)  # prefetch.py
@@ -106,11 +107,11 @@ def test_nccl_mode_sees_the_old_batchings_hang_that_gloo_hides():
 
 
 def refused(schedule, P, M, V):
-    """What config.py refuses (pipeline_parallel/schedules.refuse), for P*V layers."""
+    """What config.py refuses (parallel/rules.py's PIPELINE rows), for P*V layers."""
     cfg = SimpleNamespace(model=SimpleNamespace(n_layer=P * V), parallel=SimpleNamespace(
         microbatches=M, pp_virtual_stages=V, pp_schedule=schedule, pp_layers=[]),
         trainer=TrainerConfig())  # the real defaults: a rule on a new trainer key sees it
-    return bool(pp_schedules.refuse(cfg, {"pp": P}))
+    return bool(refusal(PIPELINE, Facts(cfg, {"pp": P})))
 
 
 def in_flight(actions):

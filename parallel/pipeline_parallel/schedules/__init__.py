@@ -82,12 +82,6 @@ def chunk_blocks(n_layer, chunks, pp_layers=()):
     return out
 
 
-def refuse(cfg, sizes):
-    """The pipeline's rules alone (parallel/rules.py PIPELINE), as tests/test_pp.py asks them."""
-    from parallel.rules import PIPELINE, Facts, refusal  # parallel.rules imports SCHEDULES
-    return refusal(PIPELINE, Facts(cfg, sizes))
-
-
 def messages(action, ranks):
     """(receives, sends) of an action: lists of (peer rank, (kind, chunk, micro-batch))
     naming what travels: "act" into chunk c, or "grad" into chunk c. ranks: chunk_ranks.

@@ -1,6 +1,6 @@
 """Megatron's interleaved 1F1B over V chunks per rank (chunk c on rank c % P), which
 divides the bubble by V. Micro-batches go through in groups of P, so M must be a
-multiple of P (Megatron's rule; schedules.refuse says so)."""
+multiple of P (Megatron's rule; parallel/rules.py says so)."""
 
 
 def interleaved(P, M, rank, V):
