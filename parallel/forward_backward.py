@@ -1,12 +1,7 @@
-"""A step's forward and backward, and its random state, for every data-parallel strategy.
-
-`ForwardBackward` runs this rank's micro-batches through the strategy's model (or, with
-pp > 1, through the pipeline's schedule, one pass per micro-batch), under the step's
-precision, inside the strategy's `backward_scope`; then asks it to `sync_gradients`,
-sums what tensor and pipeline parallelism leave partial (`finish_gradients`), and
-averages the loss over the ranks that saw other data. Gradients end as if one process
-had run the whole global batch.
-"""
+"""A step's forward and backward, and its random state, for every data-parallel strategy:
+this rank's micro-batches through the strategy's model (pp > 1: the pipeline's schedule)
+under the step's precision, inside the strategy's `backward_scope`; its `sync_gradients`;
+then the sums tensor and pipeline parallelism leave to do (`finish_gradients`)."""
 
 import torch
 
@@ -38,10 +33,8 @@ class ForwardBackward:
         self.split = split or (lambda x, y: (x, y))
 
     def loss_and_gradients(self, micro_batches) -> torch.Tensor:
-        """Forward and backward over this rank's micro-batches; gradients end up as if
-        one process had run the whole global batch. Returns the mean loss over the
-        global batch, on every rank, as a 0-d tensor on the device (not read: no host
-        sync)."""
+        """Gradients as if one process had run the whole global batch; returns its mean
+        loss, on every rank, a 0-d tensor on the device (not read: no host sync)."""
         dp = self.dp
         micro_batches = [self.split(x, y) for x, y in micro_batches]
         if dp.pipeline is not None:

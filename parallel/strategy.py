@@ -148,27 +148,24 @@ class Strategy:
     def eval_loss(self, x, y) -> float:
         return self.steps.eval_loss(x, y)
 
-    def regions(self) -> list:
-        return self.dp.regions()
-
     def shard_pieces(self) -> list:
         """What this rank writes into a sharded snapshot: [(canonical key, full shape,
         box, tensor)], keys "model/<name>" and "optim/<name>/<state>". Across ranks
         every element of every key is covered exactly once."""
-        return snapshot_pieces(self.regions(), self.optimizer)
+        return snapshot_pieces(self.dp.regions(), self.optimizer)
 
     def load_shards(self, reader):
         """Take what this rank holds from a snapshot_reader.SnapshotReader, whatever layout
         wrote it (what the strategy does after, e.g. fsdp's gathers: not training traffic)."""
         with self.comm.uncounted():
-            self.dp.update(lambda: load_regions(self.regions(), self.optimizer, reader))
+            self.dp.update(lambda: load_regions(self.dp.regions(), self.optimizer, reader))
 
     @torch.no_grad()
     def state_dict(self) -> dict:
         """Canonical model parameters (CPU tensors, full shapes) on grid.is_main (empty
         elsewhere), assembled from what each rank writes to snapshots. Collective."""
         mine = [(key[len("model/"):], shape, box, t.cpu().clone())
-                for key, shape, box, t in snapshot_pieces(self.regions(), self.optimizer,
+                for key, shape, box, t in snapshot_pieces(self.dp.regions(), self.optimizer,
                                                           with_optimizer=False)]
         everyone = [mine]
         if self.grid.world_size > 1:  # in host memory (gloo), never staged on the GPU
@@ -196,14 +193,11 @@ class Strategy:
         return self.pipeline.stats(last, measure) if self.pipeline is not None else ({}, {})
 
     def state_figures(self) -> dict:
-        """{"state_bytes": bytes of parameters + gradients + optimizer state resident on the
-        device of the fullest rank, "host_state_bytes": those of them in host memory
-        (parallel.offload; only where some are)}, measured at the end of the last
-        optimizer step (before grads are freed). Each the max over every rank: shards,
-        pipeline stages and TP ranks hold different amounts, and the trainer logs rank
-        0's value, which should be the worst rank's. Collective (the trainer asks at the
-        steps it logs); host integers over the host group: nothing read from the device,
-        not training traffic."""
+        """{"state_bytes": bytes of parameters + gradients + optimizer state on the device,
+        "host_state_bytes": of them in host memory (parallel.offload; only where some are)}
+        at the end of the last optimizer step (before its gradients are dropped), each the
+        max over every rank (the trainer logs rank 0's: it should be the fullest rank's).
+        Collective: host integers over the host group, nothing read from the device."""
         device, host = (int(v) for v in self.grid.max_over_ranks(
             [self.last_state_bytes, self.last_host_state_bytes]))
         return {"state_bytes": device, **({"host_state_bytes": host} if host else {})}
