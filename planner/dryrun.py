@@ -148,8 +148,7 @@ def dryrun(cfg, device=None):
     if cfg.plan.nodes < 1 or cfg.plan.gpus_per_node < 1:
         raise UserError(f"plan.nodes={cfg.plan.nodes} and plan.gpus_per_node="
                         f"{cfg.plan.gpus_per_node} must be >= 1")
-    check_layout(cfg, world)  # the rules a run on that world checks
-    sizes = grid_sizes(cfg.parallel, world)
+    sizes = check_layout(cfg, world)  # the rules a run on that world checks, and its grid
     w, L = workload(cfg), layout_of(cfg, world)
     print(f"dryrun: {L.name()} on {cfg.plan.nodes} x {cfg.plan.gpus_per_node} ranks; GPT "
           f"{w.n_layer} layers x {w.n_embd} wide, vocab {w.vocab}, {w.block} tokens, global "
