@@ -9,7 +9,7 @@ Norm and scaling run as foreach kernels (one launch for all tensors, not one per
 
 import torch
 
-from parallel.placement import grad_norm_squared
+from parallel.placement import by_device, grad_norm_squared
 
 
 def clip_gradients(dp, precision, grads, max_norm) -> torch.Tensor:
@@ -24,6 +24,6 @@ def clip_gradients(dp, precision, grads, max_norm) -> torch.Tensor:
     norm = sq.sqrt()
     if not precision.skip_step:
         coef = (max_norm / (norm + 1e-6)).clamp(max=1.0)  # as torch.nn.utils.clip_grad_norm_
-        for device in {g.device for g in grads}:  # offloaded gradients live in host memory
-            torch._foreach_mul_([g for g in grads if g.device == device], coef.to(device))
+        for device, on_it in by_device(grads).items():  # offloaded gradients: in host memory
+            torch._foreach_mul_(on_it, coef.to(device))
     return norm

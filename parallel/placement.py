@@ -161,6 +161,15 @@ def load_regions(regions, optimizer, reader):
                     f"optim/{name}/{field}", box).reshape(-1).to(r.opt_param)
 
 
+def by_device(tensors) -> dict:
+    """{device: its tensors}, in the order first seen: foreach kernels need one device per
+    launch, and with parallel.offload gradients live in host memory while the device computes."""
+    out = {}
+    for t in tensors:
+        out.setdefault(t.device, []).append(t)
+    return out
+
+
 def grad_norm_squared(regions, device):
     """Sum of squared gradient elements over the regions this rank counts, as a 0-d tensor
     on `device` (the compute device, where the norm's all-reduce and the trainer's read
@@ -169,11 +178,8 @@ def grad_norm_squared(regions, device):
     moved to `device`. With parallel.offload the gradients are host tensors while the
     device computes: a sum left on the host would reach NCCL (which refuses it) or meet the
     device's loss. All on `device` (no offload, or a CPU run): one foreach norm, no copy."""
-    views = {}
-    for r in regions:
-        if r.in_norm and r.opt_param.grad is not None:
-            g = r.values(r.opt_param.grad)
-            views.setdefault(g.device, []).append(g)
+    views = by_device(r.values(r.opt_param.grad) for r in regions
+                      if r.in_norm and r.opt_param.grad is not None)
     sums = [torch.stack(torch._foreach_norm(vs)).square().sum().to(device) for vs in views.values()]
     if not sums:
         return torch.zeros((), device=device)

@@ -32,6 +32,7 @@ import torch
 import torch.distributed as dist
 
 from parallel.comm import checked_all_reduce
+from parallel.placement import by_device
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -76,10 +77,7 @@ def unscale_and_find_inf(grads, inv_scale, device):
     torch.amp.GradScaler does per device), and the flags are summed on `device`. Every
     gradient on `device`: one launch on the flag itself, no copy."""
     found = torch.zeros(1, device=device)
-    by_device = {}
-    for g in grads:
-        by_device.setdefault(g.device, []).append(g)
-    for on, group in by_device.items():
+    for on, group in by_device(grads).items():
         flag = found if on == found.device else torch.zeros(1, device=on)
         torch._amp_foreach_non_finite_check_and_unscale_(
             group, flag, torch.full((1,), inv_scale, device=on))
