@@ -261,7 +261,7 @@ def main(argv, rank, world_size, local_rank):
     device = pick_device(cfg.trainer.device, local_rank, world_size)
     init_process_group(device, cfg.parallel.timeout_s, rank, world_size)
     try:
-        grid = ProcessGrid(cfg.sizes, device, cfg.parallel.timeout_s)  # config.validate's
+        grid = ProcessGrid(cfg.sizes, device, cfg.parallel.timeout_s, cfg.parallel.ep)  # config.validate's
         with determinism(cfg.trainer.deterministic):
             trained = train(cfg, grid)
         dist.barrier()  # nobody leaves while another rank may still need it

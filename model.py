@@ -33,6 +33,9 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from moe.experts import Experts
+from moe.layer import MoE
+
 
 @contextmanager
 def shapes_only():
@@ -64,6 +67,18 @@ class ModelConfig:
     bias: bool = True          # biases in Linear and LayerNorm, as in GPT-2
     init_from: str = ""        # a Hugging Face GPT-2 folder (config.json + model.safetensors) to
                                # start from; its shape must match; ignored when resuming
+    moe_experts: int = 0       # mixture of experts (moe/): experts per MoE block, a router and
+                               # experts in place of its MLP; 0 = dense, every block an MLP
+    moe_top_k: int = 2         # experts each token goes to
+    moe_every: int = 1         # every n-th block carries experts (1: all; 2: blocks 1, 3, ...)
+    moe_hidden: int = 0        # an expert's hidden width; 0 = 4 * n_embd (the dense MLP's)
+    moe_renormalize: bool = True  # the k chosen weights rescaled to sum to 1 (moe/router.py)
+    moe_aux_loss_coef: float = 0.01  # the balance loss's weight in the training loss
+    moe_z_loss_coef: float = 0.001   # the router z-loss's weight (ST-MoE); 0 = off
+
+    def has_experts(self, block_index):
+        """Whether block `block_index` is a mixture-of-experts block."""
+        return self.moe_experts > 0 and (block_index + 1) % self.moe_every == 0
 
 
 @dataclass
@@ -115,14 +130,15 @@ class MLP(nn.Module):
 
 
 class Block(nn.Module):
-    """Pre-LN transformer block: x + attn(ln(x)), then x + mlp(ln(x))."""
+    """Pre-LN transformer block: x + attn(ln(x)), then x + mlp(ln(x)); in a
+    mixture-of-experts block, `mlp` is a router and experts (moe/layer.py)."""
 
-    def __init__(self, config: GPTConfig):
+    def __init__(self, config: GPTConfig, experts=False):
         super().__init__()
         self.ln_1 = nn.LayerNorm(config.n_embd, bias=config.bias)
         self.attn = CausalSelfAttention(config)
         self.ln_2 = nn.LayerNorm(config.n_embd, bias=config.bias)
-        self.mlp = MLP(config)
+        self.mlp = MoE(config) if experts else MLP(config)
 
     def forward(self, x):
         x = x + self.attn(self.ln_1(x))
@@ -141,7 +157,7 @@ class GPT(nn.Module):
             wte=nn.Embedding(config.vocab_size, config.n_embd),
             wpe=nn.Embedding(config.block_size, config.n_embd),
             drop=nn.Dropout(config.dropout),
-            h=nn.ModuleList([Block(config) for _ in range(config.n_layer)]),
+            h=nn.ModuleList([Block(config, config.has_experts(i)) for i in range(config.n_layer)]),
             ln_f=nn.LayerNorm(config.n_embd, bias=config.bias),
         ))
         self.lm_head = nn.Linear(config.n_embd, config.vocab_size, bias=False)
@@ -159,6 +175,8 @@ class GPT(nn.Module):
         scaled by 1/sqrt(2 * n_layer); biases 0; LayerNorm weights 1."""
         path, _, kind = name.rpartition(".")
         module = self.get_submodule(path)
+        if isinstance(module, Experts):
+            return module.init_rule(kind, self.config.n_layer)
         if isinstance(module, nn.LayerNorm):
             return ("fill", 1.0 if kind == "weight" else 0.0)
         if kind == "bias":
@@ -206,10 +224,11 @@ class GPT(nn.Module):
         return logits, self.cross_entropy(logits.view(-1, logits.size(-1)), targets.reshape(-1))
 
     def optim_groups(self, weight_decay):
-        """AdamW parameter groups by name: matrices decay, biases and norms don't."""
+        """AdamW parameter groups by name: matrices decay, biases and norms don't (the
+        experts' biases are (E, width): named `..._bias`)."""
         params = dict(self.named_parameters())  # the tied weight appears once
-        decay = [n for n, p in params.items() if p.dim() >= 2]
-        no_decay = [n for n, p in params.items() if p.dim() < 2]
+        decay = [n for n, p in params.items() if p.dim() >= 2 and not n.endswith("bias")]
+        no_decay = [n for n in params if n not in set(decay)]
         return [{"params": decay, "weight_decay": weight_decay},
                 {"params": no_decay, "weight_decay": 0.0}]
 

@@ -43,6 +43,10 @@ def export(cfg):
     if snap is None:
         raise UserError(f"no snapshot at {path} to export: train first, or set trainer.snapshot_path")
     gpt = snap.meta["gpt_config"]
+    if gpt.get("moe_experts", 0):
+        raise UserError("mode=export writes the Hugging Face GPT-2 format, which has no "
+                        "mixture-of-experts blocks: this snapshot's model has "
+                        f"model.moe_experts={gpt['moe_experts']}; use mode=sample with it")
     names = [n for n, _ in GPT(GPTConfig(**gpt)).named_parameters()]
     state = {n: snap.read_full(f"model/{n}") for n in names}
     kind = snap.meta["tokenizer"]["kind"]

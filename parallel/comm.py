@@ -134,6 +134,13 @@ class CommCounter:
         self.record("all_gather", output)
         return all_gather_single(output, input, group=group, async_op=async_op)
 
+    def all_to_all(self, output, input, output_splits, input_splits, group=None, kind="all_to_all"):
+        """dist.all_to_all_single with uneven splits (row counts per rank), synchronous.
+        Counted: the rows this rank hands over (its own included: the textbook count)."""
+        self.check(kind, output)
+        self.record(kind, input)
+        return dist.all_to_all_single(output, input, output_splits, input_splits, group=group)
+
     def broadcast(self, tensor, src, group=None, async_op=False):
         self.record("broadcast", tensor)
         return dist.broadcast(tensor, src=src, group=group, async_op=async_op)

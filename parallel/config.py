@@ -15,6 +15,10 @@ class ParallelConfig:
     pp_impl: str = "own"        # own | torch (torch.distributed.pipelining, the reference: dp, tp 1)
     cp: int = 1                 # context-parallel degree: each sequence split over cp ranks (ring
                                 # attention); dp degree = world / (tp * cp * pp)
+    ep: int = 1                 # expert-parallel degree: each MoE block's experts split over ep
+                                # ranks carved out of the dp x cp ranks (tokens all-to-all)
+    ep_impl: str = "alltoall"   # alltoall (ours: tokens to their experts' ranks) | allgather
+                                # (every rank gathers all tokens: the reference)
     cp_impl: str = "ring"       # ring (ours) | allgather (gather all keys/values: the reference)
     zero_stage: int = 3         # for dp=fsdp: 1 (optimizer state sharded) | 2 (+ gradients) | 3 (+ parameters)
     dp_replicate: int = 1       # for dp=fsdp / torch_fsdp: the dp ranks in this many replica groups

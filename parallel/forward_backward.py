@@ -5,6 +5,7 @@ then the sums tensor and pipeline parallelism leave to do (`finish_gradients`)."
 
 import torch
 
+from parallel import model_plan as plan
 from parallel.grid import derive_seed
 
 
@@ -37,6 +38,9 @@ class ForwardBackward:
         loss, on every rank, a 0-d tensor on the device (not read: no host sync)."""
         dp = self.dp
         micro_batches = [self.split(x, y) for x, y in micro_batches]
+        pieces = len(micro_batches) * (dp.pipeline.M if dp.pipeline is not None else 1)
+        for _, moe in plan.moe_layers(dp.module):  # their losses' gradient: the main loss's
+            moe.begin_step(self.precision.loss_scale / pieces)
         if dp.pipeline is not None:
             loss = self.pipeline_rounds(micro_batches)
         else:

@@ -9,7 +9,8 @@ Megatron arranges them.
 For each dimension d of DIMS the grid has `d_size`, `d_rank` and `d_group`
 (grid.dp_size, grid.pp_rank, grid.tp_group, ...). Gradients are averaged over
 GRAD_DIMS, the dimensions whose ranks hold the same parameters but see other
-tokens: `grad_group`, `grad_size`, `grad_rank`. Data-parallel strategies use
+tokens: `grad_group`, `grad_size`, `grad_rank`. Expert parallelism (`ep`, not an axis:
+carved out of the dp x cp ranks, as Megatron does) gets its groups in `carve_experts`. Data-parallel strategies use
 only those, so a dimension that also splits data (context parallelism) joins
 GRAD_DIMS here instead of changing each strategy.
 
@@ -40,8 +41,9 @@ HOST_AND_CUDA = "cpu:gloo,cuda:nccl"
 
 
 class ProcessGrid:
-    def __init__(self, sizes: dict, device: torch.device, timeout_s=None):
+    def __init__(self, sizes: dict, device: torch.device, timeout_s=None, ep=1):
         """sizes: {dimension: degree} for dimensions of DIMS (missing ones are 1).
+        ep: the expert-parallel degree (parallel.ep), carved out of dp x cp.
         timeout_s: how long a collective of any group made here may wait
         (parallel.timeout_s; None: torch's default, 30 minutes). Every subgroup gets it:
         `new_group` does not inherit the default group's."""
@@ -74,6 +76,48 @@ class ProcessGrid:
         self.data_size, self.data_rank = self.place_in(DATA_DIMS)
         self.grad_size, self.grad_rank = self.place_in(GRAD_DIMS)
         self.shard_size, self.shard_rank = self.place_in(SHARD_DIMS)
+        self.carve_experts(ep)
+
+    def carve_experts(self, ep):
+        """Expert parallelism: the dp x cp ranks of one replica group, numbered row-major
+        (`expert_slot`), in runs of `ep` consecutive ones: a run is an `ep_group` (its ranks
+        hold different experts and trade tokens), and the ranks at the same place of every
+        run in every replica group hold the same experts (the expert-data-parallel group,
+        `expert_grad_group`, which averages their gradients; `expert_shard_group`: those
+        of one replica group, over which ZeRO shards them). ep=1: the ep group is this rank
+        alone and the expert groups are the dense ones."""
+        slot = self.coords["dp"] * self.sizes["cp"] + self.coords["cp"]
+        self.ep_size, self.ep_rank = ep, slot % ep
+        self.expert_grad_size, self.expert_shard_size = self.grad_size // ep, self.shard_size // ep
+        self.expert_grad_rank = self.coords["dp_replicate"] * self.expert_shard_size + slot // ep
+        self.expert_shard_rank = slot // ep
+        if ep == 1:
+            self.ep_group, self.expert_grad_group = None, self.grad_group
+            self.expert_shard_group, self.expert_norm_group = self.shard_group, None
+            return
+
+        def slot_of(c):
+            return c["dp"] * self.sizes["cp"] + c["cp"]
+        # each group keyed by what its ranks share, its members ordered by global rank
+        self.ep_group = self.group_by(lambda c: (c["dp_replicate"], c["pp"], c["tp"],
+                                                 slot_of(c) // ep))
+        self.expert_grad_group = self.group_by(lambda c: (c["pp"], c["tp"], slot_of(c) % ep))
+        self.expert_shard_group = self.group_by(lambda c: (c["dp_replicate"], c["pp"], c["tp"],
+                                                           slot_of(c) % ep))
+        # ranks holding different elements of a replicated strategy's gradients: pp x tp x ep
+        self.expert_norm_group = self.group_by(lambda c: (c["dp_replicate"], slot_of(c) // ep))
+
+    def group_by(self, key):
+        """The group of ranks whose coordinates give the same key(coords) as this rank's
+        (collective: every rank makes every such group, in the order of their keys)."""
+        lines = {}
+        for r in range(self.world_size):
+            lines.setdefault(key(self.ranks_coords(r)), []).append(r)
+        return self.group_of_lines([lines[k] for k in sorted(lines)])
+
+    def ranks_coords(self, rank):
+        """{dimension: coordinate} of global rank `rank`."""
+        return dict(zip(DIMS, (int(c) for c in (self.ranks == rank).nonzero()[0])))
 
     def place_in(self, dims):
         """(size, this rank's index) of the group over `dims`, row-major: its place in

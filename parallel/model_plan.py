@@ -38,6 +38,29 @@ class TPLinear:
 TP_LINEARS = (TPLinear("attn.c_attn", "column", fused=3), TPLinear("attn.c_proj", "row"),
               TPLinear("mlp.c_fc", "column"), TPLinear("mlp.c_proj", "row"))
 
+# a mixture-of-experts block's `mlp` (moe/layer.py): a router and stacked experts instead
+EXPERT_WEIGHTS = ("experts.fc_weight", "experts.proj_weight", "experts.fc_bias",
+                  "experts.proj_bias")  # inside the MoE; dim 0 indexes the experts
+
+
+def tp_linears(block):
+    """The TP_LINEARS this block has (a mixture-of-experts block has no mlp linears: its
+    router and experts are replicated over TP, each rank routing its share of tokens)."""
+    return [linear for linear in TP_LINEARS if moe_of(block) is None or not
+            linear.path.startswith("mlp.")]
+
+
+def moe_of(block):
+    """The block's mixture-of-experts layer, or None for a dense block."""
+    from moe.layer import MoE
+    return block.mlp if isinstance(block.mlp, MoE) else None
+
+
+def moe_layers(model):
+    """[(canonical block index, MoE layer)] of the blocks this rank holds with experts."""
+    return [(i, moe_of(block)) for i, block in blocks(model) if moe_of(block) is not None]
+
+
 # module paths of the vocabulary pieces, for PyTorch's DTensor plan (parallel/reference)
 TOKEN_EMBEDDING, LM_HEAD = "transformer.wte", "lm_head"
 

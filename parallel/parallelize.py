@@ -6,6 +6,10 @@ left (as torchtitan's parallelize_llama and picotron's train.py do):
   1. tensor parallelism   (parallel.tp > 1): the model plan's linears, the
      embedding, LM head and loss become their Megatron versions, in place
      (parallel/tensor_parallel/);
+     Mixture-of-experts blocks (model.moe_experts > 0) are wired in the same step:
+     each TP rank routes its share of the tokens, and expert parallelism
+     (parallel.ep > 1) cuts the experts and sends tokens by all-to-all
+     (parallel/expert_parallel/);
   2. context parallelism  (parallel.cp > 1): every block's attention becomes a
      ring over the cp group, positions become the tokens' true ones, and the
      strategy keeps this rank's chunks of every sequence (parallel/context_parallel/);
@@ -36,6 +40,7 @@ from parallel.checkpointing import checkpoint_blocks
 from parallel.comm import CommCounter
 from parallel.compile import compile_model
 from parallel.context_parallel.apply import apply_context_parallel
+from parallel.expert_parallel.apply import apply_experts
 from parallel.pipeline_parallel.pipeline import Pipeline
 from parallel.initial import to_meta
 from parallel.placement import Placement
@@ -63,6 +68,9 @@ def parallelize(model, grid, cfg, init=None):
                        comm, init=init, precision=precision)
     if grid.tp_size > 1 and "parallelizes_tp_itself" not in capabilities(p):  # 1. tensor
         local.placements, local.tp = apply_tensor_parallel(model, grid, p, comm)
+    if model.config.moe_experts:  # 1. the experts, over TP and the ep ranks
+        local.placements = apply_experts(model, grid, comm, local.placements, local.tp,
+                                         p.ep_impl)
     if grid.cp_size > 1:  # 2. context
         local.split = apply_context_parallel(model, grid, comm, p.cp_impl).split
     if grid.pp_size > 1:  # 3. pipeline (PyTorch's schedules too run on our cut)

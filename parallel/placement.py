@@ -43,6 +43,8 @@ class Placement:
     tp_replicated: bool = False  # the same tensor on every TP rank
     partial_grad: bool = False   # sequence parallelism: gradients are partial sums over TP
     tied: str = None             # pipeline: "first"/"last" stage's copy of the tied embedding
+    expert: bool = False         # expert parallelism: a run of experts, averaged over the
+                                 # expert-data-parallel group (grid.expert_grad_group)
 
     def counted_in_norm(self, tp_rank):
         """Whether this rank's copy counts in the global gradient norm: of identical

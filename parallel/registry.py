@@ -37,6 +37,10 @@ TORCH_REFERENCES = {"tp": "torch_tp", "pp": "torch_pp"}  # parallel.<dim>_impl=t
 DATA_PARALLEL = [s for s in STRATEGIES if s not in TORCH_REFERENCES.values()]  # parallel.dp
 IMPLEMENTATIONS = ("own", "torch")  # parallel.tp_impl, parallel.pp_impl
 MOVED = {"torch_tp": "parallel.tp_impl=torch", "torch_pp": "parallel.pp_impl=torch"}  # were dp
+EP_IMPLEMENTATIONS = {  # parallel.ep_impl: how tokens reach the ranks of their experts
+    "alltoall": "parallel.expert_parallel.dispatch:AllToAllExchange",  # ours
+    "allgather": "parallel.expert_parallel.allgather:AllGatherExchange",  # the reference
+}
 CP_IMPLEMENTATIONS = {  # parallel.cp_impl: the attention each block's becomes
     "ring": "parallel.context_parallel.ring_attention:ring_attention",  # ours: K, V travel a ring
     "allgather": "parallel.context_parallel.allgather_attention:allgather_attention",  # reference

@@ -12,19 +12,14 @@ docs/layout-rules.md shows them (scripts/layout_rules.py writes it; tests/test_d
 checks it is current).
 """
 
-import math
 from dataclasses import dataclass, field
 from typing import Callable
 
-from parallel.grid import DATA_DIMS, DIMS, GRAD_DIMS, uses_cuda
+from parallel.facts import BACKENDS, DEGREES, MODEL_DIMS, Facts  # noqa: F401 (layout.py, tests)
+from parallel.grid import uses_cuda
 from parallel.pipeline_parallel.schedules import SCHEDULES
-from parallel.registry import (CP_IMPLEMENTATIONS, DATA_PARALLEL, IMPLEMENTATIONS, MOVED,
-                               STRATEGIES, TORCH_REFERENCES, strategy_name)
-
-MODEL_DIMS = [d for d in reversed(DIMS) if d not in DATA_DIMS]  # each its key: parallel.<dim>
-DEGREES = MODEL_DIMS + ["dp_replicate"]  # the degrees the config sets
-BACKENDS = ("inductor", "aot_eager", "eager")  # trainer.compile_backend: inductor generates
-# kernels; aot_eager: the same dynamo capture and AOT autograd without code generation (tests)
+from parallel.registry import (CP_IMPLEMENTATIONS, DATA_PARALLEL, EP_IMPLEMENTATIONS, IMPLEMENTATIONS,
+                               MOVED, STRATEGIES)
 
 
 @dataclass(frozen=True)
@@ -50,6 +45,8 @@ KEYS = [  # the parallel: section's values, alone (every mode)
     Rule("parallel.tp_impl pp_impl",
          lambda p: p.tp_impl not in IMPLEMENTATIONS or p.pp_impl not in IMPLEMENTATIONS,
          "parallel.tp_impl and parallel.pp_impl must be one of {implementations}"),
+    Rule("parallel.ep_impl", lambda p: p.ep_impl not in EP_IMPLEMENTATIONS,
+         "parallel.ep_impl must be one of {ep_implementations}, got {p.ep_impl!r}"),
     Rule("parallel.cp_impl", lambda p: p.cp_impl not in CP_IMPLEMENTATIONS,
          "parallel.cp_impl must be one of {cp_implementations}, got {p.cp_impl!r}"),
     Rule("parallel.<degree>", lambda p: min(getattr(p, d) for d in DEGREES) < 1,
@@ -245,8 +242,32 @@ FT = [  # fault-tolerant replica groups (fault_tolerance/), checked with the con
          "data-parallel ranks and micro-steps"),
 ]
 
+EXPERTS = [  # mixture of experts and expert parallelism (moe/, expert_parallel/)
+    Rule("parallel.ep", lambda moe, ep: ep > 1 and not moe,
+         "parallel.ep={ep} needs mixture-of-experts blocks: set model.moe_experts > 0"),
+    Rule("parallel.ep", lambda m, moe, ep: moe and m.moe_experts % ep,
+         "model.moe_experts={m.moe_experts} is not divisible by parallel.ep={ep}: each ep rank "
+         "holds an equal run of whole experts"),
+    Rule("parallel.ep", lambda ep, ep_ranks: ep_ranks % ep,
+         "parallel.ep={ep} does not divide the data-parallel x context-parallel ranks of a "
+         "replica group, {dp} x {cp} = {ep_ranks}: expert parallelism is carved out of them"),
+    Rule("parallel.tp", lambda moe, d, tp, cp_tokens: moe and tp > 1 and cp_tokens % tp,
+         "data.block_size / parallel.cp = {cp_tokens} is not divisible by parallel.tp={tp}: "
+         "each TP rank routes its equal share of every sequence's tokens to the experts"),
+    Rule("torch_tp torch_pp", lambda moe: moe,
+         "{what} with model.moe_experts > 0 is refused: PyTorch's reference does not know the "
+         "experts (use our parallel.{dim})"),
+    Rule("torch_ddp torch_fsdp", lambda ep: ep > 1,
+         "parallel.ep={ep} with parallel.dp={p.dp}: PyTorch's reference would average every "
+         "gradient over all data-parallel ranks, each holding other experts; use ddp_naive, "
+         "ddp_bucket or fsdp"),
+    Rule("ddp_naive ddp_bucket", lambda p, ep: ep > 1 and p.allreduce == "ring",
+         "parallel.allreduce=ring with parallel.ep={ep}: the ring runs over the whole "
+         "data-parallel group, and experts average over their own; use parallel.allreduce=native"),
+]
+
 # training: the grid's sizes with the rest of the config, in the order parallelize() applies
-LAYOUT = TENSOR + CONTEXT + PIPELINE + DATA + COMPILE + BATCH + FT
+LAYOUT = TENSOR + EXPERTS + CONTEXT + PIPELINE + DATA + COMPILE + BATCH + FT
 
 
 def refusal(rules, facts) -> str:
@@ -258,73 +279,3 @@ def refusal(rules, facts) -> str:
         if rule.refused(*(facts[name] for name in code.co_varnames[:code.co_argcount])):
             return rule.message.format_map(facts)
     return ""
-
-
-class Facts:
-    """What the rules read, by name, each computed when a rule first reads it. sizes: the
-    grid's {dimension: degree} (each also a fact: dp, tp, ...); world: the world size."""
-
-    def __init__(self, cfg, sizes=None, world=None):
-        self.cfg, self.sizes, self._world = cfg, sizes or {}, world
-
-    def __getitem__(self, name):  # for format_map
-        return getattr(self, name)
-
-    def __getattr__(self, name):  # a dimension's degree
-        if name in DIMS:
-            return self.sizes[name]
-        raise AttributeError(name)
-
-    m = property(lambda self: self.cfg.model)
-    d = property(lambda self: self.cfg.data)
-    t = property(lambda self: self.cfg.trainer)
-    p = property(lambda self: self.cfg.parallel)
-    f = property(lambda self: self.cfg.ft)
-
-    # the names a message lists
-    moved = property(lambda self: MOVED.get(self.p.dp))
-    data_parallel = sorted(DATA_PARALLEL)
-    implementations = IMPLEMENTATIONS
-    cp_implementations = sorted(CP_IMPLEMENTATIONS)
-    schedules = ", ".join(SCHEDULES)
-    backends = ", ".join(BACKENDS)
-    dims = " x ".join(DIMS)
-    model_keys = " * ".join(f"parallel.{d}" for d in MODEL_DIMS)
-    degree_keys = ", ".join(f"parallel.{d}" for d in DEGREES)
-
-    # the grid
-    world = property(lambda self: self._world or math.prod(self.sizes.values()))
-    model = property(lambda self: math.prod(getattr(self.p, d) for d in MODEL_DIMS))  # tp x cp x pp
-    model_values = property(lambda self: " * ".join(str(getattr(self.p, d)) for d in MODEL_DIMS))
-    data = property(lambda self: self.world // self.model)  # data-parallel ranks: dp_replicate x dp
-    world_per_dp = property(lambda self: self.world // self.dp)
-    model_ranks = property(lambda self: " * ".join(f"{d} {n}" for d, n in self.sizes.items()
-                                                    if d != "dp"))  # the world but dp
-    per_rank = property(lambda self: self.data * self.t.grad_accum * self.p.microbatches)
-    per_share = property(lambda self: self.f.replicas * self.data * self.t.grad_accum)  # ft
-
-    def beside(self, dims):  # "parallel.cp=2, ..." of those of `dims` that are > 1
-        return [f"parallel.{d}={self.sizes[d]}" for d in dims if self.sizes[d] > 1]
-
-    grad_dims_beside_dp = property(lambda self: ", ".join(self.beside(
-        [d for d in GRAD_DIMS if d != "dp"])))  # other ranks averaging the same parameters
-    model_parallel = property(lambda self: " and ".join(self.beside(MODEL_DIMS)))
-
-    # context and pipeline parallelism
-    cp_chunks = property(lambda self: 2 * self.cp)
-    cp_tokens = property(lambda self: self.d.block_size // self.cp)  # a cp rank's of a sequence
-    schedule = property(lambda self: SCHEDULES.get(self.p.pp_schedule))  # None: not one (KEYS)
-    fixed = property(lambda self: self.schedule and self.schedule.virtual)  # zbv: always 2 a rank
-    chunks_per_rank = property(lambda self: self.fixed or self.p.pp_virtual_stages)
-    chunks = property(lambda self: self.pp * self.chunks_per_rank)
-    split_backward = property(lambda self: bool(self.schedule and self.schedule.split_backward))
-
-    # the strategy
-    strategy = property(lambda self: strategy_name(self.p))
-    can = property(lambda self: STRATEGIES[self.strategy][1])  # its registry.CAPABILITIES
-    dim = property(lambda self: next((d for d, s in TORCH_REFERENCES.items() if s == self.strategy),
-                                     None))  # the dimension a reference measures
-    what = property(lambda self: f"parallel.{self.dim}_impl=torch" if self.dim
-                    else f"parallel.dp={self.p.dp}")  # the key=value that chose it
-    dims_beside_reference = property(lambda self: ", ".join(self.beside(
-        [d for d in self.sizes if d not in ("dp", self.dim)])))

@@ -25,6 +25,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from parallel import model_plan as plan
 from parallel.clipping import clip_gradients
 from parallel.comm import CommCounter
 from parallel.forward_backward import ForwardBackward, reseed
@@ -191,6 +192,11 @@ class Strategy:
         writes into the run directory): the pipeline's (Pipeline.stats). Collective when
         measure; measure=False drops the step's record without reading the device."""
         return self.pipeline.stats(last, measure) if self.pipeline is not None else ({}, {})
+
+    def expert_layers(self) -> list:
+        """[(canonical block index, MoE layer)] of the mixture-of-experts blocks this rank
+        holds (their statistics: telemetry/expert_load.py)."""
+        return plan.moe_layers(self.module)
 
     def state_figures(self) -> dict:
         """{"state_bytes": bytes of parameters + gradients + optimizer state on the device,

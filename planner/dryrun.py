@@ -227,7 +227,8 @@ def one_step(cfg, rank, world, vocab, device):
         t = dataclasses.replace(cfg.trainer, measure_activations=True, compile=False,
                                 snapshot_async=False, profile_from=0, memory_snapshot=False,
                                 max_steps=1)
-        grid = ProcessGrid(grid_sizes(cfg.parallel, world), device, cfg.parallel.timeout_s)
+        grid = ProcessGrid(grid_sizes(cfg.parallel, world), device, cfg.parallel.timeout_s,
+                           cfg.parallel.ep)
         gpt_config = GPTConfig(**{k: v for k, v in dataclasses.asdict(cfg.model).items()
                                   if k != "init_from"},
                                vocab_size=vocab, block_size=cfg.data.block_size)

@@ -5,6 +5,7 @@
     loss_watch.py        an inf or NaN loss, watched on the device, read with the record
     compile_time.py      trainer.compile's fields in the record
     mfu.py               model FLOPs utilisation against a known GPU's peak
+    expert_load.py       mixture of experts: balance and z-losses, tokens per expert
     activation_meter.py  bytes of activations saved for backward (trainer.measure_activations)
     profiling.py         torch.profiler and CUDA memory snapshots over chosen steps
     ranks.py             every rank's memory and replica digests, once at the end

@@ -5,6 +5,7 @@ compiled or changed the replica groups; the loss is read (LossWatch) only then o
 """
 
 from telemetry import mfu
+from telemetry.expert_load import expert_load
 from telemetry.loss_watch import LossWatch
 from telemetry.metrics import MetricsLog, peak_memory, peak_rss_kib
 
@@ -36,6 +37,8 @@ class StepRecord:
         self.losses.watch(loss, step)
         comm = self.strategy.comm_stats()
         stats, files = self.strategy.step_stats(last, measure=measured or last)
+        if measured or last:  # mixture of experts: the balance losses and the load
+            stats = {**stats, **expert_load(self.strategy)}
         figures = [source.figures() for source in sources]
         written = measured or any(eventful for _, eventful in figures)
         record = None

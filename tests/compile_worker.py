@@ -93,9 +93,9 @@ def train(layout, compiled):
     if hasattr(strategy, "buckets"):
         start = strategy.start_all_reduce
 
-        def early(flat):  # a bucket launched while some gradient is still to come
+        def early(flat, bucket):  # a bucket launched while some gradient is still to come
             spy["early_launches"] += not all(all(b.ready) for b in strategy.buckets)
-            return start(flat)
+            return start(flat, bucket)
         strategy.start_all_reduce = early
     per_rank = BATCH // grid.dp_size
     steps, evals = [], []

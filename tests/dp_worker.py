@@ -102,6 +102,7 @@ class OneRank:
     needs no line here."""
     grad_size = data_size = shard_size = world_size = 1
     grad_rank = data_rank = shard_rank = rank = 0
+    ep_size, ep_rank, ep_group = 1, 0, None  # no expert parallelism (ProcessGrid.carve_experts)
     sizes = {d: 1 for d in DIMS}
     is_main = True
     device = torch.device("cpu")
@@ -130,9 +131,9 @@ def check_train(grid, dp, allreduce, cap, accum):
     if hasattr(strategy, "buckets"):  # spy: how many buckets start while backward still runs?
         out["early_launches"], start = 0, strategy.start_all_reduce
 
-        def spy(flat):
+        def spy(flat, bucket):
             out["early_launches"] += not all(all(b.ready) for b in strategy.buckets)
-            return start(flat)
+            return start(flat, bucket)
         strategy.start_all_reduce = spy
     per_rank = BATCH // grid.dp_size
     for step in range(STEPS):

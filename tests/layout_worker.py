@@ -474,6 +474,8 @@ def compute():
             result["random"][f"sp={sp}"] = check_random_streams(sp)
         result["random"]["pp"] = check_pipeline_streams()
         result["random"]["cp"] = check_cp_streams()
+    import experts_worker  # mixture-of-experts layouts (tests/test_experts.py)
+    result["experts"] = experts_worker.compute()
     if not only:  # other workers' checks for this rank count, sharing this launch (each
         # torchrun launch costs its interpreters' start-up, more than these checks)
         if world in (2, 4):  # tests/test_planner.py's measurements

@@ -21,8 +21,8 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 PARALLEL = os.path.join(REPO, "parallel")
 GPT_NAMES = re.compile(r"transformer\.h\b|\bwte\b")
-WIRING = {"__init__.py", "parallelize.py", "layout.py",  # may import the subfolders
-          "rules.py"}  # the layout rules read the pipeline's schedules (SCHEDULES)
+WIRING = {"__init__.py", "parallelize.py", "layout.py", "facts.py",  # may import subfolders
+          "rules.py"}  # the layout rules and their facts read the schedules (SCHEDULES)
 
 
 def python_files(*folders):

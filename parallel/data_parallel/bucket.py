@@ -38,16 +38,18 @@ from parallel.data_parallel.naive import DDPNaive, unused_parameter_error
 from parallel.data_parallel.ring import DoneHandle, RingRunner
 
 
-def plan_buckets(named_params, cap_bytes):
+def plan_buckets(named_params, cap_bytes, group_of=lambda name: None):
     """Split (name, param) pairs, in the order given, into consecutive buckets of at
     most `cap_bytes`; a parameter larger than the cap gets a bucket of its own.
-    A bucket holds one dtype on one device, since it is one flat tensor."""
+    A bucket holds one dtype on one device, since it is one flat tensor, and parameters
+    averaged over one group (`group_of(name)`: experts' differs from the rest)."""
     buckets, size = [], 0
     for name, p in named_params:
         nbytes = p.numel() * p.element_size()
         last = buckets[-1][-1][1] if buckets else None
         if (last is None or size + nbytes > cap_bytes
-                or (p.dtype, p.device) != (last.dtype, last.device)):
+                or (p.dtype, p.device) != (last.dtype, last.device)
+                or group_of(name) != group_of(buckets[-1][-1][0])):
             buckets.append([])
             size = 0
         buckets[-1].append((name, p))
@@ -58,7 +60,8 @@ def plan_buckets(named_params, cap_bytes):
 class Bucket:
     """One flat gradient buffer and the parameters whose .grad are views into it."""
 
-    def __init__(self, named_params):
+    def __init__(self, named_params, group=None, group_size=1):
+        self.group, self.group_size = group, group_size  # what its all-reduce sums over
         self.names = [n for n, _ in named_params]
         self.params = [p for _, p in named_params]
         first = self.params[0]
@@ -80,7 +83,9 @@ class DDPBucket(DDPNaive):
         super().__init__(local, grid, cfg)  # broadcasts rank 0's weights
         trainable = [(n, p) for n, p in self.module.named_parameters() if p.requires_grad]
         cap = int(cfg.bucket_cap_mb * 2**20)
-        self.buckets = [Bucket(b) for b in plan_buckets(reversed(trainable), cap)]
+        expert = self.expert_names()
+        self.buckets = [Bucket(b, *self.sum_group(b[0][0] in expert))
+                        for b in plan_buckets(reversed(trainable), cap, lambda n: n in expert)]
         self.slot = {}  # param -> (bucket, index in bucket)
         for bucket in self.buckets:
             for i, p in enumerate(bucket.params):
@@ -137,18 +142,18 @@ class DDPBucket(DDPNaive):
             bucket = self.buckets[self.next_launch]
             # one dp rank sends nothing: no rounding to the wire dtype either
             bucket.wire = bucket.buffer if (bucket.buffer.dtype == self.reduce_dtype
-                                            or self.dp_size == 1) \
+                                            or bucket.group_size == 1) \
                 else bucket.buffer.to(self.reduce_dtype)
-            bucket.handle = self.start_all_reduce(bucket.wire)
+            bucket.handle = self.start_all_reduce(bucket.wire, bucket)
             self.next_launch += 1
 
-    def start_all_reduce(self, flat):
-        """SUM over the dp group, asynchronously; returns a handle with .wait()."""
-        if self.dp_size == 1:
+    def start_all_reduce(self, flat, bucket):
+        """SUM over the bucket's group, asynchronously; returns a handle with .wait()."""
+        if bucket.group_size == 1:
             return DoneHandle()
-        if self.ring is not None:
+        if self.ring is not None:  # (parallel/rules.py: not with experts' groups)
             return self.ring.submit(flat)
-        return self.comm.all_reduce(flat, group=self.group, async_op=True)
+        return self.comm.all_reduce(flat, group=bucket.group, async_op=True)
 
     @torch.no_grad()
     def sync_gradients(self):

@@ -51,6 +51,25 @@ from parallel.grid import SHARD_DIMS
 from parallel.placement import Region, load_regions, writer_among
 
 
+class UnitsTogether:
+    """A block's units gathered and freed together (its dense part and its experts)."""
+
+    def __init__(self, units):
+        self.units = units
+
+    def start_gather(self, comm):
+        for u in self.units:
+            u.start_gather(comm)
+
+    def wait_gather(self, comm):
+        for u in self.units:
+            u.wait_gather(comm)
+
+    def free(self):
+        for u in self.units:
+            u.free()
+
+
 class FSDP(DataParallel):
     name = "fsdp"
 
@@ -75,12 +94,26 @@ class FSDP(DataParallel):
         root = [n for n in self.canonical if n not in in_blocks]
         own = [[plan.TIED]] if self.pipeline and plan.TIED in root else []
         root = [n for n in root if [n] not in own]
-        self.units = [FlatUnit([(n, self.canonical[n]) for n in names], group_of, r, N,
-                               self.stage, grid.shard_group, self.device, cfg.offload)
-                      for names in names_per_block + own + [root] if names]
-        self.blocks, self.root = self.units[:len(names_per_block)], self.units[-1]
-        for unit in self.units:  # one dp rank sends nothing: no rounding to bf16 either
-            unit.reduce_dtype = REDUCE_DTYPES[cfg.reduce_dtype] if N > 1 else unit.full.dtype
+        def unit(names, rank, size, group):
+            return FlatUnit([(n, self.canonical[n]) for n in names], group_of, rank, size,
+                            self.stage, group, self.device, cfg.offload)
+        # expert parallelism: a block's experts are a unit of their own, sharded over
+        # the ranks that hold the same experts (grid.expert_shard_group)
+        per_block = []
+        for names in names_per_block:
+            experts = [n for n in names if self.placements[n].expert]
+            per_block.append([unit([n for n in names if n not in experts], r, N, grid.shard_group)])
+            if experts:
+                per_block[-1].append(unit(experts, grid.expert_shard_rank, grid.expert_shard_size,
+                                          grid.expert_shard_group))
+                per_block[-1][-1].divisor = N  # every shard rank's tokens reach its experts
+        self.units = [u for units in per_block for u in units] + [
+            unit(names, r, N, grid.shard_group) for names in own + [root] if names]
+        self.blocks = [units[0] if len(units) == 1 else UnitsTogether(units) for units in per_block]
+        self.root = self.units[-1]
+        for unit in self.units:  # one rank sends nothing: no rounding to bf16 either
+            unit.reduce_dtype = REDUCE_DTYPES[cfg.reduce_dtype] if unit.world > 1 \
+                else unit.full.dtype
         # HSDP: the mean of each gradient shard across the replica groups, once a step
         self.replicas = ReplicaMean(grid.dp_replicate_group, grid.dp_replicate_size, self.comm,
                                     self.device, REDUCE_DTYPES[cfg.reduce_dtype]) \

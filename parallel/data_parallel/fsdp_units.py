@@ -47,6 +47,9 @@ class FlatUnit:
         numels = [p.numel() for p in self.params]
         self.offsets = [sum(numels[:i]) for i in range(len(numels) + 1)]
         self.numel, self.world, self.stage, self.group = self.offsets[-1], world, stage, dp_group
+        # the reduced sum is divided by the ranks whose tokens it holds: the group's, but
+        # for experts (FSDP: grid.shard_size, of which their group is 1 / ep)
+        self.divisor = world
         self.shard_size = -(-self.numel // world)  # ceil: pad, never truncate
         self.lo, self.hi = rank * self.shard_size, (rank + 1) * self.shard_size
         dtype = self.params[0].dtype
@@ -161,9 +164,9 @@ class FlatUnit:
 
         def finish(flat=flat):  # keeps `flat` alive until the collective is done
             if self.host is not None:  # added on the host once it has landed
-                self.host.receive(out, self.world)
+                self.host.receive(out, self.divisor)
             else:
-                self.grad_shard.add_(out.to(self.grad_shard.dtype).div_(self.world))
+                self.grad_shard.add_(out.to(self.grad_shard.dtype).div_(self.divisor))
         return work, finish
 
     def reduce_scatter_full_grad(self, comm):
@@ -177,9 +180,9 @@ class FlatUnit:
 
         def finish(wire=wire):  # keeps `wire` alive until the collective is done
             if self.host is not None:  # into the host gradient (zeros) once it has landed
-                self.host.receive(out, self.world)
+                self.host.receive(out, self.divisor)
             else:
-                self.grad_shard.copy_(out.to(self.grad_shard.dtype).div_(self.world))
+                self.grad_shard.copy_(out.to(self.grad_shard.dtype).div_(self.divisor))
         return work, finish
 
     def land_grads(self):

@@ -32,23 +32,42 @@ class DDPNaive(ReplicatedStrategy):
         self.group, self.dp_size = grid.grad_group, grid.grad_size
         self.use_ring = cfg.allreduce == "ring"
         self.reduce_dtype = REDUCE_DTYPES[cfg.reduce_dtype]
-        broadcast_from_dp_root(self.module, self.group, self.dp_size, self.comm)
+        expert = self.expert_names()
+        named = dict(self.module.named_parameters())  # the tied weight once
+        dense = [p for n, p in named.items() if n not in expert] + list(self.module.buffers())
+        broadcast_from_dp_root(dense, self.group, self.dp_size, self.comm)
+        broadcast_from_dp_root([named[n] for n in named if n in expert],  # other experts
+                               grid.expert_grad_group, grid.expert_grad_size, self.comm)
+
+    def expert_names(self):
+        """Parameters expert parallelism cut (each rank holds other experts)."""
+        return {n for n in self.placements if self.placements[n].expert}
+
+    def sum_group(self, expert):
+        """(group, size) a gradient is summed over: the ranks holding the same parameter,
+        the expert-data-parallel ones for experts. Divided by dp_size either way: every
+        rank of the gradient group contributed tokens to every expert's gradient."""
+        g = self.grid
+        return (g.expert_grad_group, g.expert_grad_size) if expert else (self.group, self.dp_size)
 
     @torch.no_grad()
     def sync_gradients(self):
+        expert = self.expert_names()
         for name, p in self.module.named_parameters():
             if not p.requires_grad:
                 continue
             if p.grad is None:
                 raise unused_parameter_error([name])
-            if self.dp_size > 1:
+            group, size = self.sum_group(name in expert)
+            if size > 1:
                 wire = p.grad if p.grad.dtype == self.reduce_dtype else p.grad.to(self.reduce_dtype)
                 if self.use_ring:  # naive: synchronous, in the calling thread
-                    ring_all_reduce(wire, self.comm, self.group)
+                    ring_all_reduce(wire, self.comm, group)
                 else:
-                    self.comm.all_reduce(wire, group=self.group)
+                    self.comm.all_reduce(wire, group=group)
                 if wire is not p.grad:
                     p.grad.copy_(wire)  # back into the fp32 gradient
+            if self.dp_size > 1:
                 p.grad.div_(self.dp_size)
 
 
@@ -65,13 +84,13 @@ def unused_parameter_error(names):
 
 
 @torch.no_grad()
-def broadcast_from_dp_root(module, group, dp_size, comm):
-    """Copy rank 0's parameters and buffers to the whole dp group: one flat broadcast per
-    dtype (instead of one per tensor), so start-up costs a handful of calls, not hundreds."""
-    if dp_size == 1:
+def broadcast_from_dp_root(tensors, group, dp_size, comm):
+    """Copy the group's first rank's `tensors` (parameters, buffers) to the whole group: one
+    flat broadcast per dtype (instead of one per tensor), so start-up costs a handful of
+    calls, not hundreds."""
+    if dp_size == 1 or not tensors:
         return
     root = dist.get_process_group_ranks(group)[0]  # global rank of dp rank 0
-    tensors = list(module.parameters()) + list(module.buffers())  # the tied weight once
     for dtype in sorted({t.dtype for t in tensors}, key=str):
         same = [t for t in tensors if t.dtype == dtype]
         flat = torch.cat([t.detach().reshape(-1) for t in same])

@@ -28,15 +28,21 @@ class ReplicatedStrategy(DataParallel):
             for name, p in self.module.named_parameters():
                 placement = self.placements[name]
                 tp_copies = g.tp_size if placement.tp_replicated else 1
-                me = g.grad_rank * tp_copies + (g.tp_rank if placement.tp_replicated else 0)
+                copies, at = ((g.expert_grad_size, g.expert_grad_rank) if placement.expert
+                              else (g.grad_size, g.grad_rank))
+                me = at * tp_copies + (g.tp_rank if placement.tp_replicated else 0)
                 self._regions.append(Region(
                     placement, 0, p.numel(), p, 0,
-                    writes=writer_among(name, g.grad_size * tp_copies) == me
+                    writes=writer_among(name, copies * tp_copies) == me
                     and placement.tied != "last",
-                    in_norm=placement.counted_in_norm(g.tp_rank)))
+                    # the ranks of an ep group hold the same dense parameters: one counts
+                    in_norm=placement.counted_in_norm(g.tp_rank)
+                    and (placement.expert or g.ep_rank == 0)))
         return self._regions
 
     def norm_group(self):
+        if self.grid.ep_size > 1:  # pp x tp x the ep group: other experts
+            return self.grid.expert_norm_group
         return sharded_group(self.grid, "pp", "tp")
 
     def build_optimizer(self, tcfg):

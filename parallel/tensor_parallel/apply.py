@@ -96,7 +96,7 @@ def apply_tensor_parallel(model, grid, cfg, comm):
         return layer
 
     for i, block in plan.blocks(model):
-        for linear in plan.TP_LINEARS:
+        for linear in plan.tp_linears(block):
             name = plan.block_prefix(i) + linear.path
             module = block.get_submodule(linear.path)
             if linear.style == "column":  # this rank's share of each fused part (q, k, v)

@@ -163,3 +163,43 @@ class _VocabParallelCrossEntropy(Function):
 def vocab_parallel_cross_entropy(logits, target, tp, vocab_start, n_real):
     """Per-token losses, identical on every TP rank."""
     return _VocabParallelCrossEntropy.apply(logits, target, tp, vocab_start, n_real)
+
+
+# ---------------------------------------------------------------- a replicated region's tokens
+# Between the TP pairs (without sequence parallelism) every TP rank holds the same
+# activations; a module there that must not compute every token on every rank (a
+# mixture-of-experts block: a token routed tp times) takes its sequence shard and gives
+# the shards back. Megatron's scatter_to / gather_from_sequence_parallel_region.
+
+class _TakeSeqShard(Function):
+    @staticmethod
+    def forward(ctx, x, tp):
+        ctx.tp = tp
+        return x.chunk(tp.size, dim=1)[tp.rank].contiguous()
+
+    @staticmethod
+    def backward(ctx, grad):  # each rank's share of the (replicated) input's gradient
+        return _all_gather_seq(grad.contiguous(), ctx.tp), None
+
+
+class _JoinSeqShards(Function):
+    @staticmethod
+    def forward(ctx, x, tp):
+        ctx.tp = tp
+        return _all_gather_seq(x.contiguous(), tp).contiguous()
+
+    @staticmethod
+    def backward(ctx, grad):  # the same gradient on every rank: keep this rank's shard
+        return grad.chunk(ctx.tp.size, dim=1)[ctx.tp.rank].contiguous(), None
+
+
+@eager_under_compile  # a collective: compiled regions stop here (parallel/compile.py)
+def take_seq_shard(x, tp):
+    """forward: this rank's sequence shard of replicated x; backward: all-gather."""
+    return _TakeSeqShard.apply(x, tp)
+
+
+@eager_under_compile  # a collective: compiled regions stop here (parallel/compile.py)
+def join_seq_shards(x, tp):
+    """forward: all-gather the ranks' sequence shards; backward: this rank's shard."""
+    return _JoinSeqShards.apply(x, tp)

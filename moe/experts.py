@@ -1,0 +1,82 @@
+"""The experts: E two-layer MLPs (GELU, as the dense block's), stored as stacked tensors
+(E, ...) so that expert parallelism keeps a run of whole experts by cutting dim 0, and
+computed grouped: the tokens arrive sorted by expert, and each layer is one grouped
+matrix product over all experts (`torch._grouped_mm`) where this device and dtype run it,
+else one product per expert -- never one per token."""
+
+import math
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+_GROUPED_OK = {}  # (device type, dtype) -> whether torch._grouped_mm runs there (probed once)
+
+
+class Experts(nn.Module):
+    def __init__(self, num_experts, n_embd, hidden, bias=True):
+        super().__init__()
+        self.fc_weight = nn.Parameter(torch.empty(num_experts, n_embd, hidden))
+        self.proj_weight = nn.Parameter(torch.empty(num_experts, hidden, n_embd))
+        self.fc_bias = nn.Parameter(torch.empty(num_experts, hidden)) if bias else None
+        self.proj_bias = nn.Parameter(torch.empty(num_experts, n_embd)) if bias else None
+
+    @staticmethod
+    def init_rule(kind, n_layer):
+        """GPT-2's init, as for the dense MLP: weights N(0, 0.02), the output projection's
+        scaled by 1/sqrt(2 n_layer); biases 0."""
+        if kind.endswith("bias"):
+            return ("fill", 0.0)
+        return ("normal", 0.02 / math.sqrt(2 * n_layer) if kind == "proj_weight" else 0.02)
+
+    def forward(self, x, counts):
+        """x: (n, C) tokens sorted by expert; counts: (E,) long, how many rows each of this
+        module's experts gets (they sum to n)."""
+        h = grouped_mm(x, self.fc_weight, counts)
+        if self.fc_bias is not None:
+            h = h + self.fc_bias.to(h.dtype).repeat_interleave(counts, dim=0, output_size=x.size(0))
+        y = grouped_mm(F.gelu(h), self.proj_weight, counts)
+        if self.proj_bias is not None:
+            y = y + self.proj_bias.to(y.dtype).repeat_interleave(counts, dim=0, output_size=x.size(0))
+        return y
+
+
+def grouped_mm(x, w, counts):
+    """rows of x times their expert's matrix: x (n, a) sorted by expert, w (E, a, b)."""
+    dtype = compute_dtype(x)
+    x, w = x.to(dtype), w.to(dtype)
+    if grouped_runs(x, w):
+        offsets = torch.cumsum(counts, 0).to(torch.int32)
+        y = torch._grouped_mm(x.contiguous(), w, offs=offsets)
+        if y.requires_grad:  # its backward refuses a gradient with zero strides (an expand)
+            y.register_hook(lambda g: g.contiguous())
+        return y
+    sizes = counts.tolist()
+    return torch.cat([part @ w[e] for e, part in enumerate(x.split(sizes))]) if sizes else x
+
+
+def compute_dtype(x):
+    device = x.device.type
+    if torch.is_autocast_enabled(device):
+        return torch.get_autocast_dtype(device)
+    return x.dtype
+
+
+def grouped_runs(x, w):
+    """Whether torch._grouped_mm computes these: it exists, rows are 16-byte aligned, and
+    a tiny forward and backward ran on this device and dtype (probed once; a CPU build,
+    or a GPU older than the kernel's, raises)."""
+    if not hasattr(torch, "_grouped_mm") or any((s * x.element_size()) % 16 for s in w.shape[1:]):
+        return False
+    key = (x.device.type, x.dtype)
+    if key not in _GROUPED_OK:
+        try:
+            a = torch.ones(4, 16, device=x.device, dtype=x.dtype, requires_grad=True)
+            b = torch.ones(2, 16, 16, device=x.device, dtype=x.dtype, requires_grad=True)
+            out = torch._grouped_mm(a, b, offs=torch.tensor([2, 4], dtype=torch.int32,
+                                                            device=x.device))
+            out.backward(torch.ones_like(out))
+            _GROUPED_OK[key] = True
+        except (RuntimeError, NotImplementedError):
+            _GROUPED_OK[key] = False
+    return _GROUPED_OK[key]

@@ -1,0 +1,69 @@
+"""The tokens' trip to the ranks that hold their experts, and back: Megatron's all-to-all
+token dispatcher, dropless.
+
+Per MoE block and micro-batch, on each rank of an ep group (experts e of rank r: the run
+r x E/ep .. (r+1) x E/ep - 1):
+  1. its N x k choices sorted by expert (so by destination rank, then expert, then token);
+  2. one all-to-all of the choice counts per expert (E integers each way), from which
+     every rank knows how many rows it sends each peer and receives from each;
+  3. the rows, all-to-all with those uneven splits (`AllToAll`: forward dispatch, its
+     backward the same exchange the other way);
+  4. what arrived, (source, expert, token), regrouped by expert and computed grouped;
+  5. the outputs back in arrival order, all-to-all back, weighted and summed into their
+     tokens.
+Per micro-batch and block each rank hands over N x k x C activations in 3, N x k x C in
+5, and as much again in backward: 4 x N x k x C elements (`comm_all_to_all_bytes`), plus
+the counts (`comm_all_to_all_counts_bytes`).
+"""
+
+import torch
+from torch.autograd import Function
+
+from moe.layer import combine, sort_by_expert
+from parallel.compile import eager_under_compile
+
+
+class AllToAll(Function):
+    """all_to_all_single of rows with uneven splits; the backward sends the gradients back."""
+
+    @staticmethod
+    def forward(ctx, x, out_splits, in_splits, exchange):
+        ctx.splits, ctx.exchange = (out_splits, in_splits), exchange
+        return exchange.send(x.contiguous(), out_splits, in_splits)
+
+    @staticmethod
+    def backward(ctx, grad):
+        out_splits, in_splits = ctx.splits
+        return ctx.exchange.send(grad.contiguous(), in_splits, out_splits), None, None, None
+
+
+class AllToAllExchange:
+    """The `exchange` of a MoE block whose experts this rank holds a run of (moe/layer.py)."""
+
+    def __init__(self, group, ep, rank, comm):
+        self.group, self.ep, self.comm = group, ep, comm
+
+    def send(self, x, out_splits, in_splits):
+        out = x.new_empty((sum(out_splits),) + tuple(x.shape[1:]))
+        self.comm.all_to_all(out, x, out_splits, in_splits, group=self.group)
+        return out
+
+    @eager_under_compile  # collectives and host-side splits: compiled regions stop here
+    def __call__(self, tokens, experts, weights, counts, module):
+        ep = self.ep
+        order, rows = sort_by_expert(experts)                       # 1.
+        arriving = torch.empty_like(counts)                         # 2. [source][my expert]
+        self.comm.all_to_all(arriving, counts.contiguous(), None, None, group=self.group,
+                             kind="all_to_all_counts")
+        held = arriving.numel() // ep
+        send_splits = counts.view(ep, held).sum(1).tolist()
+        by_source = arriving.view(ep, held)
+        recv_splits = by_source.sum(1).tolist()
+        got = AllToAll.apply(tokens[rows], recv_splits, send_splits, self)   # 3.
+        expert_of_row = torch.arange(held, device=got.device).repeat(ep).repeat_interleave(
+            by_source.reshape(-1), output_size=got.size(0))
+        by_expert = torch.argsort(expert_of_row, stable=True)       # 4.
+        y = module(got[by_expert], by_source.sum(0))
+        y = y[torch.argsort(by_expert)]                             # 5. arrival order again
+        back = AllToAll.apply(y, send_splits, recv_splits, self)
+        return combine(back, order, rows, weights, tokens)
