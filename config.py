@@ -160,8 +160,8 @@ def validate(cfg: Config, world_size: int):
          "model.moe_experts and model.moe_hidden must be >= 0, model.moe_every >= 1"),
         (not m.moe_experts or 1 <= m.moe_top_k <= m.moe_experts,
          f"model.moe_top_k={m.moe_top_k} must be between 1 and model.moe_experts={m.moe_experts}"),
-        (m.moe_aux_loss_coef >= 0 and m.moe_z_loss_coef >= 0,
-         "model.moe_aux_loss_coef and model.moe_z_loss_coef must be >= 0"),
+        (m.moe_aux_loss_coef >= 0 and m.moe_z_loss_coef >= 0 and m.moe_bias_rate >= 0,
+         "model.moe_aux_loss_coef, moe_z_loss_coef and moe_bias_rate must be >= 0"),
         (not m.moe_experts or not m.init_from,
          "model.init_from loads a dense GPT-2: it cannot start a mixture-of-experts model "
          "(model.moe_experts > 0)"),

@@ -75,6 +75,8 @@ class ModelConfig:
     moe_renormalize: bool = True  # the k chosen weights rescaled to sum to 1 (moe/router.py)
     moe_aux_loss_coef: float = 0.01  # the balance loss's weight in the training loss
     moe_z_loss_coef: float = 0.001   # the router z-loss's weight (ST-MoE); 0 = off
+    moe_bias_rate: float = 0.0  # DeepSeek-V3's loss-free balancing: per-expert choice biases
+                                # move this much a step towards balance; 0 = off
 
     def has_experts(self, block_index):
         """Whether block `block_index` is a mixture-of-experts block."""

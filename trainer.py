@@ -93,6 +93,8 @@ class Trainer:
         """Take model, optimizer and step from a snapshot (checked by check_resumable)."""
         self.strategy.load_shards(reader)
         self.strategy.precision.load_state(reader.meta.get("precision"))  # the fp16 loss scale
+        if self.strategy.balancer is not None:  # mixture of experts: the choice biases
+            self.strategy.balancer.load_state(reader.meta.get("moe_bias"))
         self.step, self.wandb_id = reader.meta["step"], reader.meta["wandb_id"]
         self.resumed_record = reader.meta.get("metrics_record")
         if self.grid.is_main:
@@ -176,6 +178,7 @@ class Trainer:
             **self.snapshot_meta,
             "layout": {"world_size": g.world_size, **g.sizes, "strategy": self.strategy.name},
             "precision": self.strategy.precision.state(),  # fp16: the loss scaler's state
+            **({"moe_bias": self.strategy.balancer.state()} if self.strategy.balancer else {}),
             "lr_schedule": {"warmup_steps": t.warmup_steps, "max_steps": t.max_steps,
                             "lr": t.lr, "min_lr": t.min_lr},
             "rng": {"scheme": "torch.manual_seed((seed*1000003 + step)*1009 + dp_rank) "

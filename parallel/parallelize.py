@@ -40,7 +40,9 @@ from parallel.checkpointing import checkpoint_blocks
 from parallel.comm import CommCounter
 from parallel.compile import compile_model
 from parallel.context_parallel.apply import apply_context_parallel
+from parallel import model_plan as plan
 from parallel.expert_parallel.apply import apply_experts
+from parallel.expert_parallel.balance import ChoiceBalancer
 from parallel.pipeline_parallel.pipeline import Pipeline
 from parallel.initial import to_meta
 from parallel.placement import Placement
@@ -79,6 +81,11 @@ def parallelize(model, grid, cfg, init=None):
     if t is not None:  # 4-6. compilation, recompute, precision (below)
         prepare_compute(model, local.tp, local.precision, t)
     strategy = Strategy(local, grid, p, cls(local, grid, p))  # 7. data
+    config = model.config
+    if config.moe_experts and config.moe_bias_rate:  # the choice biases (DeepSeek-V3's)
+        strategy.balancer = ChoiceBalancer(
+            plan.moe_layers(model), [i for i in range(config.n_layer) if config.has_experts(i)],
+            config.moe_experts, config.moe_bias_rate, grid, comm)
     if t is not None:
         strategy.configure_optimizer(t)
         strategy.applied = t

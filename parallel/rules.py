@@ -230,6 +230,9 @@ FT = [  # fault-tolerant replica groups (fault_tolerance/), checked with the con
          "ft.enabled with parallel.dp=torch_fsdp: PyTorch's FSDP reference holds DTensor "
          "gradients and state, which the sum across groups and a joining group's healing cannot "
          "take (and its gathers would run on torchft's thread); use parallel.dp=fsdp"),
+    Rule("ft.enabled", lambda f, m: f.enabled and m.moe_experts and m.moe_bias_rate,
+         "ft.enabled with model.moe_bias_rate > 0: each replica group would count its own "
+         "share of the batch and move the choice biases apart; use moe_aux_loss_coef alone"),
     Rule("ft.enabled", lambda f, p: f.enabled and p.timeout_s <= f.timeout_s,
          "parallel.timeout_s={p.timeout_s:g} must be above ft.timeout_s={f.timeout_s:g} with "
          "ft.enabled: a group's own collectives queued behind an all-reduce across groups that "

@@ -68,6 +68,7 @@ class Strategy:
             hold(self, local, grid, cfg)
         self.steps = ForwardBackward(dp, local.split, local.precision)
         self.last_state_bytes = self.last_host_state_bytes = 0  # at the last optimizer step
+        self.balancer = None  # model.moe_bias_rate > 0: expert_parallel/balance.py
         for call in getattr(dp, "replaces", ()):  # a reference's own, PyTorch's way
             setattr(self, call, getattr(dp, call))
 
@@ -136,6 +137,8 @@ class Strategy:
         every rank skips it; the gradients are dropped as usual)."""
         if not self.precision.skip_step:
             self.optimizer.step()
+            if self.balancer is not None:  # the experts' choice biases, after a real step
+                self.balancer.step()
 
     def drop_step(self, lr):
         """End a step without updating anything (fault tolerance: the groups did not

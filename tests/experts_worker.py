@@ -13,7 +13,8 @@ single-process replica of the same run (same initial weights, same global batch)
 - the all-to-all bytes each step, summed over ranks (tests compare them with the
   textbook count).
 `collapse`: a choice bias that sends every token to expert 0 (top-1): the most uneven
-all-to-all there is, every rank's tokens to one rank.
+all-to-all there is, every rank's tokens to one rank. `bias`: DeepSeek-V3's choice biases
+moving every step (model.moe_bias_rate), from the step's counts over the whole world.
 """
 
 import os
@@ -64,6 +65,7 @@ CASES = {  # each Case's `parallel` holds ep; its `moe`-like keys travel in MOE_
         Case("ep1-dp2-ddp_bucket", "ddp_bucket", dp=2),  # experts replicated: the bench's baseline
         Case("ep2-allgather-fsdp2", "fsdp", dp=2, parallel=ep(2, zero_stage=2, ep_impl="allgather")),
         Case("ep2cp2-ddp_naive", "ddp_naive", cp=2, parallel=ep(2)),  # ep carved from cp alone
+        Case("ep2-bias-ddp_bucket", "ddp_bucket", dp=2, parallel=ep(2)),  # DeepSeek-V3's biases
     ],
     4: [
         Case("ep4-ddp_bucket", "ddp_bucket", dp=4, parallel=ep(4)),
@@ -72,6 +74,7 @@ CASES = {  # each Case's `parallel` holds ep; its `moe`-like keys travel in MOE_
         Case("ep2tp2-sp-fsdp2", "fsdp", dp=2, tp=2, parallel=ep(2, zero_stage=2,
                                                                  sequence_parallel=True)),
         Case("ep2pp2-1f1b-m2-every2", "ddp_bucket", dp=2, pp=2, parallel=ep(2, **pp("1f1b", 2))),
+        Case("ep2pp2-bias-gpipe-m2", "ddp_naive", dp=2, pp=2, parallel=ep(2, **pp("gpipe", 2))),
         Case("ep2pp2-zbv-m2-fsdp1", "fsdp", dp=2, pp=2,
              parallel=ep(2, **pp("zbv", 2, zero_stage=1)), n_layer=4),
         Case("ep2cp2-ddp_bucket-accum2", "ddp_bucket", dp=2, cp=2, parallel=ep(2), accum=2),
@@ -91,6 +94,8 @@ def moe_keys(case):
     """The model's mixture-of-experts keys for a case (every other block in the
     `every2` cases: a pipeline stage without experts)."""
     keys = moe(moe_every=2) if "every2" in case.name else moe()
+    if "bias" in case.name:  # large enough to change choices within STEPS steps
+        keys = moe(**{**keys, "moe_bias_rate": 0.05})
     return moe(**{**keys, "moe_top_k": 1}) if "collapse" in case.name else keys
 
 

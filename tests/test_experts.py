@@ -142,3 +142,20 @@ def test_the_block_losses_reach_the_backward_with_their_coefficients():
         moe_layer.route = real_route
     (loss + 0.5 * seen["r"].balance + 0.25 * seen["r"].z).backward()
     torch.testing.assert_close(attached, layer.router.weight.grad)
+
+
+def test_choice_biases_move_towards_balance_and_round_trip_through_their_state():
+    """DeepSeek-V3's update, bias_e += rate x sign(mean count - count_e), from the step's
+    counts; its state is exact in JSON and loads back; the layers see the new biases."""
+    from types import SimpleNamespace
+    from parallel.expert_parallel.balance import ChoiceBalancer
+    layer = SimpleNamespace(stats={"forwards": 1, "counts": torch.tensor([10, 0, 2, 4])},
+                            choice_bias=None)
+    grid = SimpleNamespace(world_size=1, device=torch.device("cpu"))
+    balancer = ChoiceBalancer([(3, layer)], [1, 3], 4, 0.125, grid, comm=None)
+    balancer.step()
+    assert torch.equal(layer.choice_bias, torch.tensor([-0.125, 0.125, 0.125, 0.0]))
+    assert balancer.state()["1"] == [0.0] * 4  # a block without forwards stays
+    other = ChoiceBalancer([(3, SimpleNamespace(choice_bias=None))], [1, 3], 4, 0.125, grid, None)
+    other.load_state(balancer.state())
+    assert torch.equal(other.bias, balancer.bias)

@@ -5,7 +5,8 @@ records, the layouts that cannot run, export's refusal and sampling.
   ep 4 (fsdp ZeRO-3, 4 ranks), then one process: each resumes the snapshot the one before
   it wrote, and its steps equal an uninterrupted single-process run's (loss, pre-clip
   gradient norm and balance loss, rtol 1e-5; constant learning rate, no clipping, so a
-  wrong Adam state or gradient scale shows in the two steps after a resume).
+  wrong Adam state or gradient scale shows in the two steps after a resume). DeepSeek-V3's
+  choice biases move every step (model.moe_bias_rate): the snapshot carries them.
 - Each logged record of an ep job holds the balance and z-losses, the load of each MoE
   block and the worst, and the all-to-all bytes.
 - Bad layouts: one line on every rank, non-zero exit, before any collective.
@@ -19,6 +20,7 @@ from harness import assert_parity, max_rel_diff, read_metrics, run_job, run_metr
 from test_bad_input import assert_clean_failure
 
 MOE = ["model.moe_experts=4", "model.moe_top_k=2", "model.moe_hidden=48"]
+BIAS = ["model.moe_bias_rate=0.05"]  # the chain: the choice biases must resume too
 CONSTANT = ["trainer.warmup_steps=0", "trainer.lr=0.003", "trainer.min_lr=0.003",
             "trainer.grad_clip=0"]
 CHAIN = [(2, ["parallel.dp=ddp_bucket", "parallel.ep=2"]),
@@ -29,7 +31,7 @@ STEPS = 2  # per job
 
 @pytest.fixture(scope="module")
 def uninterrupted(tmp_path_factory):
-    return run_metrics(tmp_path_factory.mktemp("ref"), 1, ["parallel.dp=single"] + MOE + CONSTANT
+    return run_metrics(tmp_path_factory.mktemp("ref"), 1, ["parallel.dp=single"] + MOE + BIAS + CONSTANT
                        + [f"trainer.max_steps={STEPS * len(CHAIN)}"])
 
 
@@ -38,7 +40,7 @@ def chain(tmp_path_factory):
     workdir = tmp_path_factory.mktemp("chain")
     results = []
     for k, (nproc, args) in enumerate(CHAIN):
-        results.append(run_job(workdir, nproc, args + MOE + CONSTANT
+        results.append(run_job(workdir, nproc, args + MOE + BIAS + CONSTANT
                                + [f"trainer.max_steps={STEPS * (k + 1)}"]))
         if results[-1].returncode != 0:
             break
