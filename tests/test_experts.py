@@ -159,3 +159,37 @@ def test_choice_biases_move_towards_balance_and_round_trip_through_their_state()
     other = ChoiceBalancer([(3, SimpleNamespace(choice_bias=None))], [1, 3], 4, 0.125, grid, None)
     other.load_state(balancer.state())
     assert torch.equal(other.bias, balancer.bias)
+
+
+def test_accumulated_micro_batches_give_the_block_losses_the_main_loss_s_scale():
+    """Over 3 micro-batches the step's gradient is that of the mean over them of
+    loss + coef x balance + z_coef x z: the block losses' backward is divided by the
+    micro-batches as the main loss's is (a block loss whose gradient ignored them would be
+    3x too large, in every layout alike: the parity tests, whose reference shares this
+    code, cannot see it)."""
+    from dp_worker import OneRank
+    from parallel.config import ParallelConfig
+    from parallel.parallelize import parallelize
+    import moe.layer as moe_layer
+    config = GPTConfig(n_layer=1, n_head=2, n_embd=16, vocab_size=20, block_size=8,
+                       moe_experts=4, moe_top_k=2, moe_aux_loss_coef=0.5, moe_z_loss_coef=0.25)
+    x = torch.randint(20, (6, 8), generator=torch.Generator().manual_seed(5))
+    strategy = parallelize(GPT(config, seed=3), OneRank(), ParallelConfig(dp="single"))
+    strategy.forward_backward(list(zip(x.chunk(3), x.chunk(3))))
+    got = strategy.module.transformer.h[0].mlp.router.weight.grad.clone()
+    plain = GPT(config, seed=3)
+    layer = plain.transformer.h[0].mlp
+    layer.balance_coef = layer.z_coef = 0.0
+    seen, real_route = [], moe_layer.route
+
+    def keep(*args, **kwargs):
+        seen.append(real_route(*args, **kwargs))
+        return seen[-1]
+    moe_layer.route = keep
+    try:
+        total = sum(plain(m, m)[1] + 0.5 * seen[-1].balance + 0.25 * seen[-1].z
+                    for m in x.chunk(3)) / 3
+    finally:
+        moe_layer.route = real_route
+    total.backward()
+    torch.testing.assert_close(got, layer.router.weight.grad)
