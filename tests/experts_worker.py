@@ -19,6 +19,7 @@ moving every step (model.moe_bias_rate), from the step's counts over the whole w
 
 import os
 import sys
+from dataclasses import replace
 
 import torch
 import torch.distributed as dist
@@ -66,6 +67,11 @@ CASES = {  # each Case's `parallel` holds ep; its `moe`-like keys travel in MOE_
         Case("ep2-allgather-fsdp2", "fsdp", dp=2, parallel=ep(2, zero_stage=2, ep_impl="allgather")),
         Case("ep2cp2-ddp_naive", "ddp_naive", cp=2, parallel=ep(2)),  # ep carved from cp alone
         Case("ep2-bias-ddp_bucket", "ddp_bucket", dp=2, parallel=ep(2)),  # DeepSeek-V3's biases
+        # compute options (TRAINER_OF): against one process in the same precision
+        Case("ep2-bf16-fsdp2", "fsdp", dp=2, parallel=ep(2, zero_stage=2)),
+        Case("ep2-fp16-ddp_bucket-accum2", "ddp_bucket", dp=2, parallel=ep(2), accum=2),
+        Case("ep2-recompute-fsdp3-accum2", "fsdp", dp=2, parallel=ep(2, zero_stage=3), accum=2),
+        Case("ep2-compile-ddp_bucket", "ddp_bucket", dp=2, parallel=ep(2)),
     ],
     4: [
         Case("ep4-ddp_bucket", "ddp_bucket", dp=4, parallel=ep(4)),
@@ -88,6 +94,20 @@ CASES = {  # each Case's `parallel` holds ep; its `moe`-like keys travel in MOE_
              parallel=ep(4, sequence_parallel=True)),
     ],
 }
+
+
+def trainer_of(case, replica=False):
+    """The case's compute options, by name: bf16 / fp16 (the replica runs them too),
+    recompute, compile (aot_eager: the dynamo capture without code generation)."""
+    t = TRAINER
+    for precision in ("bf16", "fp16"):
+        if precision in case.name:
+            t = replace(t, precision=precision, fp16_growth_interval=2)
+    if "recompute" in case.name and not replica:
+        t = replace(t, activation_checkpointing=True)
+    if "compile" in case.name and not replica:
+        t = replace(t, compile=True, compile_backend="aot_eager")
+    return t
 
 
 def moe_keys(case):
@@ -122,10 +142,11 @@ _replicas = {}
 
 def replica_run(case):
     key = (case.n_layer, case.accum, case.clip, tuple(sorted(moe_keys(case).items())),
-           "collapse" in case.name)
+           "collapse" in case.name, trainer_of(case, replica=True).precision)
     if key not in _replicas:
         ref = parallelize(gpt(case), OneRank(), ParallelConfig(dp="single"))
-        ref.configure_optimizer(TRAINER)
+        ref.configure_compute(trainer_of(case, replica=True))
+        ref.configure_optimizer(trainer_of(case, replica=True))
         collapse(ref, case)
         steps = []
         for step in range(STEPS):
@@ -149,13 +170,16 @@ def check_case(case):
                         "cp": case.cp, "tp": case.tp}, torch.device("cpu"), ep=p.get("ep", 1))
     strategy = parallelize(gpt(case), grid, ParallelConfig(dp=case.dp_kind, tp=case.tp,
                                                            pp=case.pp, cp=case.cp, **p))
-    strategy.configure_optimizer(TRAINER)
+    strategy.configure_compute(trainer_of(case))
+    strategy.configure_optimizer(trainer_of(case))
     collapse(strategy, case)
     ref_steps, ref_val, ref_state = replica_run(case)
     strategy.comm_stats()
     names = ["loss", "norm", "aux", "z", "load"]
     out = {**{f"{n}_rel_diff": 0.0 for n in names}, "replicated_equal": [], "all_to_all": [],
-           "name": case.name, "ep": p.get("ep", 1), "ep_impl": p.get("ep_impl", "alltoall")}
+           "name": case.name, "ep": p.get("ep", 1), "ep_impl": p.get("ep_impl", "alltoall"),
+           "precision": trainer_of(case).precision,
+           "recompute": trainer_of(case).activation_checkpointing}
     per_rank = BATCH // grid.data_size
     mine = slice(grid.data_rank * per_rank, (grid.data_rank + 1) * per_rank)
     for step in range(STEPS):

@@ -4,7 +4,8 @@
   ep 2 and 4 with ddp_naive, ddp_bucket and fsdp stages 1-3, accumulation 2 and 3, ep
   carved from cp, ep x tp with and without sequence parallelism, ep x pp (1f1b with a
   stage without experts, zbv), ep x cp, ep x HSDP (with offload), the 4-D dp x cp x tp
-  with ep 4, and a router that sends every token to one expert, each against a
+  with ep 4, bf16, fp16 with its loss scaler, recompute, compile (aot_eager), DeepSeek-V3's
+  choice biases, and a router that sends every token to one expert, each against a
   single-process replica (and the all-gather reference exchange): per-step loss, pre-clip gradient norm, balance loss, z-loss and
   busiest expert's load, validation loss and final parameters; the all-to-all bytes
   equal their textbook count, 4 x tokens x k x C x 4 bytes a block and step;
@@ -35,15 +36,19 @@ EXPERT_CASES = [(world, case.name) for world in CASES for case in CASES[world]]
 def test_expert_layout_matches_single_process(world, name):
     r = layout_worker_result(world)["experts"][name]
     print({k: v for k, v in r.items() if k.endswith("diff")})
+    # bf16 / fp16 against one process in the same precision: test_precision.py's rtol
+    low = r["precision"] != "fp32"
     for figure in ("loss", "norm", "aux", "z", "load", "eval"):
-        assert r[f"{figure}_rel_diff"] <= 1e-5, (figure, r)
+        assert r[f"{figure}_rel_diff"] <= (2e-2 if low else 1e-5), (figure, r)
     assert all(r["replicated_equal"]), f"replicated tensors differ across TP ranks: {r}"
     assert r["shapes_canonical"], "state_dict() must hold single-device names and shapes only"
-    assert r["param_max_abs_diff"] < 1e-3, r
+    assert r["param_max_abs_diff"] < (2e-2 if low else 1e-3), r
     # each rank hands over its tokens' k rows (C floats each) to the dispatch, as many come
     # back, and the backward sends both again: summed over ranks, 4 x tokens x k x C x 4
     # bytes per MoE block (accumulation does not change the tokens a step routes)
-    textbook = 4 * r["tokens"] * r["top_k"] * r["n_embd"] * 4 * r["moe_blocks"]
+    # (recompute runs each forward's two exchanges again: 6 passes; bf16 sends 2 bytes)
+    passes = 6 if r["recompute"] else 4
+    textbook = passes * r["tokens"] * r["top_k"] * r["n_embd"] * (2 if low else 4) * r["moe_blocks"]
     sends = r["ep"] > 1 and r["ep_impl"] == "alltoall"  # (the reference gathers instead)
     assert r["all_to_all"] == [textbook if sends else 0] * len(r["all_to_all"]), r
 

@@ -82,8 +82,12 @@ def test_an_ep_run_logs_the_balance_losses_the_load_and_the_all_to_all_bytes(cha
      "each TP rank routes its equal share"),
     (1, MOE + ["model.moe_top_k=5"], "must be between 1 and model.moe_experts=4"),
     (1, MOE + ["parallel.ep=0"], "must be >= 1"),
+    (1, MOE + BIAS + ["ft.enabled=true", "parallel.timeout_s=120"],
+     "would count its own share of the batch"),
+    (1, MOE + ["parallel.ep_impl=scatter"], "parallel.ep_impl must be one of"),
 ], ids=["experts-not-divisible", "ep-beyond-dp", "ep-without-experts", "torch_ddp",
-        "ring", "tokens-not-divisible-by-tp", "top-k-beyond-experts", "ep-zero"])
+        "ring", "tokens-not-divisible-by-tp", "top-k-beyond-experts", "ep-zero",
+        "biases-under-replica-groups", "unknown-exchange"])
 def test_a_layout_experts_cannot_run_is_one_line(tmp_path, nproc, overrides, needle):
     result = run_job(tmp_path, nproc, overrides)
     if nproc > 1:

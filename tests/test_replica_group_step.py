@@ -108,7 +108,8 @@ def same_state(a, b):
     ["parallel.dp=single"],
     ["parallel.dp=single", "trainer.precision=fp16", "trainer.fp16_growth_interval=2"],
     ["parallel.dp=fsdp", "parallel.zero_stage=3"],
-], ids=["single", "single-fp16", "fsdp3"])
+    ["parallel.dp=single", "model.moe_experts=4", "model.moe_top_k=2"],
+], ids=["single", "single-fp16", "fsdp3", "single-experts"])
 def test_a_rejected_step_changes_nothing_and_its_redo_is_the_uninterrupted_step(
         tmp_path, one_rank_grid, monkeypatch, layout):
     """The vote rejects step 3's first try: at the redo's quorum, weights, AdamW state

@@ -15,6 +15,7 @@ way, where the all-to-all moves N x k x C: what the all-to-all saves grows with 
 import torch
 from torch.autograd import Function
 
+from moe.experts import compute_dtype
 from moe.layer import combine, sort_by_expert
 from parallel.compile import eager_under_compile
 
@@ -59,7 +60,7 @@ class AllGatherExchange:
     def __call__(self, tokens, experts, weights, counts, module):
         N, k = experts.shape
         held = module.fc_weight.size(0)
-        everyone = _GatherRows.apply(tokens, self)                     # 1.
+        everyone = _GatherRows.apply(tokens.to(compute_dtype(tokens)), self)  # 1.
         with self.comm.uncounted():  # the choices: small integers, not what is compared
             choices = self.gather(experts.contiguous())
         mine = choices.reshape(-1) - self.rank * held                   # this rank's experts

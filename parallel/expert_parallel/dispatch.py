@@ -12,13 +12,15 @@ r x E/ep .. (r+1) x E/ep - 1):
   5. the outputs back in arrival order, all-to-all back, weighted and summed into their
      tokens.
 Per micro-batch and block each rank hands over N x k x C activations in 3, N x k x C in
-5, and as much again in backward: 4 x N x k x C elements (`comm_all_to_all_bytes`), plus
-the counts (`comm_all_to_all_counts_bytes`).
+5, and as much again in backward: 4 x N x k x C elements (`comm_all_to_all_bytes`), in
+the experts' compute dtype (bf16 under bf16 autocast), plus the counts
+(`comm_all_to_all_counts_bytes`).
 """
 
 import torch
 from torch.autograd import Function
 
+from moe.experts import compute_dtype
 from moe.layer import combine, sort_by_expert
 from parallel.compile import eager_under_compile
 
@@ -59,7 +61,10 @@ class AllToAllExchange:
         send_splits = counts.view(ep, held).sum(1).tolist()
         by_source = arriving.view(ep, held)
         recv_splits = by_source.sum(1).tolist()
-        got = AllToAll.apply(tokens[rows], recv_splits, send_splits, self)   # 3.
+        # in the dtype the experts compute in (under autocast: bf16, half the bytes; the
+        # forward is the same to the bit, as tensor parallelism's gather_seq)
+        rows_out = tokens[rows].to(compute_dtype(tokens))
+        got = AllToAll.apply(rows_out, recv_splits, send_splits, self)      # 3.
         expert_of_row = torch.arange(held, device=got.device).repeat(ep).repeat_interleave(
             by_source.reshape(-1), output_size=got.size(0))
         by_expert = torch.argsort(expert_of_row, stable=True)       # 4.
