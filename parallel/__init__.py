@@ -1,8 +1,8 @@
 """Our own ways of training across processes, one folder per dimension, composed on one grid.
 
-    parallelize.py      parallelize(model, grid, cfg): tensor, context, pipeline, then data
-                        parallelism; the registries of strategies and references
-    layout.py           which layouts can run (grid sizes; each dimension's and strategy's rules)
+    parallelize.py      parallelize(model, grid, cfg): tensor (and experts), context, pipeline,
+                        then data parallelism; registry.py: strategies and references
+    layout.py           which layouts can run (grid sizes; rules.py, facts.py: the rules)
     grid.py             the process grid: named dimensions, their groups, the gradient group
     model_plan.py       the only file that names the GPT's modules
     strategy.py         the interface the trainer talks to (Strategy, LocalModel)
@@ -14,6 +14,8 @@
                         sharding across replica groups, CPU offload)
     tensor_parallel/    Megatron TP and sequence parallelism
     context_parallel/   every sequence split over ranks: zigzag chunks, ring attention
+    expert_parallel/    mixture-of-experts blocks wired in: experts split over ep ranks, tokens
+                        sent to them by all-to-all
     pipeline_parallel/  the pipeline executor and its schedules
     reference/          PyTorch's implementations, measured against ours
 
