@@ -16,7 +16,7 @@ import os
 
 import pytest
 
-from harness import assert_parity, max_rel_diff, read_metrics, run_job, run_metrics
+from harness import REPO, assert_parity, max_rel_diff, read_metrics, run_job, run_metrics
 from test_bad_input import assert_clean_failure
 
 MOE = ["model.moe_experts=4", "model.moe_top_k=2", "model.moe_hidden=48"]
@@ -111,3 +111,33 @@ def test_export_refuses_experts_and_sample_reads_them(tmp_path):
     sample = run_job(tmp_path, 1, ["mode=sample", "sample.length=20"])
     assert sample.returncode == 0, sample.stderr[-3000:]
     assert len(sample.stdout.strip()) > 0
+
+
+def test_the_tiny_preset_trains_with_its_experts_split(tmp_path):
+    """configs/moe-tiny.yaml's own keys, sizes scaled down, ep=2 on 2 ranks."""
+    preset = "config=" + os.path.join(REPO, "configs", "moe-tiny.yaml")
+    scaled = ["model.n_layer=2", "model.n_embd=32", "model.moe_hidden=32", "data.block_size=16",
+              "trainer.batch_size=8", "trainer.max_steps=2", "trainer.log_every=1",
+              "trainer.eval_every=0", "trainer.save_every=0", "sample.length=0",
+              "wandb.mode=disabled", "parallel.ep=2", "trainer.run_dir=runs/moe-tiny"]
+    result = run_job(tmp_path, 2, [preset] + scaled, tiny=False)
+    assert result.returncode == 0, result.stderr[-3000:]
+    records = read_metrics(tmp_path / "runs" / "moe-tiny")
+    assert [r["step"] for r in records] == [1, 2] and records[-1]["moe_load_max"] >= 1.0
+
+
+def test_the_gpt2_sized_preset_has_gpt2_small_s_active_parameters():
+    """configs/gpt2-124m-moe.yaml: GPT-2 small's shape, ~124M active parameters per token
+    (the router and 2 of 8 experts in 6 of 12 blocks) of ~209M."""
+    from dataclasses import asdict
+    import torch
+    from config import load_config
+    from model import GPT, GPTConfig
+    m = load_config(["config=" + os.path.join(REPO, "configs", "gpt2-124m-moe.yaml"),
+                     "trainer.grad_accum=5", "parallel.ep=8"], 8).model  # its command line
+    with torch.device("meta"):
+        model = GPT(GPTConfig(**asdict(m), vocab_size=50257, block_size=1024))
+    experts = sum(p.numel() for n, p in model.named_parameters() if ".experts." in n)
+    active = model.num_params() - experts * (m.moe_experts - m.moe_top_k) // m.moe_experts
+    assert (m.n_layer, m.n_head, m.n_embd) == (12, 12, 768)
+    assert round(active / 1e6, 1) == 124.5 and round(model.num_params() / 1e6, 1) == 209.5
