@@ -59,8 +59,7 @@ class MoE(nn.Module):
         B, T, C = x.shape
         with torch.autocast(x.device.type, enabled=False):  # the router in fp32
             logits = nn.functional.linear(x.float(), self.router.weight.float())
-        bias = None if self.choice_bias is None else self.choice_bias.to(logits.device)
-        r = route(logits.view(B, T, -1), self.top_k, self.renormalize, bias,
+        r = route(logits.view(B, T, -1), self.top_k, self.renormalize, self.choice_bias,
                   sum_counts=self.sum_counts, summed_ranks=self.summed_ranks)
         tokens = x.reshape(B * T, C)
         out = self.exchange(tokens, r.experts, r.weights, r.counts, self.experts)

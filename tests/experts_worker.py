@@ -129,7 +129,7 @@ def gpt(case):
 def collapse(strategy, case):
     if "collapse" in case.name:
         for _, layer in strategy.expert_layers():
-            layer.choice_bias = torch.tensor([10.0, 0.0, 0.0, 0.0])
+            layer.choice_bias = torch.tensor([10.0, 0.0, 0.0, 0.0], device=strategy.device)
 
 
 def figures(strategy):

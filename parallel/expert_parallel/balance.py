@@ -20,7 +20,7 @@ class ChoiceBalancer:
         block's canonical index, on every rank alike."""
         self.layers, self.blocks, self.rate = layers, blocks, rate
         self.grid, self.comm = grid, comm
-        self.bias = torch.zeros(len(blocks), num_experts)
+        self.bias = torch.zeros(len(blocks), num_experts, device=grid.device)
         self._install()
 
     def _install(self):
@@ -31,21 +31,22 @@ class ChoiceBalancer:
     def step(self):
         """After an optimizer step: the step's counts, summed over the world; the biases
         move (a collective, on every rank)."""
-        counts = torch.zeros(len(self.blocks), self.bias.size(1), dtype=torch.float64)
+        counts = torch.zeros(len(self.blocks), self.bias.size(1), dtype=torch.float64,
+                             device=self.bias.device)
         for i, moe in self.layers:
             if moe.stats["forwards"]:
-                counts[self.blocks.index(i)] = moe.stats["counts"].double().cpu()
-        counts = counts.to(self.grid.device)
+                counts[self.blocks.index(i)] = moe.stats["counts"].to(counts)
         if self.grid.world_size > 1:
             self.comm.all_reduce(counts)
-        counts = counts.cpu()
+        # on the device, nothing read: a step makes no host sync for it
         self.bias += self.rate * torch.sign(counts.mean(1, keepdim=True) - counts).float()
 
     def state(self) -> dict:
-        """{canonical block index: [E floats]}: exact (float32 values in JSON's doubles)."""
-        return {str(b): row.tolist() for b, row in zip(self.blocks, self.bias)}
+        """{canonical block index: [E floats]}: exact (float32 values in JSON's doubles).
+        Read at snapshot steps only."""
+        return {str(b): row.tolist() for b, row in zip(self.blocks, self.bias.cpu())}
 
     def load_state(self, state):
         if state:
             for b, row in state.items():
-                self.bias[self.blocks.index(int(b))] = torch.tensor(row)
+                self.bias[self.blocks.index(int(b))] = torch.tensor(row, device=self.bias.device)
