@@ -31,29 +31,28 @@ def expert_load(strategy):
 
 def moe_stats(layers, grid, comm, num_experts, blocks):
     """expert_load's figures. layers: [(canonical block index, MoE layer)] this rank
-    holds; blocks: the canonical indices of every MoE block, on every rank alike."""
-    rows = torch.zeros(len(blocks), 3 + num_experts, dtype=torch.float64)
+    holds; blocks: the canonical indices of every MoE block, on every rank alike. The
+    table is filled and summed on the device and read once."""
+    rows = torch.zeros(len(blocks), 3 + num_experts, dtype=torch.float64, device=grid.device)
     for i, moe in layers:
         s = moe.stats
         if s["forwards"]:
             row = rows[blocks.index(i)]
-            row[0], row[1], row[2] = float(s["balance"]), float(s["z"]), s["forwards"]
-            row[3:] = s["counts"].double().cpu()
-    rows = rows.to(grid.device)
+            row[0], row[1], row[2] = s["balance"], s["z"], s["forwards"]
+            row[3:] = s["counts"]
     if grid.world_size > 1:
         with comm.uncounted():
             dist.all_reduce(rows)
-    rows = rows.cpu()
-    computed = rows[:, 2] > 0
-    if not computed.any():  # no training forward this step
+    out, loads, balance, z = {}, [], [], []
+    for block, (b, zz, forwards, *counts) in zip(blocks, rows.tolist()):  # the one read
+        if not forwards:  # a block no training forward ran this step
+            continue
+        samples = forwards / grid.tp_size
+        balance.append(b / samples)
+        z.append(zz / samples)
+        loads.append(max(counts) / max(sum(counts) / len(counts), 1e-12))
+        out[f"moe_load_h{block}"] = loads[-1]
+    if not loads:
         return {}
-    per_block = rows[computed]
-    samples = per_block[:, 2] / grid.tp_size
-    counts = per_block[:, 3:]
-    load = counts.max(1).values / counts.mean(1).clamp(min=1e-12)
-    out = {"moe_aux_loss": float((per_block[:, 0] / samples).mean()),
-           "moe_z_loss": float((per_block[:, 1] / samples).mean()),
-           "moe_load_max": float(load.max())}
-    for i, value in zip([b for b, c in zip(blocks, computed.tolist()) if c], load.tolist()):
-        out[f"moe_load_h{i}"] = value
-    return out
+    return {"moe_aux_loss": sum(balance) / len(balance), "moe_z_loss": sum(z) / len(z),
+            "moe_load_max": max(loads), **out}

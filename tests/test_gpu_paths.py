@@ -249,6 +249,8 @@ HOST_READS = {
         "host's decision, read every step as torch.amp.GradScaler reads it",
 }
 LOGGED_READS = {"telemetry/loss_watch.py:LossWatch.read"}  # the logged loss and grad norm, at logged steps
+# mixture of experts, at logged steps: the balance losses and the load, one table read
+EXPERT_READS = {"telemetry/expert_load.py:moe_stats"}
 READERS = ("item", "tolist", "cpu", "numpy", "__float__", "__int__", "__bool__", "__index__")
 
 
@@ -289,8 +291,10 @@ def host_only(site):
 
 
 @pytest.mark.parametrize("layout", [["parallel.dp=single", "trainer.precision=bf16"],
-                                    ["parallel.dp=fsdp", "parallel.zero_stage=3"]],
-                         ids=["single-bf16", "fsdp3"])
+                                    ["parallel.dp=fsdp", "parallel.zero_stage=3"],
+                                    ["parallel.dp=single", "trainer.precision=bf16",
+                                     "model.moe_experts=4", "model.moe_bias_rate=0.01"]],
+                         ids=["single-bf16", "fsdp3", "single-bf16-experts"])
 def test_a_training_step_reads_the_device_only_for_the_logged_values(
         one_rank_grid, tmp_path, monkeypatch, layout):
     """Every host read in our code during steps 1-4 of a 5-step run logged every 2nd
@@ -304,8 +308,9 @@ def test_a_training_step_reads_the_device_only_for_the_logged_values(
     device = [(site, step) for site, step in reads if not host_only(site) and 1 <= step <= 4]
     print("device reads by step:", device)
     assert [s for s in device if s[1] in (1, 3)] == [], device
-    assert sorted(set(device)) == [(site, step) for step in (2, 4) for site in LOGGED_READS], device
-    assert len(device) == 2 * len(LOGGED_READS), device  # one read per logged step
+    logged = LOGGED_READS | (EXPERT_READS if any("moe_experts" in o for o in layout) else set())
+    assert sorted(set(device)) == sorted((site, step) for step in (2, 4) for site in logged), device
+    assert len(device) == 2 * len(logged), device  # one read per logged step
 
 
 # ---------------------------------------------------------------- 2. ring attention under bf16
