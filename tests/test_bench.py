@@ -10,9 +10,10 @@ from statistics import median
 import pytest
 
 from bench import cp_balance, data, fault_tolerance, snapshot, snapshot_async
-from bench.run_engine import stats, tables
+from bench.run_engine import experts, stats, tables
 from bench.run_engine.jobs import check
 from bench.run_engine.tables import fmt_ms
+from bench.run_engine.variants import BY_NAME
 from harness import REPO, job_env, python, read_metrics, run_tree
 
 STEPS, WARMUP = 6, 2
@@ -91,13 +92,17 @@ def test_textbook_figures():
     assert (ddp["state_bytes"], zero3["state_bytes"]) == (16000, 8000)
 
 
+def shape_cfg(grad_accum=1, **model):
+    """The textbooks' config shape: 2 layers x 8 wide, 16 tokens, global batch 4."""
+    from types import SimpleNamespace as NS
+    return NS(model=NS(n_layer=2, n_embd=8, **model), data=NS(block_size=16),
+              trainer=NS(batch_size=4, grad_accum=grad_accum))
+
+
 def test_cp_textbook_is_the_hand_count():
     """Context parallelism's textbook bytes, counted by hand for two layouts of a 2-layer,
     8-wide model, 16 tokens, global batch 4, on 4 ranks and 1000 parameters."""
-    from types import SimpleNamespace
-    cfg = SimpleNamespace(model=SimpleNamespace(n_layer=2, n_embd=8),
-                          data=SimpleNamespace(block_size=16),
-                          trainer=SimpleNamespace(batch_size=4, grad_accum=1))
+    cfg = shape_cfg()
     # cp 2 x dp 2: 2 sequences of 8 tokens per rank, keys + values 2 x 2 x 8 x 8 x 4 = 1024 bytes;
     # per layer: forward 1 x kv, backward 1 x (kv + their gradients) + the gradients home
     book = stats.cp_textbook(cfg, 1000, cp=2, n=4)
@@ -113,10 +118,7 @@ def test_cp_allgather_textbook_is_the_hand_count():
     """The all-gather reference's textbook bytes (parallel.cp_impl=allgather), by hand on the
     model above: per layer and micro-batch one all-gather forward, counted by its output,
     and one reduce-scatter backward, counted by its input, each cp x this rank's kv."""
-    from types import SimpleNamespace
-    cfg = SimpleNamespace(model=SimpleNamespace(n_layer=2, n_embd=8),
-                          data=SimpleNamespace(block_size=16),
-                          trainer=SimpleNamespace(batch_size=4, grad_accum=1))
+    cfg = shape_cfg()
     # cp 2 x dp 2: kv = 2 x 2 sequences x 8 tokens x 8 x 4 = 1024 bytes; gathered 2 x 1024
     book = stats.cp_allgather_textbook(cfg, 1000, cp=2, n=4)
     assert book["kv_bytes"] == {"all_gather": 2 * 2048, "reduce_scatter": 2 * 2048}
@@ -130,10 +132,41 @@ def test_cp_allgather_textbook_is_the_hand_count():
     cfg.trainer.grad_accum = 2  # two micro-batches of half the rows: the same bytes
     assert stats.cp_allgather_textbook(cfg, 1000, cp=2, n=4)["all_gather_bytes"] == 4096
     # the summary picks each variant's textbook by its parallel.cp_impl
-    from bench.run_engine.variants import BY_NAME
     assert stats.context_impl(BY_NAME["cp2_allgather"]) == "allgather"
     assert stats.context_impl(BY_NAME["cp2"]) == "ring"
     assert BY_NAME["cp2"].reference == "cp2_allgather"
+
+
+def test_ep_textbook_is_the_hand_count():
+    """Expert parallelism's textbook by hand, 1000 dense, 800 expert parameters, 2 MoE blocks of 4
+    experts, top 2, 64 tokens: rows out and back, forward and backward; E int64 counts; gradients
+    (experts' over the ranks holding the same); the reference's (1 + 2) x 32 rows per rank."""
+    cfg, book = shape_cfg(moe_every=1, moe_experts=4, moe_top_k=2), experts.ep_textbook
+    assert book(cfg, 1000, 800, 2, 2)["exchange_bytes"] == {"all_to_all": 4 * 64 * 2 * 8 * 4 * 2,
+                                                            "all_to_all_counts": 2 * 2 * 4 * 8}
+    assert book(cfg, 1000, 800, 2, 2)["exchange_wire_bytes"]["all_to_all"] == 32768 / 2 / 2
+    assert [book(cfg, 1000, 800, 2, n)[k] for n in (2, 4) for k in ("all_reduce_bytes", "state_bytes")] \
+        == [4000, 16 * 1400, 4000 + 1600, 16 * 1400]
+    assert book(cfg, 1000, 800, 2, 2, "allgather")["exchange_bytes"] == {
+        "all_gather": 2 * 2 * 32 * 3 * 8 * 4 * 2, "reduce_scatter": 2 * 2 * 32 * 3 * 8 * 4 * 2}
+    cfg = shape_cfg(moe_every=2, moe_experts=4, moe_top_k=2, grad_accum=2)  # 1 block, counts x 2
+    assert book(cfg, 1000, 800, 2, 4)["exchange_bytes"] == {"all_to_all": 16384, "all_to_all_counts": 256}
+    assert not book(cfg, 1000, 800, 1, 2)["exchange_bytes"]  # ep 1: every expert on every rank
+
+
+def test_bench_ep_all_to_all_bytes_are_the_textbook_count(tmp_path):
+    """ep1, ep_allgather, ep (tiny, 4 experts): the ranks' summed exchange is the textbook's."""
+    out, runs = tmp_path / "out", tmp_path / "runs"
+    result = run_tree([python(), "-m", "bench.run", "--model", "tiny", "--variants", "ep1,ep_allgather,ep",
+                       "--set", "model.moe_experts=4", "--rounds", "1", "--steps", "4", "--warmup", "1",
+                       "--out", str(out), "--runs-dir", str(runs)], 240, "ep", cwd=REPO, env=job_env())
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    doc, md = json.loads((out / "results.json").read_text()), (out / "results.md").read_text()
+    for job in doc["jobs"]:  # every rank's counters, summed per step
+        assert len(job["all_ranks"]) == 4 and (runs / f"r1-{job['variant']}" / "comm_rank1.jsonl").exists()
+        for kind, book in doc["variants"][job["variant"]]["textbook"]["exchange_bytes"].items():
+            assert [s[f"comm_{kind}_bytes"] for s in job["all_ranks"]] == [book] * 4, kind
+    assert md.split("## Expert parallelism")[1].count("1.00x (exact)") == 4 and BY_NAME["ep"].reference
 
 
 @pytest.mark.parametrize("N", [2, 3, 4, 8])

@@ -12,6 +12,7 @@ import os
 from dataclasses import asdict
 from statistics import median
 
+from bench.run_engine import experts
 from planner.formulas import (WIRE_PER_PAYLOAD, cp_allgather_textbook, cp_kv_bytes,  # noqa: F401
                               cp_textbook, cp_with_gradients, textbook, tp_textbook)
 
@@ -128,6 +129,12 @@ def job_median_ms(job, warmup):
     return median(r["step_ms"] for r in kept(job, warmup))
 
 
+# an all-to-all's payload (parallel/comm.py: the rows handed over) includes the rank's own
+# share, which stays: with even splits (n-1)/n of it travels
+WIRE = {**WIRE_PER_PAYLOAD, "all_to_all": lambda n: (n - 1) / n,
+        "all_to_all_counts": lambda n: (n - 1) / n}
+
+
 def comm_per_step(records, n):
     """Median over steps of every comm_* counter, plus the ring wire estimate."""
     keys = sorted({k for r in records for k in r if k.startswith("comm_")})
@@ -135,8 +142,8 @@ def comm_per_step(records, n):
     wire = 0.0
     for k, value in comm.items():
         kind = k[len("comm_"):-len("_bytes")] if k.endswith("_bytes") else None
-        if kind and kind in WIRE_PER_PAYLOAD:
-            wire += value * WIRE_PER_PAYLOAD[kind](n)
+        if kind and kind in WIRE:
+            wire += value * WIRE[kind](n)
         elif kind:  # a collective this table does not know: count its payload once
             wire += value
     comm["wire_bytes_est"] = wire
@@ -244,6 +251,7 @@ def summarize(jobs, variants, params, warmup, cfg=None):
     cfg: the jobs' config (model, data, batch), for the tensor-parallel figures."""
     ok = [j for j in jobs if j["ok"]]
     by_round = {(j["variant"], j["round"]): job_median_ms(j, warmup) for j in ok}
+    moe_model = meta_gpt(cfg) if cfg is not None and params and cfg.model.moe_experts else None
     out = {}
     for v, ranks, threads in variants:
         mine = [j for j in ok if j["variant"] == v.name]
@@ -290,6 +298,10 @@ def summarize(jobs, variants, params, warmup, cfg=None):
             # the same ranks splitting the batch instead: beside the reference, when it ran
             out[v.name]["context_parallel"] = {"cp": cp, "dp": variant_sizes(v, ranks)["dp"], "impl": impl,
                                                "vs_ddp_bucket": ratio(by_round, v.name, "ddp_bucket")}
+        moe = experts.figures(v, ranks, mine, recs, warmup, cfg, moe_model, ratio, loss_diff,
+                              ok, by_round)
+        if moe:
+            out[v.name]["textbook"], out[v.name]["expert_parallel"] = moe
         if v.tensor_parallel and cfg is not None and params:
             layout = tp_parameters(cfg, ranks)
             book = out[v.name]["textbook"] = {**tp_textbook(cfg, ranks),

@@ -6,6 +6,7 @@ One function per section; markdown() puts them in order under bench.report's hea
 import re
 
 from bench.report import header, table
+from bench.run_engine import experts
 
 MiB = 2**20
 
@@ -296,7 +297,7 @@ def markdown(cmd, settings, summary, skipped, jobs, chart):
     lines = [*header(f"Benchmark: {s['model']} model, {s['nproc']} ranks", cmd, details, s),
              *step_time(summary), *communication(summary), *activations(summary),
              *pipelines(summary), *tensor_parallel(summary), *context_parallel(summary),
-             *hybrid(summary), *compilation(summary),
+             *hybrid(summary), *experts.section(summary, fmt_ratio), *compilation(summary),
              *left_out(skipped, jobs),
              "", f"![step time and traffic]({chart})" if chart else
              "(no chart: matplotlib is not installed)", ""]

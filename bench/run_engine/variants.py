@@ -25,6 +25,7 @@ class Variant:
     tensor_parallel: bool = False  # textbook figures: pure TP over all ranks (activation traffic)
     note: str = ""
     unavailable: str = ""    # why it cannot run here at all: skipped with this reason, never launched
+    every_rank: bool = False  # count every rank's collectives too (every_rank.py), not rank 0's only
 
 
 VARIANTS = [
@@ -201,6 +202,27 @@ def hybrid_variants():
 
 VARIANTS += hybrid_variants()
 
+
+def expert_variants():
+    """Expert parallelism over every rank (parallel.ep = --nproc, carved out of dp) on a
+    mixture-of-experts model (`--model moe`), its tokens sent to their experts' ranks by
+    all-to-all (`ep`), against the all-gather reference (`ep_allgather`: every rank gathers
+    every token, computes its experts, reduce-scatters the outputs) and the same model with
+    every expert on every rank (`ep1`). Each counts every rank's collectives: rank 0's
+    all-to-all share depends on the routing, their sum does not."""
+    ep = ("parallel.dp=ddp_bucket", "parallel.allreduce=native", "parallel.ep={nproc}")
+    return [
+        Variant("ep1", ("parallel.dp=ddp_bucket", "parallel.allreduce=native", "parallel.ep=1"),
+                every_rank=True, note="every expert on every rank; expert gradients all-reduced"),
+        Variant("ep_allgather", ep + ("parallel.ep_impl=allgather",), every_rank=True,
+                note="the reference: all-gather every token, reduce-scatter the outputs"),
+        Variant("ep", ep + ("parallel.ep_impl=alltoall",), reference="ep_allgather",
+                every_rank=True, note="own expert parallelism: tokens all-to-all to their experts"),
+    ]
+
+
+VARIANTS += expert_variants()
+
 BY_NAME = {v.name: v for v in VARIANTS}
 
 # each preset starts with `single`: every ratio "vs single" needs it in the same round
@@ -232,8 +254,12 @@ PRESETS = {
                       "single_1t_compiled", "single_1t_compiled_model"],
     # hybrid sharding and offload against FSDP2's, on 4 ranks (run with --nproc 4)
     "hsdp": ["single", "torch_hsdp", "hsdp3", "torch_fsdp_offload", "fsdp3_offload"],
-    # (compiled variants only on request: each job pays inductor's start-up, tens of seconds)
-    "all": [v.name for v in VARIANTS if v.name != "single_1t" and "compiled" not in v.name],
+    # expert parallelism against experts on every rank and the all-gather (run with --model moe)
+    "ep": ["single", "ep1", "ep_allgather", "ep"],
+    # (compiled variants only on request: each job pays inductor's start-up, tens of seconds;
+    # the expert variants need a mixture-of-experts model: --preset ep --model moe)
+    "all": [v.name for v in VARIANTS if v.name != "single_1t" and "compiled" not in v.name
+            and not v.every_rank],
 }
 
 # the same model, data and GLOBAL batch for every variant
@@ -256,6 +282,10 @@ MODELS = {
     # 512, 256 tokens, batch 8: ~6.3M parameters in the blocks)
     "wide": ["model.n_layer=2", "model.n_head=8", "model.n_embd=512", "data.block_size=256",
              "trainer.batch_size=8"],
+    # mixture of experts (bench --preset ep): the default's shape but 4 layers x 128 wide, every
+    # block's MLP 8 experts (each the dense MLP's size), each token to its top 2; ~4.5M parameters
+    "moe": ["model.n_layer=4", "model.n_head=4", "model.n_embd=128", "data.block_size=128",
+            "trainer.batch_size=16", "model.moe_experts=8", "model.moe_top_k=2"],
     # for tests and smoke runs: seconds per job
     "tiny": ["model.n_layer=2", "model.n_head=2", "model.n_embd=32",
              "data.block_size=16", "trainer.batch_size=4"],
