@@ -152,6 +152,8 @@ def validate(cfg: Config, world_size: int):
          f"trainer.precision must be fp32, bf16 or fp16, got {t.precision!r}"),
         (t.fp16_init_scale > 0 and t.fp16_growth_interval >= 1,
          "trainer.fp16_init_scale must be > 0 and trainer.fp16_growth_interval >= 1"),
+        (t.max_skipped_steps >= 1,
+         f"trainer.max_skipped_steps must be >= 1, got {t.max_skipped_steps}"),
         (m.n_layer >= 1 and m.n_head >= 1 and m.n_embd >= 1, "model sizes must be positive"),
         (m.n_embd % m.n_head == 0,
          f"model.n_embd={m.n_embd} is not divisible by model.n_head={m.n_head}"),

@@ -28,6 +28,7 @@ import torch.distributed as dist
 from parallel import model_plan as plan
 from parallel.clipping import clip_gradients
 from parallel.comm import CommCounter
+from parallel.finite import not_finite, step_unless
 from parallel.forward_backward import ForwardBackward, reseed
 from parallel.placement import load_regions, snapshot_pieces
 from parallel.precision import Precision
@@ -69,6 +70,7 @@ class Strategy:
         self.steps = ForwardBackward(dp, local.split, local.precision)
         self.last_state_bytes = self.last_host_state_bytes = 0  # at the last optimizer step
         self.balancer = None  # model.moe_bias_rate > 0: expert_parallel/balance.py
+        self.not_finite = None  # clip_gradients: this step's gradients hold an inf or NaN
         for call in getattr(dp, "replaces", ()):  # a reference's own, PyTorch's way
             setattr(self, call, getattr(dp, call))
 
@@ -118,7 +120,11 @@ class Strategy:
                 if p.grad is not None]
 
     def clip_gradients(self, max_norm) -> torch.Tensor:
-        return clip_gradients(self.dp, self.precision, self.grads(), max_norm)
+        """The global pre-clip norm; the step's gradients clipped to max_norm. fp32 and
+        bf16: a norm that is not finite marks the step to be skipped (finite.py)."""
+        norm = clip_gradients(self.dp, self.precision, self.grads(), max_norm)
+        self.not_finite = None if self.precision.scaler else not_finite(norm)
+        return norm
 
     def clip_grad_norm_(self, max_norm) -> float:
         """clip_gradients, the norm read as a Python float."""
@@ -135,10 +141,15 @@ class Strategy:
     def step_optimizer(self):
         """optimizer.step(), unless fp16 gradients overflowed on some rank this step (then
         every rank skips it; the gradients are dropped as usual)."""
-        if not self.precision.skip_step:
+        found, self.not_finite = self.not_finite, None
+        if self.precision.skip_step:  # fp16: an overflow somewhere (host-decided)
+            return
+        if found is None:  # no norm computed this step (tests that do not clip)
             self.optimizer.step()
-            if self.balancer is not None:  # the experts' choice biases, after a real step
-                self.balancer.step()
+        else:
+            step_unless(self.optimizer, found)  # skipped if the gradients are not finite
+        if self.balancer is not None:  # the experts' choice biases, after a real step
+            self.balancer.step(found)
 
     def drop_step(self, lr):
         """End a step without updating anything (fault tolerance: the groups did not

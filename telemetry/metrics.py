@@ -82,18 +82,23 @@ class MetricsLog:
     def write(self, record, total_steps, console):
         if not self.active:
             return
+        note = record.pop("skipped_note", None)  # the console's, not a metric
         with open(self.path, "a") as f:
             f.write(json.dumps(record) + "\n")
         if self.run is not None:
             self.run.log(record, step=record["step"])
+        if note:
+            print(f"step {record['step']}: {note}", flush=True)
         if console:
             line = (f"step {record['step']}/{total_steps} | loss {record['loss']:.4f} | "
                     f"lr {record['lr']:.2e} | {record['tokens_per_s']:.0f} tok/s | "
                     f"{record['step_ms']:.1f} ms/step")
             if "mfu" in record:
                 line += f" | mfu {100 * record['mfu']:.1f}%"
-            if record.get("step_skipped"):
+            if record.get("step_skipped") and "loss_scale" in record:
                 line += f" | skipped (fp16 overflow; loss scale now {record['loss_scale']:g})"
+            elif record.get("step_skipped"):
+                line += " | skipped (gradients not finite)"
             if "val_loss" in record:
                 line += f" | val {record['val_loss']:.4f}"
             print(("\r" if self.tty else "") + line, flush=True)

@@ -20,7 +20,8 @@ class StepRecord:
         self.setup = {"setup_peak_rss_mb": grid.max_over_ranks([peak_rss_kib()])[0] / 1024}
         # model FLOPs utilisation where the device's peak is known (never on CPU: mfu.py)
         self.peak_flops = mfu.device_peak(grid.device, t.precision)
-        self.losses = LossWatch(grid.device)
+        self.losses = LossWatch(grid.device, t.max_skipped_steps,
+                                count_skips=t.precision != "fp16")  # fp16: the scaler's
         self.log, self.started = None, None
 
     def open(self, cfg, config_dict, step, wandb_id, resumed_record):
@@ -34,7 +35,7 @@ class StepRecord:
         a model a non-finite loss trained); sources: their figures() give (fields, whether
         the step must be written)."""
         ended = self.clock.mark()  # after the optimizer's kernels, not before them
-        self.losses.watch(loss, step)
+        self.losses.watch(loss, grad_norm, step)
         comm = self.strategy.comm_stats()
         stats, files = self.strategy.step_stats(last, measure=measured or last)
         if measured or last:  # mixture of experts: the balance losses and the load
@@ -43,7 +44,7 @@ class StepRecord:
         written = measured or any(eventful for _, eventful in figures)
         record = None
         if written or saved:
-            loss, grad_norm = self.losses.read(loss, grad_norm)  # raises on a non-finite loss
+            loss, grad_norm, skips = self.losses.read(loss, grad_norm, step)  # may raise
         if written:
             # the whole step on the device's timeline, optimizer included (data: read before it)
             elapsed = self.clock.seconds(self.started, [ended])[0] + data_ms / 1000
@@ -53,7 +54,7 @@ class StepRecord:
                       **peak_memory(self.grid.device),
                       # state_bytes (and host_state_bytes): a collective, at measured steps
                       **(self.strategy.state_figures() if measured else {}),
-                      **comm, **stats, **self.strategy.precision.metrics()}
+                      **comm, **stats, **self.strategy.precision.metrics(), **skips}
             if self.peak_flops:
                 record["mfu"] = mfu.mfu(self.flops_per_token, record["tokens_per_s"],
                                         self.peak_flops, self.grid.world_size)

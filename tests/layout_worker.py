@@ -476,6 +476,9 @@ def compute():
         result["random"]["cp"] = check_cp_streams()
     import experts_worker  # mixture-of-experts layouts (tests/test_experts.py)
     result["experts"] = experts_worker.compute()
+    if world == 2 and not only:  # a NaN in one rank's gradient (tests/test_nonfinite_steps.py)
+        import nonfinite_worker
+        result["nonfinite"] = nonfinite_worker.compute()
     if not only:  # other workers' checks for this rank count, sharing this launch (each
         # torchrun launch costs its interpreters' start-up, more than these checks)
         if world in (2, 4):  # tests/test_planner.py's measurements

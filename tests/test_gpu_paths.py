@@ -247,6 +247,9 @@ HOST_READS = {
         "generator; on a GPU the generator's seed and offset, no tensor",
     "parallel/precision.py:Precision.unscale_and_check": "fp16 only: whether to step is the "
         "host's decision, read every step as torch.amp.GradScaler reads it",
+    "parallel/finite.py:step_unless": "foreach AdamW only, the CPU's: whether the gradients "
+        "were finite, read on the host (nothing to wait for); fused AdamW, a GPU's, takes it as "
+        "found_inf unread (test_nonfinite_steps.py)",
 }
 LOGGED_READS = {"telemetry/loss_watch.py:LossWatch.read"}  # the logged loss and grad norm, at logged steps
 # mixture of experts, at logged steps: the balance losses and the load, one table read

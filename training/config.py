@@ -34,6 +34,8 @@ class TrainerConfig:
                                 # AdamW state stay fp32; fp16 adds a dynamic loss scaler
     fp16_init_scale: float = 65536.0  # fp16: the loss scaler's first scale (halved on overflow)
     fp16_growth_interval: int = 2000  # fp16: steps without overflow before the scale doubles
+    max_skipped_steps: int = 5  # fp32/bf16: a step whose gradients are not finite is skipped on
+                                # every rank; this many in a row stop the run
     activation_checkpointing: bool = False  # recompute each block in backward: less memory, ~1/3 more compute
     snapshot_async: bool = False  # write snapshots in the background from a host copy of each
                                   # rank's state (false: every rank waits for its write)

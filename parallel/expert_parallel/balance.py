@@ -28,9 +28,10 @@ class ChoiceBalancer:
             moe.choice_bias = self.bias[self.blocks.index(i)]
 
     @torch.no_grad()
-    def step(self):
+    def step(self, skipped=None):
         """After an optimizer step: the step's counts, summed over the world; the biases
-        move (a collective, on every rank)."""
+        move (a collective, on every rank), unless `skipped` (a 0-d bool tensor: the step's
+        gradients were not finite, parallel/finite.py)."""
         counts = torch.zeros(len(self.blocks), self.bias.size(1), dtype=torch.float64,
                              device=self.bias.device)
         for i, moe in self.layers:
@@ -39,7 +40,8 @@ class ChoiceBalancer:
         if self.grid.world_size > 1:
             self.comm.all_reduce(counts)
         # on the device, nothing read: a step makes no host sync for it
-        self.bias += self.rate * torch.sign(counts.mean(1, keepdim=True) - counts).float()
+        move = self.rate * torch.sign(counts.mean(1, keepdim=True) - counts).float()
+        self.bias += move if skipped is None else torch.where(skipped, 0.0, move)
 
     def state(self) -> dict:
         """{canonical block index: [E floats]}: exact (float32 values in JSON's doubles).
