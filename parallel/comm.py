@@ -134,11 +134,13 @@ class CommCounter:
         self.record("all_gather", output)
         return all_gather_single(output, input, group=group, async_op=async_op)
 
-    def all_to_all(self, output, input, output_splits, input_splits, group=None, kind="all_to_all"):
+    def all_to_all(self, output, input, output_splits, input_splits, group=None, kind="all_to_all",
+                   counted=None):
         """dist.all_to_all_single with uneven splits (row counts per rank), synchronous.
-        Counted: the rows this rank hands over (its own included: the textbook count)."""
-        self.check(kind, output)
-        self.record(kind, input)
+        Counted: `counted`, the side of the exchange the caller names (default: what this
+        rank hands over, its own share included)."""
+        self.check(kind, output, input)
+        self.record(kind, input if counted is None else counted)
         return dist.all_to_all_single(output, input, output_splits, input_splits, group=group)
 
     def broadcast(self, tensor, src, group=None, async_op=False):
