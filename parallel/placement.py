@@ -152,15 +152,28 @@ def load_regions(regions, optimizer, reader):
                 r.values()[idx] = reader.read_box(f"model/{name}", box).reshape(-1).to(r.opt_param)
             continue
         state = optimizer.state[r.opt_param]
-        if not state:
-            state["step"] = reader.read_box(f"optim/{name}/step", ()).reshape(()).clone()
-            for field in OPTIM_FIELDS:
-                state[field] = torch.zeros_like(r.opt_param)
+        stepped = _holds(reader, f"optim/{name}/step")  # the writer's AdamW had stepped
+        if stepped:
+            step = reader.read_box(f"optim/{name}/step", ()).reshape(()).clone()
+            if optimizer.defaults.get("fused") or optimizer.defaults.get("capturable"):
+                step = step.to(r.opt_param.device)  # their kernels keep it beside the parameter
+            if not state:
+                for field in OPTIM_FIELDS:
+                    state[field] = torch.zeros_like(r.opt_param)
+            state["step"] = step  # also into a live state: a replica group behind takes it
+        else:  # every step so far skipped (fp16 overflows, non-finite gradients): no state
+            state.clear()
         for box, idx in r.canonical_parts():
             r.values()[idx] = reader.read_box(f"model/{name}", box).reshape(-1).to(r.opt_param)
-            for field in OPTIM_FIELDS:
+            for field in OPTIM_FIELDS if stepped else ():
                 r.values(state[field])[idx] = reader.read_box(
                     f"optim/{name}/{field}", box).reshape(-1).to(r.opt_param)
+
+
+def _holds(reader, key) -> bool:
+    """Whether the snapshot (or a peer's state, which has no index: assumed) holds `key`."""
+    keys = getattr(reader, "keys", None)
+    return keys is None or key in keys()
 
 
 def by_device(tensors) -> dict:

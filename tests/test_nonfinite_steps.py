@@ -15,7 +15,8 @@ import pytest
 import torch
 
 from errors import UserError
-from harness import LAYOUT_SESSIONS, layout_worker_result, read_metrics, run_job
+from harness import (LAYOUT_SESSIONS, assert_parity, layout_worker_result, read_metrics, run_job,
+                     run_metrics, save_then_resume)
 from parallel.finite import not_finite, step_unless
 from telemetry.loss_watch import LossWatch
 
@@ -108,3 +109,27 @@ def test_a_diverging_run_skips_says_so_and_stops_with_its_snapshot_finite(tmp_pa
     assert snap is not None
     for key in snap.keys():
         assert torch.isfinite(snap.read_full(key)).all(), key
+
+
+def test_a_snapshot_of_a_run_whose_every_step_was_skipped_resumes_exactly(tmp_path):
+    """fp16 from a scale that overflows steps 1-3: the snapshot of step 3 holds no AdamW
+    state (it never stepped). Resumed, steps 4-6 equal the uninterrupted run's (it used to
+    stop: "snapshot has no 'optim/.../step'")."""
+    args = ["parallel.dp=single", "trainer.precision=fp16", "trainer.fp16_init_scale=1e6",
+            "trainer.save_every=3"]
+    whole = run_metrics(tmp_path / "whole", 1, args + ["trainer.max_steps=6"])
+    assert [r.get("step_skipped") for r in whole] == [1, 1, 1, 0, 0, 0], whole
+    resumed = save_then_resume(tmp_path, (1, args), (1, args))
+    assert_parity(whole[3:], resumed)
+
+
+def test_a_gpu_run_gets_fused_adamw_and_the_cpu_keeps_foreach():
+    """The no-read skip needs fused AdamW where a read would wait for the device."""
+    from parallel.data_parallel.contract import adamw_kind, build_adamw
+    from training.config import TrainerConfig
+    assert adamw_kind(torch.device("cuda", 3)) == {"fused": True}
+    assert adamw_kind(torch.device("cpu")) == {}
+    opt = build_adamw([{"params": [torch.nn.Parameter(torch.ones(2))]}], TrainerConfig())
+    assert not opt.defaults.get("fused")
+    opt = build_adamw([{"params": [torch.nn.Parameter(torch.ones(2))]}], TrainerConfig(), fused=True)
+    assert opt.defaults["fused"]
