@@ -106,8 +106,7 @@ def main(argv=None):
                 # rounds reuse those kernels (as a second run on one machine would)
                 cache = os.path.join(runs_dir, f"inductor-cache-{v.name}")
                 job = {"variant": v.name, "round": rnd, "ranks": ranks, "threads": threads,
-                       **run_job(ranks, threads, overrides, run_dir, args.timeout, cache,
-                                  v.every_rank)}
+                       **run_job(ranks, threads, overrides, run_dir, args.timeout, cache)}
                 job["ok"] = job["returncode"] == 0 and len(job["records"]) == args.steps
                 jobs.append(job)
                 ms = stats.job_median_ms(job, args.warmup) if job["ok"] else None

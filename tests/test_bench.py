@@ -10,9 +10,7 @@ from statistics import median
 import pytest
 
 from bench import cp_balance, data, fault_tolerance, snapshot, snapshot_async
-from bench.run_engine import experts, stats, tables
-from bench.run_engine.jobs import check
-from bench.run_engine.tables import fmt_ms
+from bench.run_engine import experts, jobs, stats, tables
 from bench.run_engine.variants import BY_NAME
 from harness import REPO, job_env, python, read_metrics, run_tree
 
@@ -54,7 +52,7 @@ def test_bench_reports_the_jobs_numbers(bench_run):
         assert got["state_bytes"] == metrics[-1]["state_bytes"]
         assert got["peak_mem_mb"] == max(m["peak_mem_mb"] for m in metrics)
         assert [j["records"] for j in doc["jobs"] if j["variant"] == name] == [metrics]
-        assert f"| {name} | " in md and f"| {fmt_ms(medians[name])} |" in md
+        assert f"| {name} | " in md and f"| {tables.fmt_ms(medians[name])} |" in md
     ratio = doc["variants"]["torch_ddp"]["vs_single"]["median"]
     assert ratio == pytest.approx(medians["torch_ddp"] / medians["single"])
     assert f"{ratio:.2f}x" in md
@@ -80,9 +78,9 @@ def test_bench_reports_compilation_against_eager(bench_run):
 
 
 def test_unknown_strategy_is_skipped_with_the_configs_reason():
-    why, _ = check(["parallel.dp=no_such_strategy"], 2)
+    why, _ = jobs.check(["parallel.dp=no_such_strategy"], 2)
     assert "no_such_strategy" in why
-    assert check(["parallel.dp=torch_ddp"], 2)[0] is None
+    assert jobs.check(["parallel.dp=torch_ddp"], 2)[0] is None
 
 
 def test_textbook_figures():
@@ -138,34 +136,36 @@ def test_cp_allgather_textbook_is_the_hand_count():
 
 
 def test_ep_textbook_is_the_hand_count():
-    """Expert parallelism's textbook by hand, 1000 dense, 800 expert parameters, 2 MoE blocks of 4
-    experts, top 2, 64 tokens: rows out and back, forward and backward; E int64 counts; gradients
-    (experts' over the ranks holding the same); the reference's (1 + 2) x 32 rows per rank."""
+    """Expert parallelism's per-rank textbook by hand (1000 dense, 800 expert parameters, 2 blocks of
+    4 experts x 8 wide, top 2, 32 tokens a rank): rows, counts, gradients, the reference's rows."""
     cfg, book = shape_cfg(moe_every=1, moe_experts=4, moe_top_k=2), experts.ep_textbook
-    assert book(cfg, 1000, 800, 2, 2)["exchange_bytes"] == {"all_to_all": 4 * 64 * 2 * 8 * 4 * 2,
-                                                            "all_to_all_counts": 2 * 2 * 4 * 8}
-    assert book(cfg, 1000, 800, 2, 2)["exchange_wire_bytes"]["all_to_all"] == 32768 / 2 / 2
-    assert [book(cfg, 1000, 800, 2, n)[k] for n in (2, 4) for k in ("all_reduce_bytes", "state_bytes")] \
-        == [4000, 16 * 1400, 4000 + 1600, 16 * 1400]
-    assert book(cfg, 1000, 800, 2, 2, "allgather")["exchange_bytes"] == {
-        "all_gather": 2 * 2 * 32 * 3 * 8 * 4 * 2, "reduce_scatter": 2 * 2 * 32 * 3 * 8 * 4 * 2}
+    two, gathers = book(cfg, 1000, 800, 2, 2), book(cfg, 1000, 800, 2, 2, "allgather")["exchange_bytes"]
+    assert two["exchange_bytes"] == {"all_to_all": 4 * 32 * 2 * 8 * 4 * 2, "all_to_all_counts": 2 * 4 * 8}
+    assert two["exchange_wire_bytes"]["all_to_all"] == 16384 / 2  # (ep-1)/ep
+    assert [book(cfg, 1000, 800, 2, n)[k] for n in (2, 4) for k in ("all_reduce_bytes", "state_bytes")] == [
+        4000, 16 * 1400, 4000 + 1600, 16 * 1400]
+    assert gathers == dict.fromkeys(("all_gather", "reduce_scatter"), 2 * 32 * 3 * 8 * 4 * 2)  # ep x 32 x (1 + k)
     cfg = shape_cfg(moe_every=2, moe_experts=4, moe_top_k=2, grad_accum=2)  # 1 block, counts x 2
-    assert book(cfg, 1000, 800, 2, 4)["exchange_bytes"] == {"all_to_all": 16384, "all_to_all_counts": 256}
+    assert book(cfg, 1000, 800, 2, 4)["exchange_bytes"] == {"all_to_all": 4 * 16 * 2 * 8 * 4, "all_to_all_counts": 64}
     assert not book(cfg, 1000, 800, 1, 2)["exchange_bytes"]  # ep 1: every expert on every rank
 
 
-def test_bench_ep_all_to_all_bytes_are_the_textbook_count(tmp_path):
-    """ep1, ep_allgather, ep (tiny, 4 experts): the ranks' summed exchange is the textbook's."""
+def test_bench_ep_rank0_exchange_bytes_are_the_textbook_count(tmp_path):
+    """ep1, ep_allgather, ep (tiny: 2 blocks x 32 wide, 4 experts, top 2, 2 ranks of 32 tokens):
+    rank 0's logged exchange at every step is its per-rank textbook count, by hand."""
     out, runs = tmp_path / "out", tmp_path / "runs"
     result = run_tree([python(), "-m", "bench.run", "--model", "tiny", "--variants", "ep1,ep_allgather,ep",
                        "--set", "model.moe_experts=4", "--rounds", "1", "--steps", "4", "--warmup", "1",
                        "--out", str(out), "--runs-dir", str(runs)], 240, "ep", cwd=REPO, env=job_env())
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     doc, md = json.loads((out / "results.json").read_text()), (out / "results.md").read_text()
-    for job in doc["jobs"]:  # every rank's counters, summed per step
-        assert len(job["all_ranks"]) == 4 and (runs / f"r1-{job['variant']}" / "comm_rank1.jsonl").exists()
-        for kind, book in doc["variants"][job["variant"]]["textbook"]["exchange_bytes"].items():
-            assert [s[f"comm_{kind}_bytes"] for s in job["all_ranks"]] == [book] * 4, kind
+    hand = {"ep1": {}, "ep_allgather": dict.fromkeys(("all_gather", "reduce_scatter"), 2 * 32 * 3 * 32 * 4 * 2),
+            "ep": {"all_to_all": 4 * 32 * 2 * 32 * 4 * 2, "all_to_all_counts": 2 * 4 * 8}}  # x 4 bytes x 2 blocks
+    assert {v: doc["variants"][v]["textbook"]["exchange_bytes"] for v in hand} == hand
+    for name, book in hand.items():  # rank 0's metrics, as the job logged them, every step
+        got = [{k: m.get(f"comm_{k}_bytes", 0) for k in experts.KINDS}
+               for m in read_metrics(str(runs / f"r1-{name}"))]
+        assert got == [{k: book.get(k, 0) for k in experts.KINDS}] * 4, name
     assert md.split("## Expert parallelism")[1].count("1.00x (exact)") == 4 and BY_NAME["ep"].reference
 
 

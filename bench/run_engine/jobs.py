@@ -1,7 +1,6 @@
 """One bench.run job: the overrides every job shares, whether this checkout accepts a
 variant's, and running main.py (alone, or under torchrun) to collect what it logged."""
 
-import glob
 import json
 import os
 import subprocess
@@ -13,7 +12,6 @@ from bench.run_engine.variants import MODELS
 
 MAIN = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))),
                     "main.py")
-EVERY_RANK = os.path.join(os.path.dirname(os.path.abspath(__file__)), "every_rank.py")
 
 
 def common_overrides(model, data, steps):
@@ -35,15 +33,12 @@ def check(overrides, ranks):
         return str(e), None
 
 
-def run_job(ranks, threads, overrides, run_dir, timeout, cache_dir=None, every_rank=False):
+def run_job(ranks, threads, overrides, run_dir, timeout, cache_dir=None):
     """One training job; returns its exit status, wall time, logged records and error tail.
-    cache_dir: inductor's kernel cache for trainer.compile (None: beside run_dir).
-    every_rank: main.py through every_rank.py, and `all_ranks`: every rank's counters summed
-    per step (None when the ranks' counts do not line up with the records)."""
+    cache_dir: inductor's kernel cache for trainer.compile (None: beside run_dir)."""
     os.makedirs(run_dir, exist_ok=True)
-    script = EVERY_RANK if every_rank else MAIN
-    launcher = [sys.executable, script] if ranks == 1 else [
-        sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={ranks}", script]
+    launcher = [sys.executable, MAIN] if ranks == 1 else [
+        sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={ranks}", MAIN]
     env = dict(os.environ, OMP_NUM_THREADS=str(threads), MKL_NUM_THREADS=str(threads),
                WANDB_SILENT="true", PYTHONUNBUFFERED="1")
     for key in ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_RANK"):
@@ -64,21 +59,4 @@ def run_job(ranks, threads, overrides, run_dir, timeout, cache_dir=None, every_r
     return {"returncode": code, "seconds": round(time.perf_counter() - started, 2),
             "records": records,
             "timeline": json.load(open(timeline)) if os.path.exists(timeline) else None,
-            **({"all_ranks": summed_over_ranks(run_dir, records, ranks)} if every_rank else {}),
             "error": "" if code == 0 else tail}
-
-
-def summed_over_ranks(run_dir, records, ranks):
-    """Per logged step, every comm_* figure summed over the ranks' comm_rank<r>.jsonl
-    (every_rank.py: one line per pop of the counters, the trainer's once a step), or None
-    unless every rank wrote one line per record and rank 0's lines are its records' figures
-    (the check that line i is step i+1)."""
-    per_rank = [stats.read_metrics(p) for p in sorted(glob.glob(os.path.join(run_dir, "comm_rank*.jsonl")))]
-    if len(per_rank) != ranks or any(len(lines) != len(records) for lines in per_rank):
-        return None
-    rank0 = stats.read_metrics(os.path.join(run_dir, "comm_rank0.jsonl"))
-    if any(line[k] != r.get(k) for line, r in zip(rank0, records) for k in line):
-        return None
-    return [{k: sum(lines[i].get(k, 0) for lines in per_rank)
-             for k in sorted({k for lines in per_rank for k in lines[i]})}
-            for i in range(len(records))]

@@ -298,8 +298,7 @@ def summarize(jobs, variants, params, warmup, cfg=None):
             # the same ranks splitting the batch instead: beside the reference, when it ran
             out[v.name]["context_parallel"] = {"cp": cp, "dp": variant_sizes(v, ranks)["dp"], "impl": impl,
                                                "vs_ddp_bucket": ratio(by_round, v.name, "ddp_bucket")}
-        moe = experts.figures(v, ranks, mine, recs, warmup, cfg, moe_model, ratio, loss_diff,
-                              ok, by_round)
+        moe = experts.figures(v, ranks, recs, cfg, moe_model, ratio, loss_diff, ok, by_round)
         if moe:
             out[v.name]["textbook"], out[v.name]["expert_parallel"] = moe
         if v.tensor_parallel and cfg is not None and params:

@@ -25,7 +25,6 @@ class Variant:
     tensor_parallel: bool = False  # textbook figures: pure TP over all ranks (activation traffic)
     note: str = ""
     unavailable: str = ""    # why it cannot run here at all: skipped with this reason, never launched
-    every_rank: bool = False  # count every rank's collectives too (every_rank.py), not rank 0's only
 
 
 VARIANTS = [
@@ -208,20 +207,20 @@ def expert_variants():
     mixture-of-experts model (`--model moe`), its tokens sent to their experts' ranks by
     all-to-all (`ep`), against the all-gather reference (`ep_allgather`: every rank gathers
     every token, computes its experts, reduce-scatters the outputs) and the same model with
-    every expert on every rank (`ep1`). Each counts every rank's collectives: rank 0's
-    all-to-all share depends on the routing, their sum does not."""
+    every expert on every rank (`ep1`)."""
     ep = ("parallel.dp=ddp_bucket", "parallel.allreduce=native", "parallel.ep={nproc}")
     return [
         Variant("ep1", ("parallel.dp=ddp_bucket", "parallel.allreduce=native", "parallel.ep=1"),
-                every_rank=True, note="every expert on every rank; expert gradients all-reduced"),
-        Variant("ep_allgather", ep + ("parallel.ep_impl=allgather",), every_rank=True,
+                note="every expert on every rank; expert gradients all-reduced"),
+        Variant("ep_allgather", ep + ("parallel.ep_impl=allgather",),
                 note="the reference: all-gather every token, reduce-scatter the outputs"),
         Variant("ep", ep + ("parallel.ep_impl=alltoall",), reference="ep_allgather",
-                every_rank=True, note="own expert parallelism: tokens all-to-all to their experts"),
+                note="own expert parallelism: tokens all-to-all to their experts"),
     ]
 
 
-VARIANTS += expert_variants()
+EXPERT_VARIANTS = expert_variants()
+VARIANTS += EXPERT_VARIANTS
 
 BY_NAME = {v.name: v for v in VARIANTS}
 
@@ -259,7 +258,7 @@ PRESETS = {
     # (compiled variants only on request: each job pays inductor's start-up, tens of seconds;
     # the expert variants need a mixture-of-experts model: --preset ep --model moe)
     "all": [v.name for v in VARIANTS if v.name != "single_1t" and "compiled" not in v.name
-            and not v.every_rank],
+            and v not in EXPERT_VARIANTS],
 }
 
 # the same model, data and GLOBAL batch for every variant
