@@ -11,9 +11,15 @@ deep inside the backend ("No backend type associated with device type cpu").
 all_reduce, the output of an all_gather, the input of a reduce_scatter, what a
 send sends), not what the algorithm puts on the wire: the benchmark compares
 it with the textbook volumes.
+
+The counter also times how long the training thread was blocked in them (a synchronous
+call, or `wait()` on the work of an asynchronous one: `take_waited_s`): a rank that waits
+little while the others wait long is the one they wait for (telemetry/stragglers.py).
 """
 
 import re
+import threading
+import time
 from collections import Counter
 from contextlib import contextmanager
 
@@ -89,6 +95,30 @@ class CommCounter:
         self.calls, self.bytes = Counter(), Counter()
         self.counting = True
         self.device = None if device is None else torch.device(device)
+        self.waited_s, self.thread = 0.0, threading.get_ident()  # the training thread's
+
+    @contextmanager
+    def blocked(self):
+        """Time a wait for a collective, if the training thread is the one waiting (the
+        ring's worker thread waits for its own sends: not the step's wait)."""
+        start = time.perf_counter()
+        try:
+            yield
+        finally:
+            if threading.get_ident() == self.thread:
+                self.waited_s += time.perf_counter() - start
+
+    def take_waited_s(self) -> float:
+        """Seconds the training thread was blocked in collectives since the last take."""
+        waited, self.waited_s = self.waited_s, 0.0
+        return waited
+
+    def _run(self, call, async_op):
+        """A collective's call: its work wrapped to time its wait, or timed itself."""
+        if async_op:
+            return TimedWork(call(), self)
+        with self.blocked():
+            return call()
 
     def check(self, kind, *tensors):
         check_device(kind, self.device, *tensors)
@@ -122,17 +152,20 @@ class CommCounter:
 
     def all_reduce(self, tensor, group=None, op=dist.ReduceOp.SUM, async_op=False):
         self.record("all_reduce", tensor)
-        return dist.all_reduce(tensor, op=op, group=group, async_op=async_op)
+        return self._run(lambda: dist.all_reduce(tensor, op=op, group=group, async_op=async_op),
+                         async_op)
 
     def reduce_scatter(self, output, input, group=None, op=dist.ReduceOp.SUM, async_op=False):
         self.check("reduce_scatter", output)
         self.record("reduce_scatter", input)
-        return reduce_scatter_single(output, input, op=op, group=group, async_op=async_op)
+        return self._run(lambda: reduce_scatter_single(output, input, op=op, group=group,
+                                                       async_op=async_op), async_op)
 
     def all_gather(self, output, input, group=None, async_op=False):
         self.check("all_gather", input)
         self.record("all_gather", output)
-        return all_gather_single(output, input, group=group, async_op=async_op)
+        return self._run(lambda: all_gather_single(output, input, group=group, async_op=async_op),
+                         async_op)
 
     def all_to_all(self, output, input, output_splits, input_splits, group=None, kind="all_to_all",
                    counted=None):
@@ -141,11 +174,13 @@ class CommCounter:
         rank hands over, its own share included)."""
         self.check(kind, output, input)
         self.record(kind, input if counted is None else counted)
-        return dist.all_to_all_single(output, input, output_splits, input_splits, group=group)
+        with self.blocked():
+            return dist.all_to_all_single(output, input, output_splits, input_splits, group=group)
 
     def broadcast(self, tensor, src, group=None, async_op=False):
         self.record("broadcast", tensor)
-        return dist.broadcast(tensor, src=src, group=group, async_op=async_op)
+        return self._run(lambda: dist.broadcast(tensor, src=src, group=group, async_op=async_op),
+                         async_op)
 
     def exchange(self, sends=(), recvs=(), group=None):
         """Post sends [(tensor, dst)] and receives [(tensor, src)] as one batch
@@ -161,5 +196,20 @@ class CommCounter:
         for tensor, dst in sends:
             self.record("send", tensor)
             ops.append(dist.P2POp(dist.isend, tensor, peer=dst, group=group))
-        works = dist.batch_isend_irecv(ops) if ops else []
+        works = [TimedWork(w, self) for w in (dist.batch_isend_irecv(ops) if ops else [])]
         return works if len(works) == len(ops) else [works[0]] * len(ops)
+
+
+class TimedWork:
+    """An asynchronous collective's work whose wait() is timed (CommCounter.blocked); the
+    rest is the work's own."""
+
+    def __init__(self, work, counter):
+        self.work, self.counter = work, counter
+
+    def wait(self, *args, **kwargs):
+        with self.counter.blocked():
+            return self.work.wait(*args, **kwargs)
+
+    def __getattr__(self, name):
+        return getattr(self.work, name)

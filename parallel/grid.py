@@ -30,7 +30,7 @@ import torch
 import torch.distributed as dist
 
 from errors import UserError
-from parallel.comm import checked_all_reduce
+from parallel.comm import all_gather_single, checked_all_reduce
 
 DIMS = ("dp_replicate", "dp", "pp", "cp", "tp")  # the grid's axes, slowest- to fastest-varying
 DATA_DIMS = ("dp_replicate", "dp")  # the axes whose ranks read other rows of the global batch
@@ -190,6 +190,24 @@ class ProcessGrid:
         if self.world_size > 1:
             checked_all_reduce(flag, "cpu", op=dist.ReduceOp.MAX, group=self.host_group)
         return flag.tolist()
+
+    def sum_over_ranks(self, tensor):
+        """`tensor` (on the grid's device) summed over every rank, in place: figures for a
+        logged step's record (telemetry/expert_load.py), not training traffic."""
+        if self.world_size > 1:
+            checked_all_reduce(tensor, self.device)
+        return tensor
+
+    def gather_over_ranks(self, values) -> list:
+        """[every rank's `values`] (floats), by rank, over the host group: the ranks'
+        figures at a logged step (telemetry/stragglers.py). Host values, so in host
+        memory, waiting for no device; not training traffic."""
+        mine = torch.tensor(list(values), dtype=torch.float64, device="cpu")
+        if self.world_size == 1:
+            return [mine.tolist()]
+        everyone = torch.empty(self.world_size * mine.numel(), dtype=torch.float64)
+        all_gather_single(everyone, mine, group=self.host_group)
+        return everyone.view(self.world_size, -1).tolist()
 
     def all_ok(self, ok: bool) -> bool:
         """True on every rank iff `ok` was true on every rank (so all stop together)."""

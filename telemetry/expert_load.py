@@ -15,7 +15,6 @@ micro-batches, so the block's loss is the total over `forwards / tp` of them.
 """
 
 import torch
-import torch.distributed as dist
 
 
 def expert_load(strategy):
@@ -25,11 +24,10 @@ def expert_load(strategy):
     if not config.moe_experts:
         return {}
     blocks = [i for i in range(config.n_layer) if config.has_experts(i)]
-    return moe_stats(strategy.expert_layers(), strategy.grid, strategy.comm,
-                     config.moe_experts, blocks)
+    return moe_stats(strategy.expert_layers(), strategy.grid, config.moe_experts, blocks)
 
 
-def moe_stats(layers, grid, comm, num_experts, blocks):
+def moe_stats(layers, grid, num_experts, blocks):
     """expert_load's figures. layers: [(canonical block index, MoE layer)] this rank
     holds; blocks: the canonical indices of every MoE block, on every rank alike. The
     table is filled and summed on the device and read once."""
@@ -40,9 +38,7 @@ def moe_stats(layers, grid, comm, num_experts, blocks):
             row = rows[blocks.index(i)]
             row[0], row[1], row[2] = s["balance"], s["z"], s["forwards"]
             row[3:] = s["counts"]
-    if grid.world_size > 1:
-        with comm.uncounted():
-            dist.all_reduce(rows)
+    grid.sum_over_ranks(rows)
     out, loads, balance, z = {}, [], [], []
     for block, (b, zz, forwards, *counts) in zip(blocks, rows.tolist()):  # the one read
         if not forwards:  # a block no training forward ran this step

@@ -7,6 +7,7 @@ compiled or changed the replica groups; the loss is read (LossWatch) only then o
 from telemetry import mfu
 from telemetry.expert_load import expert_load
 from telemetry.loss_watch import LossWatch
+from telemetry.stragglers import straggler_figures
 from telemetry.metrics import MetricsLog, peak_memory, peak_rss_kib
 
 
@@ -37,6 +38,7 @@ class StepRecord:
         ended = self.clock.mark()  # after the optimizer's kernels, not before them
         self.losses.watch(loss, grad_norm, step)
         comm = self.strategy.comm_stats()
+        waited_ms = 1000 * self.strategy.comm.take_waited_s()  # this step's waits
         stats, files = self.strategy.step_stats(last, measure=measured or last)
         if measured or last:  # mixture of experts: the balance losses and the load
             stats = {**stats, **expert_load(self.strategy)}
@@ -48,6 +50,8 @@ class StepRecord:
         if written:
             # the whole step on the device's timeline, optimizer included (data: read before it)
             elapsed = self.clock.seconds(self.started, [ended])[0] + data_ms / 1000
+            if measured:  # every rank's busy time: which one the others wait for
+                stats = {**stats, **straggler_figures(self.grid, 1000 * elapsed, waited_ms)}
             record = {"step": step, "loss": loss, "grad_norm": grad_norm, "lr": lr,
                       "tokens_per_s": self.tokens_per_step / elapsed,
                       "step_ms": 1000 * elapsed, "data_ms": data_ms,

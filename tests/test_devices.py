@@ -50,6 +50,10 @@ HOST_ONLY = {  # a directory, a file, or "file:function" -> why its tensors stay
     "main.py:generate_text": "the final sample runs on a fresh CPU model after the process "
                              "group is gone",
     "parallel/grid.py:ProcessGrid.__init__": "rank arithmetic: which rank sits where",
+    "parallel/grid.py:ProcessGrid.gather_over_ranks": "host figures gathered over the host "
+        "group (gloo), in host memory: a logged step's busy times (telemetry/stragglers.py)",
+    "moe/experts.py:Experts.__init__": "a module's parameters, as nn.Linear makes its own: under "
+        "the caller's device (shapes_only's meta device), allocated on grid.device by the strategy",
     "parallel/placement.py:_flat_index": "element positions; indexing moves them to the "
                                          "indexed tensor's device",
     "parallel/reference/torch_tp.py:head_major_rows": "a row permutation used as an index",
