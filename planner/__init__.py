@@ -9,10 +9,11 @@ accounting the runs report in metrics.jsonl:
     formulas.py  byte formulas shared with the benchmark (bench/run_engine/stats.py):
                  the ZeRO / Megatron / ring textbook volumes
     census.py    the parameters each rank holds, from the real model and TP code on
-                 the meta device
-    layouts.py   every layout the product runs on a world size (parallel/layout.py's
-                 rules decide which are valid); report.py adds, per fsdp layout, hybrid
-                 sharding across nodes where it is faster and offload where nothing fits
+                 the meta device (mixture-of-experts blocks: E / ep experts each)
+    layouts.py   every layout the product runs on a world size, parallel.ep too for a
+                 model with experts (parallel/layout.py's rules decide which are valid);
+                 report.py adds, per fsdp layout, hybrid sharding across nodes where it
+                 is faster and offload where nothing fits
     shapes.py    Layout (the config keys a run takes), Workload (model, batch,
                  precision), the micro-batch and element sizes every count uses
     stages.py    what a rank holds: its pipeline stage's parameters, fsdp's flat units

@@ -56,7 +56,7 @@ def layout_of(cfg, world) -> Layout:
                   schedule=p.pp_schedule if pipelined else "1f1b", V=V if pipelined else 1,
                   M=p.microbatches if pipelined else 1, grad_accum=cfg.trainer.grad_accum,
                   ckpt=cfg.trainer.activation_checkpointing, R=sizes["dp_replicate"],
-                  offload=p.offload)
+                  offload=p.offload, ep=p.ep)
 
 
 def ranks_to_try(sizes) -> list:
@@ -136,6 +136,43 @@ def meta_kernels():
         torch.is_autocast_enabled = enabled
 
 
+@contextmanager
+def even_split(strategy):
+    """Expert parallelism's all-to-all first trades the choices per expert, from which each
+    rank sizes what it receives (parallel/expert_parallel/dispatch.py); the fake backend
+    brings none (uninitialized memory). In their place: the even split of this rank's
+    N x k choices over its ep group's experts, so that it receives N x k rows, what the
+    planner counts (planner/memory.py, traffic.py)."""
+    comm, real = strategy.comm, strategy.comm.all_to_all
+
+    def all_to_all(output, input, *args, **kw):
+        done = real(output, input, *args, **kw)
+        if kw.get("kind") == "all_to_all_counts":
+            total, n = int(input.sum()), output.numel()
+            output.copy_(torch.tensor([total // n + (i < total % n) for i in range(n)],
+                                      device=output.device))
+        return done
+    comm.all_to_all = all_to_all
+    try:
+        yield
+    finally:
+        del comm.all_to_all
+
+
+@contextmanager
+def every_step_taken():
+    """The fake backend's reductions bring uninitialized memory: the gradients' norm may be
+    an inf or a NaN, and parallel/finite.py would skip the step (AdamW's state then never
+    allocated; on the meta device its flag cannot even be read). The dry run takes it."""
+    from parallel import strategy as module
+    real = module.step_unless
+    module.step_unless = lambda optimizer, found: optimizer.step()
+    try:
+        yield
+    finally:
+        module.step_unless = real
+
+
 def host_memory_bytes():
     return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
 
@@ -149,6 +186,9 @@ def dryrun(cfg, device=None):
         raise UserError(f"plan.nodes={cfg.plan.nodes} and plan.gpus_per_node="
                         f"{cfg.plan.gpus_per_node} must be >= 1")
     sizes = check_layout(cfg, world)  # the rules a run on that world checks, and its grid
+    if cfg.parallel.ep > 1 and cfg.parallel.ep_impl != "alltoall":
+        raise UserError(f"dryrun: parallel.ep_impl={cfg.parallel.ep_impl} routes by choices the "
+                        "fake backend does not bring: try parallel.ep_impl=alltoall")
     w, L = workload(cfg), layout_of(cfg, world)
     print(f"dryrun: {L.name()} on {cfg.plan.nodes} x {cfg.plan.gpus_per_node} ranks; GPT "
           f"{w.n_layer} layers x {w.n_embd} wide, vocab {w.vocab}, {w.block} tokens, global "
@@ -185,9 +225,10 @@ def try_rank(cfg, w, L, sizes, rank, device=None) -> dict:
         need = memory_need(w, L, {"state_bytes": plan_state, "activation_bytes": plan_act,
                                   "pp_rank": p})
         device = "cpu" if need <= host_memory_bytes() / 2 else "meta"
-    if device == "meta" and (w.precision != "fp32" or L.offload):
+    if device == "meta" and (w.precision != "fp32" or L.offload or w.experts):
         why = f"no autocast (trainer.precision={w.precision})" if w.precision != "fp32" else \
-            "no host copies of it (parallel.offload)"
+            "no host copies of it (parallel.offload)" if L.offload else \
+            "no values to route tokens by (model.moe_experts)"
         raise UserError(f"dryrun: rank {rank} does not fit in half of this machine's "
                         f"{host_memory_bytes() / GB:.3g} GB, and the meta device it would run on "
                         f"has {why}: such a layout is tried only where its ranks fit")
@@ -242,7 +283,8 @@ def one_step(cfg, rank, world, vocab, device):
         micro = GlobalBatches(len(data), t.batch_size, t.seed, cfg.data.sampler) \
             .local_micro_batches(data, 0, grid.data_rank, grid.data_size, t.grad_accum)
         meter = ActivationMeter(meta=device.type == "meta")
-        with meta_kernels() if device.type == "meta" else nullcontext():
+        with meta_kernels() if device.type == "meta" else nullcontext(), even_split(strategy), \
+                every_step_taken():
             step.compute_step(strategy, micro, 0, t, OneGroup(), meter)
         return strategy.state_figures()["state_bytes"], meter.peak_bytes
     finally:

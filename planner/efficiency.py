@@ -18,6 +18,11 @@ kernels a fused GPT step launches:
 - the element-wise work (LayerNorms, GELU, bias, residual adds; the loss's softmax; the
   AdamW step and the gradient norm over this rank's parameters) at HBM bandwidth x
   `HBM_EFF`: bytes counted per token (`ELEMENTWISE_BYTES`) and per parameter;
+- a mixture-of-experts block (model.moe_experts): its attention as a dense block's; for
+  its MLP the router's product and its experts' two grouped products over the rows they
+  receive, k per token this TP rank routes, the busiest rank's (`MOE_IMBALANCE` x the
+  even split under expert parallelism), plus the rows' sorting, gathering and weighing
+  at memory bandwidth;
 - every kernel at least `LAUNCH_US`: a model too small to fill the GPU is bound by
   launches, the same on one GPU as on many.
 
@@ -64,6 +69,12 @@ LAUNCH_US = 5.0     # the least a kernel costs: its launch (PyTorch eager dispat
 # (8 products, attention, 12 element-wise)
 FWD_ELEMENTWISE_KERNELS, BWD_ELEMENTWISE_KERNELS = 8, 12
 OPTIMIZER_KERNELS = 12  # foreach AdamW, the norm, the clip: a few fused kernels each
+# Mixture of experts. The busiest expert's tokens over the mean's: routers balanced by their
+# loss still leave the busiest expert 1.1-1.5 x the mean (Switch Transformer's capacity
+# factors 1.0-1.25; DeepSeek-V3's and Mixtral's published loads); an ep rank's expert
+# compute and its all-to-all take that many times the even split's (assumed, stated in the plan)
+MOE_IMBALANCE = 1.25
+MOE_FWD_KERNELS, MOE_BWD_KERNELS = 6, 8  # sorting, gathering, weighing and summing the rows
 
 
 def elementwise_bytes(w: Workload):
@@ -116,14 +127,17 @@ def compute_seconds(w: Workload, L: Layout, p: int, machine, params: int,
     rank's AdamW updates (its shard under ZeRO); `flash`: fused attention."""
     st = stage(w, L, p)
     layers = sum(st.layers.values())
+    moe = sum(w.has_experts(b) for c in st.chunks for b in st.chunk_blocks[c])
     passes = L.grad_accum * L.M
     C = w.n_embd
     rows, s = micro_rows(w, L), w.block // L.cp
     t = rows * s                                      # tokens of one pass on this rank
     fwd = 2 if L.ckpt else 1                          # checkpointing recomputes each block's forward
-    per_layer = sum(matmul_seconds(t, n, k, w, machine) for n, k in
-                    ((3 * C // L.tp, C), (C, C // L.tp), (4 * C // L.tp, C), (C, 4 * C // L.tp)))
-    matmul = layers * per_layer * (fwd + 2)           # backward: the input's and the weight's
+    attention_in_out = sum(matmul_seconds(t, n, k, w, machine) for n, k in
+                           ((3 * C // L.tp, C), (C, C // L.tp)))
+    mlp = sum(matmul_seconds(t, n, k, w, machine) for n, k in ((4 * C // L.tp, C), (C, 4 * C // L.tp)))
+    per_layer = attention_in_out + mlp
+    matmul = (layers * per_layer + moe * (expert_matmuls(w, L, t, machine) - mlp)) * (fwd + 2)
     attention = layers * attention_seconds(w, L, rows, s, fwd, flash, machine)
     sp_tokens = t // L.tp if L.sp else t              # without SP every TP rank repeats them
     eb = elementwise_bytes(w) * sp_tokens
@@ -133,16 +147,38 @@ def compute_seconds(w: Workload, L: Layout, p: int, machine, params: int,
         V = -(-w.vocab // L.tp)
         matmul += matmul_seconds(t, V, C, w, machine, passes=3)
         elementwise += memory_seconds((4 * act_bytes(w) + F32) * t * V, 6, machine)
+    if moe:  # the tokens' rows gathered by expert and their outputs weighed and summed back
+        rows_k = t // L.tp * w.top_k * imbalance(L)
+        moved = rows_k * C * (2 * F32 + 3 * act_bytes(w))
+        elementwise += moe * (fwd * memory_seconds(moved, MOE_FWD_KERNELS, machine)
+                              + memory_seconds(2 * moved, MOE_BWD_KERNELS, machine))
     # AdamW (read parameter, gradient, both moments; write three) and the gradient norm
     optimizer = memory_seconds(32 * params, OPTIMIZER_KERNELS, machine) if not L.offload else 0.0
     return {"matmul": passes * matmul, "attention": passes * attention,
             "elementwise": passes * elementwise, "optimizer": optimizer}
 
 
+def imbalance(L: Layout) -> float:
+    """The busiest rank's share of its ep group's expert rows over the mean: MOE_IMBALANCE
+    under expert parallelism; 1 without it (one rank computes every expert's rows)."""
+    return MOE_IMBALANCE if L.ep > 1 else 1.0
+
+
+def expert_matmuls(w: Workload, L: Layout, t, machine):
+    """One pass's forward products of an MoE block on this rank, t its tokens: the router
+    over the tokens this TP rank routes (t / tp), and its experts' two grouped products
+    over the rows they receive (k per routed token, the busiest rank's under ep), at the
+    efficiency of one product of all those rows (torch._grouped_mm: one kernel)."""
+    routed, H, C = t // L.tp, w.expert_hidden, w.n_embd
+    rows = math.ceil(routed * w.top_k * imbalance(L))
+    return matmul_seconds(routed, w.experts, C, w, machine) + matmul_seconds(rows, H, C, w, machine) \
+        + matmul_seconds(rows, C, H, w, machine)
+
+
 def hops(kind, n):
     """Latency steps of one collective over n ranks: a tree's depth each way for an
     all-reduce, once for a gather or scatter, one for a send."""
-    if kind == "send":
+    if kind in ("send", "all_to_all", "all_to_all_counts"):  # an all-to-all: its sends at once
         return 1
     depth = max(1, math.ceil(math.log2(max(n, 2))))
     return 2 * depth if kind == "all_reduce" else depth

@@ -14,6 +14,10 @@ WIRE_PER_PAYLOAD = {
     "reduce_scatter": lambda n: (n - 1) / n,
     "broadcast": lambda n: (n - 1) / n,        # pipelined ring: on average per rank
     "send": lambda n: 1.0,
+    # an all-to-all's payload (the rows handed over) includes the rank's own share, which
+    # stays: with even splits (n-1)/n of it travels
+    "all_to_all": lambda n: (n - 1) / n,
+    "all_to_all_counts": lambda n: (n - 1) / n,
 }
 
 

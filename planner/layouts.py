@@ -4,7 +4,8 @@ A layout is a factorisation world = dp x pp x cp x tp (parallel/grid.py's dimens
 times the data-parallel strategy (`single` when nothing averages gradients, else
 `ddp_bucket` or `fsdp` stage 1, 2 or 3), sequence parallelism, the pipeline schedule
 (gpipe, 1f1b, interleaved with 2 chunks per rank, zb1p, zbv) and micro-batches (P, 2P,
-4P, 8P), and activation checkpointing. Whether one can run is not decided here: each
+4P, 8P), activation checkpointing, and for a model with experts the expert-parallel
+degree (parallel.ep: each divisor of model.moe_experts that divides dp x cp). Whether one can run is not decided here: each
 candidate goes through parallel/layout.check_layout, the rules every training run
 checks (heads divisible by tp, stages no more than layers, ZeRO-3 refused with
 pipelines, ...), so the planner offers exactly what `torchrun main.py` would accept.
@@ -28,7 +29,7 @@ def run_config(cfg, L: Layout):
     defaults that the predictions assume: fp32 reduction, the native all-reduce)."""
     p = dataclasses.replace(
         cfg.parallel, dp=L.dp_kind, tp=L.tp, pp=L.pp, cp=L.cp, sequence_parallel=L.sp,
-        dp_replicate=L.R, offload=L.offload,
+        dp_replicate=L.R, offload=L.offload, ep=L.ep, ep_impl="alltoall",
         zero_stage=L.zero_stage or 3, pp_schedule=L.schedule if L.pp > 1 else "1f1b",
         microbatches=L.M, pp_virtual_stages=L.V if L.schedule == "interleaved" else 1,
         pp_layers=[], tp_impl="own", pp_impl="own", cp_impl="ring", allreduce="native",
@@ -47,8 +48,10 @@ def refusal(cfg, L: Layout, world: int) -> str:
     return ""
 
 
-def candidates(world, n_layer):
-    """Every combination of the dimensions' choices (before the rules)."""
+def candidates(world, n_layer, experts=0):
+    """Every combination of the dimensions' choices (before the rules). With experts
+    (model.moe_experts = E > 0) also expert parallelism: each ep > 1 dividing both E and
+    the dp x cp ranks it is carved from, under ddp_bucket or fsdp."""
     for tp in divisors(world):
         for cp in divisors(world // tp):
             for pp in divisors(world // (tp * cp)):
@@ -57,18 +60,22 @@ def candidates(world, n_layer):
                 dp = world // (tp * cp * pp)
                 strategies = [("single", 0)] if dp * cp == 1 else \
                     [("ddp_bucket", 0), ("fsdp", 1), ("fsdp", 2), ("fsdp", 3)]
+                eps = [e for e in divisors(dp * cp) if experts % e == 0] if experts else [1]
                 pipes = [(s, v, m * pp) for s, v in SCHEDULE_CHOICES for m in (1, 2, 4, 8)] \
                     if pp > 1 else [("1f1b", 1, 1)]
                 for sp in ((False, True) if tp > 1 else (False,)):
                     for kind, stage in strategies:
-                        for schedule, V, M in pipes:
-                            for ckpt in (False, True):
-                                yield Layout(kind, stage, dp, pp, cp, tp, sp, schedule, V, M, 1, ckpt)
+                        for ep in eps:
+                            for schedule, V, M in pipes:
+                                for ckpt in (False, True):
+                                    yield Layout(kind, stage, dp, pp, cp, tp, sp, schedule, V, M,
+                                                 1, ckpt, ep=ep)
 
 
 def valid_layouts(cfg, world):
     """[(Layout, refusal or "")] for every candidate; the rules' reasons kept for the count."""
-    return [(L, refusal(cfg, L, world)) for L in candidates(world, cfg.model.n_layer)]
+    return [(L, refusal(cfg, L, world))
+            for L in candidates(world, cfg.model.n_layer, cfg.model.moe_experts)]
 
 
 def with_grad_accum(L: Layout, ga: int) -> Layout:

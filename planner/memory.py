@@ -21,12 +21,14 @@ hold them equal to metrics.jsonl on real runs:
 All figures are for one TP rank and one cp rank (they hold the same sizes) at a given
 pipeline stage and data-parallel rank.
 
-May import: planner.shapes, planner.stages, parallel's pipeline schedules.
+May import: planner.shapes, planner.stages, planner.efficiency (the imbalance), parallel's
+pipeline schedules.
 """
 
 from dataclasses import replace
 
 from parallel.pipeline_parallel.schedules import SCHEDULES, build
+from planner.efficiency import imbalance
 from planner.shapes import F32, Layout, Workload, act_bytes, micro_rows
 from planner.stages import shard_pieces, stage, units
 
@@ -53,12 +55,11 @@ def state_split(w: Workload, L: Layout, p: int, r: int):
     if L.dp_kind != "fsdp":
         # parameter, gradient, exp_avg, exp_avg_sq, and AdamW's `step` (a 4-byte tensor)
         return sum(4 * F32 * q.numel + F32 for q in st.params), 0
-    N = L.shards
     device = host = 0
-    for u in units(st, L, N):
+    for u in units(st, L, L.shards):
         pieces = shard_pieces(u, r)
         adam = sum(2 * F32 * n + F32 for n in pieces.values())  # AdamW moments + step
-        full, shard = N * u.shard * F32, u.shard * F32
+        full, shard = u.padded * F32, u.shard * F32
         if L.offload:
             host += adam + 2 * shard  # master weights and their gradient
             device += {1: 2 * full, 2: full, 3: shard}[L.zero_stage]
@@ -78,27 +79,50 @@ def fsdp_candidate_ranks(w, L, p):
         at = 0
         for q in u.params:
             at += q.numel
-            found.add(min(N - 1, at // u.shard))
+            found.add(min(u.ranks - 1, at // u.shard) * u.stride)  # experts: their first rank
     return sorted(found)
 
 
 # ------------------------------------------------------------------ activations
 
-def block_activations(w: Workload, L: Layout, rows: int):
+def block_activations(w: Workload, L: Layout, rows: int, experts=False, busiest=1.0):
     """(saved bytes of one block for one micro-batch, the part the weight gradients keep
-    until W under a split backward)."""
+    until W under a split backward); experts: a mixture-of-experts block's, its expert
+    rows `busiest` x the even split."""
     n, C, e = rows * (w.block // L.cp), w.n_embd, act_bytes(w)
     t, s = L.tp, (L.tp if L.sp else 1)
     if L.ckpt:  # a checkpointed block keeps its input only
         return n * C * F32 // s, 0
     heads_t = w.n_head // t * rows * (w.block // L.cp)   # attention's log-sum-exp, per head row
     residual = 2 * n * C * F32 // s + 4 * n * F32 // s   # both LayerNorms' inputs and statistics
-    lin_in = 2 * n * C * (e if w.precision != "fp32" else F32)  # c_attn's, c_fc's inputs (gathered)
-    split = n * C * e * (3 + 1 + 4 + 4) // t              # q|k|v, attention out, c_fc out, GELU out
+    lin_in = n * C * (e if w.precision != "fp32" else F32)  # c_attn's (c_fc's) input, gathered
+    split = n * C * e * (3 + 1) // t                      # q|k|v, attention out
     # what a split backward's W keeps until it runs: the linears' inputs, and a LayerNorm's
     # input with both LayerNorms' statistics (measured: tests/test_planner.py)
-    weights = lin_in + n * C * e * (1 + 4) // t + n * C * F32 // s + 4 * n * F32 // s
-    return residual + lin_in + split + heads_t * F32, weights
+    weights = lin_in + n * C * e // t + n * C * F32 // s + 4 * n * F32 // s
+    if experts:
+        mlp, mlp_weights = expert_activations(w, L, rows, n, busiest)
+    else:  # c_fc's input, its output and GELU's (4 C each)
+        mlp, mlp_weights = lin_in + n * C * e * 8 // t, lin_in + n * C * e * 4 // t
+    return residual + lin_in + split + mlp + heads_t * F32, weights + mlp_weights
+
+
+def expert_activations(w: Workload, L: Layout, rows: int, n: int, busiest=1.0):
+    """(saved bytes, what W keeps) of a mixture-of-experts block's MLP part (moe/layer.py,
+    measured: tests/test_planner_experts.py) for n tokens of this rank, of which this TP
+    rank routes r = n / tp: the router's input, its probabilities and logits (fp32), the
+    k chosen weights with their sum, the log-sum-exp; the choices, their order and rows
+    (int64); the expert rows R = r x k (the even split under ep) in the compute dtype:
+    the grouped products' inputs (C, H) and GELU's (H), the bias rows' indices; back in
+    choice order the outputs (C), weighed (C), and the weights; ep: the arrival order's
+    two indices. W keeps the products' inputs and the gradients where their weights'
+    branch off (assumed, not measured). busiest: R that many times the even split."""
+    r, C, H, e, k = n // L.tp, w.n_embd, w.expert_hidden, act_bytes(w), w.top_k
+    R = int(r * k * busiest)
+    router = F32 * r * (C + 2 * w.experts + k + 2) + 8 * r * k * 3 + F32 * rows * w.experts
+    experts = e * R * (C + 2 * H) + (16 * R if w.bias else 0) + (16 * R if L.ep > 1 else 0)
+    combine = e * r * k * (2 * C + 1)
+    return router + experts + combine, F32 * r * C + 2 * e * R * (C + H)
 
 
 def end_activations(w: Workload, L: Layout, rows: int, first: bool, last: bool):
@@ -113,18 +137,22 @@ def end_activations(w: Workload, L: Layout, rows: int, first: bool, last: bool):
     return total
 
 
-def activation_bytes(w: Workload, L: Layout, p: int) -> int:
-    """Peak bytes saved for backward on pipeline rank p (tp and cp rank 0)."""
+def activation_bytes(w: Workload, L: Layout, p: int, busiest=1.0) -> int:
+    """Peak bytes saved for backward on pipeline rank p (tp and cp rank 0); busiest: its
+    MoE blocks' expert rows that many times the even split."""
     st = stage(w, L, p)
     rows = micro_rows(w, L)
-    per_block, w_part = block_activations(w, L, rows)
     last_chunk = L.pp * L.V - 1 if L.pp > 1 else 0
-    size = {c: st.layers[c] * per_block + end_activations(w, L, rows, c == 0, c == last_chunk)
+
+    def blocks(c, part):  # chunk c's blocks' (part 0: saved, 1: kept for W)
+        return sum(block_activations(w, L, rows, w.has_experts(b), busiest)[part]
+                   for b in st.chunk_blocks[c])
+    size = {c: blocks(c, 0) + end_activations(w, L, rows, c == 0, c == last_chunk)
             for c in st.chunks}
     if L.pp == 1:
         return size[0]
     n = rows * (w.block // L.cp)
-    keep = {c: st.layers[c] * w_part + (n * w.n_embd * F32 if c == last_chunk else 0)
+    keep = {c: blocks(c, 1) + (n * w.n_embd * F32 if c == last_chunk else 0)
             + (8 * n + 8 * (w.block // L.cp) if c == 0 else 0) for c in st.chunks}
     # split backward: W keeps the graph below the weights' gradients; what lies above them
     # (the last chunk's loss: its softmax, the targets) lives as long as the pipeline still
@@ -157,15 +185,25 @@ def memory_need(w: Workload, L: Layout, fig: dict) -> int:
     """Bytes the rank needs at its peak: state, saved activations, and what the meter
     does not see: one block recomputed at a time under checkpointing, the logits'
     gradient on the last stage, fsdp stage 3's gathered units (this one and the
-    prefetched next)."""
+    prefetched next); under expert parallelism the busiest rank's expert rows
+    (efficiency.MOE_IMBALANCE x the even split's that `activation_bytes` counts)."""
     need = fig["state_bytes"] + fig["activation_bytes"]
     rows = micro_rows(w, L)
-    if L.ckpt:
-        need += block_activations(w, replace(L, ckpt=False), rows)[0]
     st = stage(w, L, fig["pp_rank"])
+    moe = any(w.has_experts(b) for c in st.chunks for b in st.chunk_blocks[c])
+    busiest = imbalance(L) if moe else 1.0  # the busiest ep rank's expert rows
+    if L.ckpt:
+        need += block_activations(w, replace(L, ckpt=False), rows, moe, busiest)[0]
+    elif busiest > 1:
+        need += activation_bytes(w, L, fig["pp_rank"], busiest) - fig["activation_bytes"]
     if st.last:
         need += rows * (w.block // L.cp) * -(-w.vocab // L.tp) * F32
     if L.dp_kind == "fsdp" and L.zero_stage == 3:
-        full = sorted((L.shards * u.shard * F32 for u in units(st, L, L.shards)), reverse=True)
-        need += sum(full[:2])
+        full = []  # a block's units (its experts with the rest) are gathered together
+        for u in units(st, L, L.shards):
+            if u.with_previous:
+                full[-1] += u.padded * F32
+            else:
+                full.append(u.padded * F32)
+        need += sum(sorted(full, reverse=True)[:2])
     return need

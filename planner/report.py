@@ -10,6 +10,7 @@ import time
 from errors import UserError
 from planner.figures import metrics_names, rank_figures
 from planner.layouts import valid_layouts, with_grad_accum, refusal
+from planner.efficiency import MOE_IMBALANCE
 from planner.machines import machine
 from planner.memory import memory_need
 from planner.shapes import Layout, Workload
@@ -18,7 +19,7 @@ from planner.step_time import bytes_by_link, spans_nodes, step_time
 GPT2_VOCAB = 50257  # tiktoken's "gpt2" encoding (data/tokenizer.py): no files needed to plan
 PARTS = {"compute": "compute", "bubble": "pipeline bubble", "tp": "TP collectives",
          "cp": "cp ring", "pp": "pipeline sends", "dp": "exposed gradient sync",
-         "host": "offloaded optimizer step"}
+         "host": "offloaded optimizer step", "ep": "expert all-to-all"}
 GB = 1e9
 
 
@@ -32,7 +33,8 @@ def workload(cfg) -> Workload:
             vocab = build_tokenizer("char", load_text(cfg.data.path)).vocab_size
     m = cfg.model
     return Workload(m.n_layer, m.n_head, m.n_embd, vocab, cfg.data.block_size,
-                    cfg.trainer.batch_size, cfg.trainer.precision, m.bias)
+                    cfg.trainer.batch_size, cfg.trainer.precision, m.bias, m.moe_experts,
+                    m.moe_top_k, m.moe_every, m.moe_hidden)
 
 
 def check(cfg, gpu):
@@ -133,6 +135,10 @@ def header(cfg, w, gpu):
           f"{cfg.plan.gpus_per_node} {gpu.name} ({gpu.memory_gb:g} GB, "
           f"{gpu.peak[w.precision] / 1e12:g} TFLOP/s {w.precision}, {gpu.hbm_gbps:g} GB/s memory, "
           f"{compute}; {gpu.intra_node_gbps:g} GB/s in a node, {gpu.inter_node_gbps:g} across)")
+    if w.experts:
+        print(f"experts: {w.n_layer // w.every} of {w.n_layer} blocks, {w.experts} experts of "
+              f"{w.expert_hidden} wide, {w.top_k} active a token (MFU counts those); the busiest "
+              f"ep rank takes {MOE_IMBALANCE:g} x the even split (moe_imbalance, assumed)")
 
 
 def plan(cfg):
@@ -169,20 +175,7 @@ def plan(cfg):
     print(f"{len(layouts)} combinations, {len(valid)} run (parallel/layout.py's rules)"
           + (f" + {len(variants)} hybrid-sharded or offloaded where that wins" if variants else "")
           + f", {len(fits)} fit in memory")
-    head = ("rank", "layout", "step ms", "MFU", "state GB", "activ. GB", "need GB", "comm GB",
-            "vs the first")
-    table = [head]
-    for i, r in enumerate(fits[:cfg.plan.top]):
-        fig = r["fig"]
-        table.append((str(i + 1), r["layout"].name(), f"{r['time']['step_ms']:.3g}",
-                      f"{100 * r['time']['mfu']:.0f}%",
-                      f"{fig['state_bytes'] / GB:.3g}", f"{fig['activation_bytes'] / GB:.3g}",
-                      f"{r['need'] / GB:.3g}", f"{sum(fig['comm'].values()) / GB:.3g}",
-                      "fastest" if i == 0 else reason(r, best)))
-    widths = [max(len(row[c]) for row in table) for c in range(len(head))]
-    for row in table:
-        print("  ".join(cell.ljust(widths[c]) if c in (1, 8) else cell.rjust(widths[c])
-                        for c, cell in enumerate(row)).rstrip())
+    print_table(fits[:cfg.plan.top], best, w.experts)
     fewer = fewer_gpus(cfg, w, gpu, world, best)
     if fewer:
         print(fewer)
@@ -192,6 +185,26 @@ def plan(cfg):
         print(f"all {len(rows)} layouts that run written to {cfg.plan.out}")
     print(f"planned in {time.perf_counter() - started:.1f} s")
     return best
+
+
+def print_table(rows, best, experts):
+    """The ranked layouts; with experts, ep and the all-to-all's milliseconds too."""
+    moe = ("ep", "a2a ms") if experts else ()
+    head = ("rank", "layout", "step ms", "MFU") + moe + ("state GB", "activ. GB", "need GB",
+                                                          "comm GB", "vs the first")
+    table = [head]
+    for i, r in enumerate(rows):
+        fig, t = r["fig"], r["time"]
+        cells = (str(r["layout"].ep), f"{t['ep']:.3g}") if experts else ()
+        table.append((str(i + 1), r["layout"].name(), f"{t['step_ms']:.3g}",
+                      f"{100 * t['mfu']:.0f}%") + cells +
+                     (f"{fig['state_bytes'] / GB:.3g}", f"{fig['activation_bytes'] / GB:.3g}",
+                      f"{r['need'] / GB:.3g}", f"{sum(fig['comm'].values()) / GB:.3g}",
+                      "fastest" if i == 0 else reason(r, best)))
+    widths = [max(len(row[c]) for row in table) for c in range(len(head))]
+    for row in table:
+        print("  ".join(cell.ljust(widths[c]) if c in (1, len(head) - 1) else cell.rjust(widths[c])
+                        for c, cell in enumerate(row)).rstrip())
 
 
 AS_FAST = 1.05  # a step within 5% of the first choice's counts as as fast
@@ -228,7 +241,7 @@ def given_layout(cfg, world) -> Layout:
     return Layout(p.dp, p.zero_stage if p.dp == "fsdp" else 0, dp, p.pp, p.cp, p.tp,
                   p.sequence_parallel, p.pp_schedule if pipe else "1f1b", V if pipe else 1,
                   p.microbatches if pipe else 1, t.grad_accum, t.activation_checkpointing,
-                  p.dp_replicate, p.offload)
+                  p.dp_replicate, p.offload, p.ep)
 
 
 def evaluate_given(cfg, w, gpu, world):
@@ -273,6 +286,8 @@ def write_json(path, rows, fits, gpu, world, gpu_per_node):
                                  "comm_bytes": sum(fig["comm"].values())},  # what ties rank by
                 **metrics_names(fig),
                 "comm_bytes_by_link": bytes_by_link(r["layout"], fig, gpu_per_node)}
+        if r["layout"].ep > 1:
+            item["moe_imbalance"] = MOE_IMBALANCE  # the all-to-all's and experts' time assumes it
         if "time" in r:
             item["step_ms"] = r["time"]["step_ms"]
             item["mfu"] = r["time"]["mfu"]

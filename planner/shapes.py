@@ -31,6 +31,7 @@ class Layout:
     ckpt: bool = False        # trainer.activation_checkpointing
     R: int = 1                # parallel.dp_replicate: replica groups of dp / R ranks (HSDP)
     offload: bool = False     # parallel.offload
+    ep: int = 1               # parallel.ep: experts split over ep of a replica group's dp x cp ranks
 
     @property
     def shards(self) -> int:
@@ -46,6 +47,8 @@ class Layout:
             out["parallel.dp_replicate"] = self.R
         if self.offload:
             out["parallel.offload"] = True
+        if self.ep > 1:
+            out["parallel.ep"] = self.ep
         if self.pp > 1:
             out.update({"parallel.pp_schedule": self.schedule, "parallel.microbatches": self.M})
             if self.schedule == "interleaved":
@@ -59,8 +62,9 @@ class Layout:
             + (" offload" if self.offload else "")
         groups = f"{self.R}x{self.dp // self.R}" if self.R > 1 else str(self.dp)  # HSDP: R x shards
         parts = [f"dp{groups}", f"tp{self.tp}" + ("sp" if self.sp else ""), f"pp{self.pp}",
-                 f"cp{self.cp}"]
-        text = " ".join(p for p in parts if not p.endswith("1") or p.startswith("dp")) + " " + dp
+                 f"cp{self.cp}", f"ep{self.ep}"]
+        text = " ".join(p for p in parts if p[2:] not in ("1", "1sp") or p.startswith("dp")) \
+            + " " + dp
         if self.pp > 1:
             text += f" {self.schedule}" + (f" V{self.V}" if self.schedule == "interleaved" else "") \
                 + f" M{self.M}"
@@ -80,10 +84,30 @@ class Workload:
     batch: int            # global batch, sequences per optimizer step
     precision: str = "fp32"
     bias: bool = True
+    experts: int = 0      # model.moe_experts (0: dense)
+    top_k: int = 2        # model.moe_top_k
+    every: int = 1        # model.moe_every
+    hidden: int = 0       # model.moe_hidden (0: 4 x n_embd)
 
     @property
     def shape(self):
-        return (self.n_layer, self.n_head, self.n_embd, self.vocab, self.block, self.bias)
+        return (self.n_layer, self.n_head, self.n_embd, self.vocab, self.block, self.bias,
+                self.experts, self.top_k, self.every, self.hidden)
+
+    def gpt_config(self) -> dict:
+        """model.py's GPTConfig fields of this workload (telemetry/mfu.py's input)."""
+        return {"n_layer": self.n_layer, "n_head": self.n_head, "n_embd": self.n_embd,
+                "vocab_size": self.vocab, "block_size": self.block, "bias": self.bias,
+                "moe_experts": self.experts, "moe_top_k": self.top_k, "moe_every": self.every,
+                "moe_hidden": self.hidden}
+
+    def has_experts(self, block) -> bool:
+        """Whether block `block` is a mixture-of-experts block (ModelConfig.has_experts)."""
+        return self.experts > 0 and (block + 1) % self.every == 0
+
+    @property
+    def expert_hidden(self) -> int:
+        return self.hidden or 4 * self.n_embd
 
 
 # ------------------------------------------------------------------ sizes of one micro-batch

@@ -36,12 +36,13 @@ class Stage:
 
 def stage(w: Workload, L: Layout, p: int) -> Stage:
     """What pipeline rank p holds under L (the same on every TP, cp and dp rank)."""
-    return _stage(w, L.tp, L.pp, L.schedule if L.pp > 1 else "1f1b", L.V if L.pp > 1 else 1, p)
+    return _stage(w, L.tp, L.pp, L.schedule if L.pp > 1 else "1f1b", L.V if L.pp > 1 else 1, p,
+                  L.ep)
 
 
 @lru_cache(maxsize=None)
-def _stage(w, tp, pp, schedule, V, p):
-    params = census(w.shape, tp)
+def _stage(w, tp, pp, schedule, V, p, ep=1):
+    params = census(w.shape, tp, ep)
     ranks = chunk_ranks(schedule, pp, V) if pp > 1 else (0,)
     last = len(ranks) - 1
     layout = chunk_blocks(w.n_layer, len(ranks))
@@ -65,16 +66,26 @@ class Unit:
     shard: int     # S: ceil(numel / N)
     touching: int  # this rank's pipeline chunks whose backward reaches it (1 without a pipeline)
     block: bool    # a transformer block's unit (not the root or the tied embedding's)
+    ranks: int = 0   # the ranks it is sharded over: N, or N / ep for a block's experts
+    stride: int = 1  # shard rank r holds shard r // stride of it (experts: ep; grid.expert_shard_rank)
+    with_previous: bool = False  # a block's experts: gathered and freed with its other unit
+
+    @property
+    def padded(self) -> int:
+        """Elements of the whole padded flat unit (ranks x shard)."""
+        return self.ranks * self.shard
 
 
 def units(st: Stage, L: Layout, N: int):
-    """FSDP's units on this rank: one per block, the tied embedding alone under a
-    pipeline, then the root (everything else), as data_parallel/fsdp.py builds them."""
-    return _units(st, L.pp > 1, N)
+    """FSDP's units on this rank: one per block (and under expert parallelism a second one
+    of its experts, sharded over the N / ep ranks holding the same experts), the tied
+    embedding alone under a pipeline, then the root (everything else), as
+    data_parallel/fsdp.py builds them."""
+    return _units(st, L.pp > 1, N, L.ep)
 
 
 @lru_cache(maxsize=None)
-def _units(st, pipeline, N):
+def _units(st, pipeline, N, ep=1):
     in_blocks = {q.name for b in st.blocks_params for q in b}
     root = [q for q in st.params if q.name not in in_blocks]
     own = [[q] for q in root if q.name == plan.TIED] if pipeline else []
@@ -82,18 +93,24 @@ def _units(st, pipeline, N):
     chunk_prefixes = [tuple(plan.chunk_prefixes(range(0), c == 0, c == st.n_chunks - 1))
                       + tuple(plan.block_prefix(b) for b in st.chunk_blocks[c]) for c in st.chunks]
     out = []
-    blocks = [list(b) for b in st.blocks_params]
-    for i, names in enumerate(blocks + own + [root]):
+    pieces = []  # (params, is a block's, the ranks sharding it, stride)
+    for b in st.blocks_params:
+        pieces.append(([q for q in b if not q.expert], True, N, 1))
+        pieces.append(([q for q in b if q.expert], True, N // ep, ep))
+    pieces += [(names, False, N, 1) for names in own + [root]]
+    for names, block, ranks, stride in pieces:
         if names:
             ordered = tuple(sorted(names, key=lambda q: q.group))
             n = sum(q.numel for q in ordered)
             touching = sum(any(q.name.startswith(pre) for q in ordered) for pre in chunk_prefixes)
-            out.append(Unit(ordered, n, -(-n // N), touching if pipeline else 1, i < len(blocks)))
+            out.append(Unit(ordered, n, -(-n // ranks), touching if pipeline else 1, block,
+                            ranks, stride, stride > 1))
     return tuple(out)
 
 
 def shard_pieces(u: Unit, r: int):
-    """Element counts of rank r's shard per optimizer group (padding in none)."""
+    """Element counts of shard rank r's shard per optimizer group (padding in none)."""
+    r //= u.stride
     lo, hi, at, sizes = r * u.shard, (r + 1) * u.shard, 0, {}
     for q in u.params:
         a, b = max(at, lo), min(at + q.numel, hi)
@@ -104,7 +121,8 @@ def shard_pieces(u: Unit, r: int):
 
 
 def shard_elements(u: Unit, r: int, which):
-    """Elements of rank r's shard that belong to Params `which` picks."""
+    """Elements of shard rank r's shard that belong to Params `which` picks."""
+    r //= u.stride
     lo, hi, at, n = r * u.shard, (r + 1) * u.shard, 0, 0
     for q in u.params:
         if which(q):

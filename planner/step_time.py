@@ -15,10 +15,10 @@ import math
 from functools import lru_cache
 
 from parallel.pipeline_parallel.simulator import unit_time
-from planner.efficiency import LINK_EFF, NET_EFF, collective_seconds, compute_seconds
+from planner.efficiency import LINK_EFF, NET_EFF, collective_seconds, compute_seconds, imbalance
 from planner.shapes import F32, Layout, Workload, micro_rows
 from planner.stages import shard_pieces, stage, units
-from planner.traffic import comm_by_dim
+from planner.traffic import comm_by_dim, moe_layers
 from telemetry.mfu import flops_per_token
 
 GRID = ("dp_replicate", "dp", "pp", "cp", "tp")  # parallel/grid.py's DIMS, slowest- to fastest-varying
@@ -62,14 +62,25 @@ def closed_form_bubble(schedule, P, M, V):
 
 # what each dimension's group spans (for the link it crosses) and how many ranks it has
 SPAN = {"tp": ("tp",), "cp": ("cp",), "pp": ("pp",), "dp": ("dp", "cp"),
-        "dpr": ("dp_replicate",), "embed": ("pp",), "norm": GRID}
+        "dpr": ("dp_replicate",), "embed": ("pp",), "norm": GRID, "seq": ("cp", "tp")}
 BUCKET = 25e6  # bytes a data-parallel collective carries at most (ddp's bucket, ~a unit)
+
+
+def group_spans_nodes(L: Layout, dim, gpus_per_node):
+    """Whether the group carrying traffic.py's `dim` spans nodes. Expert parallelism's are
+    carved out of a replica group's dp x cp ranks in row-major order (slots, grid.py's
+    carve_experts): an ep group is ep consecutive slots ("ep"), the ranks holding the same
+    experts every ep-th slot ("edp")."""
+    if dim not in ("ep", "edp"):
+        return spans_nodes(L, SPAN[dim], gpus_per_node)
+    last = L.ep - 1 if dim == "ep" else L.shards - L.ep  # rank 0's group's farthest slot
+    return (last // L.cp) * L.pp * L.cp * L.tp + (last % L.cp) * L.tp >= gpus_per_node
 
 
 def _link(L, dim, machine, G):
     """(GB/s, per-hop latency in us, the share of the bandwidth a collective reaches) of
     the link the group over `dim` crosses."""
-    far = spans_nodes(L, SPAN[dim], G)
+    far = group_spans_nodes(L, dim, G)
     return (machine.inter_node_gbps, machine.inter_latency_us, NET_EFF) if far else \
         (machine.intra_node_gbps, machine.intra_latency_us, LINK_EFF)
 
@@ -77,18 +88,24 @@ def _link(L, dim, machine, G):
 def _count(w, L, st, dim, kind, payload):
     """How many collectives of (dim, kind) carry `payload` per step (their latencies)."""
     passes = L.grad_accum * L.M
-    layers = sum(st.layers.values())
+    layers, moe = sum(st.layers.values()), moe_layers(w, st)
+    forwards = passes * moe * (2 if L.ckpt else 1)  # an MoE block's, recomputed ones too
     if dim == "tp":  # Megatron's f and g per layer and pass (+ embedding, LM head input)
-        per_layer = passes * (4 * layers + st.first + st.last)
+        per_layer = passes * (4 * layers - 2 * moe + st.first + st.last)
         loss = 3 * passes * st.last  # the vocabulary-parallel loss's three all-reduces
+        summed = any(q.partial for q in st.params)  # routers' and experts' partial gradients
+        if kind == "all_gather" and not L.sp:  # an MoE block's tokens taken and given back
+            return 2 * passes * moe
         if kind != "all_reduce":
             return per_layer
-        return loss + 1 if L.sp else per_layer + loss  # SP: + the replicated gradients' sum
+        return loss + 1 if L.sp else per_layer + loss + summed  # + the partial gradients' sum
     if dim == "cp":
         return passes * layers * 3 * (L.cp - 1)
-    if dim in ("dp", "dpr"):
+    if dim in ("dp", "dpr", "edp"):
         return max(1, math.ceil(payload / BUCKET))
-    return 1
+    if dim == "ep":  # per MoE block and pass: rows there and back, forward and backward
+        return forwards if kind == "all_to_all_counts" else 2 * forwards + 2 * passes * moe
+    return forwards if dim == "seq" else 1
 
 
 def rank_params(w: Workload, L: Layout, p: int, r: int) -> int:
@@ -109,9 +126,7 @@ def slowest_stage(w: Workload, L: Layout, fig: dict, machine, flash: bool) -> di
 
 def model_flops(w: Workload) -> float:
     """The step's model FLOPs (telemetry/mfu.flops_per_token x tokens; no recomputation)."""
-    gpt = {"n_embd": w.n_embd, "n_layer": w.n_layer, "block_size": w.block, "vocab_size": w.vocab,
-           "bias": w.bias}
-    return flops_per_token(gpt) * w.batch * w.block
+    return flops_per_token(w.gpt_config()) * w.batch * w.block
 
 
 def step_time(w: Workload, L: Layout, fig: dict, machine, pcfg) -> dict:
@@ -129,7 +144,9 @@ def step_time(w: Workload, L: Layout, fig: dict, machine, pcfg) -> dict:
       1) messages per schedule pass; data-parallel gradient collectives overlap the
       backward of the last pass (ZeRO-3's gathers the whole step) and cost only what is
       longer; ZeRO-1/2's all-gather after the optimizer step is exposed, and so is HSDP's
-      all-reduce across replica groups (after the last backward);
+      all-reduce across replica groups (after the last backward); expert parallelism's
+      all-to-alls on the critical path, MOE_IMBALANCE times the even split's (the busiest
+      rank's), the experts' own gradient collectives ("edp") as the data-parallel ones;
     - what this product does not do but a replayed system does (off by default):
       `plan.tp_comm_overlap`, TP's per-layer gathers and scatters cut in tp chunks and
       pipelined with their GEMMs' chunks (Transformer Engine's userbuffers), so a
@@ -158,9 +175,9 @@ def step_time(w: Workload, L: Layout, fig: dict, machine, pcfg) -> dict:
     b = bubble(L.schedule, L.pp, L.M, L.V)
     G = pcfg.gpus_per_node
     size = {"tp": L.tp, "cp": L.cp, "pp": L.pp, "dp": L.dp // L.R * L.cp, "dpr": L.R, "embed": 2,
-            "norm": world}
+            "norm": world, "ep": L.ep, "edp": L.shards // L.ep, "seq": L.cp * L.tp}
     parts = {"compute": compute, "bubble": compute * b / (1 - b), "tp": 0.0, "cp": 0.0, "pp": 0.0,
-             "dp": 0.0, "host": host_seconds(w, L, fig, machine)}
+             "dp": 0.0, "host": host_seconds(w, L, fig, machine), "ep": 0.0}
     st = stage(w, L, fig["pp_rank"])
     dp_overlapped = gather = pipelined = 0.0
     for (dim, kind), payload in comm_by_dim(w, L, fig["pp_rank"], fig["dp_rank"]).items():
@@ -172,7 +189,7 @@ def step_time(w: Workload, L: Layout, fig: dict, machine, pcfg) -> dict:
             n = L.grad_accum * 2 * (L.pp * L.V - 1)
             parts["pp"] += collective_seconds("send", n * one, 2, n, gbps, latency, eff)
             continue
-        param_gather = dim == "dp" and kind == "all_gather" and L.zero_stage in (1, 2)
+        param_gather = dim in ("dp", "edp") and kind == "all_gather" and L.zero_stage in (1, 2)
         if param_gather:  # ZeRO-1/2's gather of the updated parameters
             payload = payload * pcfg.param_gather_bytes // F32
         seconds = collective_seconds(kind, payload, size[dim], _count(w, L, st, dim, kind, payload),
@@ -185,8 +202,12 @@ def step_time(w: Workload, L: Layout, fig: dict, machine, pcfg) -> dict:
             parts["dp"] += seconds
         elif dim == "embed":
             parts["pp"] += seconds
-        elif dim == "dp":
+        elif dim in ("dp", "edp"):
             dp_overlapped += seconds
+        elif dim == "ep":  # the busiest rank's rows: the imbalance's share more
+            parts["ep"] += seconds * imbalance(L)
+        elif dim == "seq":
+            parts["cp" if L.cp > 1 else "tp"] += seconds
         else:
             parts[dim if dim in parts else "dp"] += seconds
     window = compute if L.zero_stage == 3 else backward
@@ -210,8 +231,10 @@ def host_seconds(w: Workload, L: Layout, fig: dict, machine) -> float:
     st = stage(w, L, fig["pp_rank"])
     shard = sum(sum(shard_pieces(u, fig["dp_rank"]).values()) for u in units(st, L, L.shards))
     padded = sum(u.shard for u in units(st, L, L.shards))
-    reduced = comm_by_dim(w, L, fig["pp_rank"], fig["dp_rank"]).get(("dp", "reduce_scatter"), 0)
-    copies = reduced / L.shards + padded * F32  # gradient shards down, the shard back up
+    by_dim = comm_by_dim(w, L, fig["pp_rank"], fig["dp_rank"])
+    reduced = by_dim.get(("dp", "reduce_scatter"), 0) / L.shards \
+        + by_dim.get(("edp", "reduce_scatter"), 0) / (L.shards // L.ep)  # experts' shards
+    copies = reduced + padded * F32  # gradient shards down, the shard back up
     return 28 * shard / (machine.host_gbps * 1e9) + copies / (machine.pcie_gbps * 1e9)
 
 
@@ -220,5 +243,5 @@ def bytes_by_link(L: Layout, fig: dict, gpus_per_node) -> dict:
     {"intra_node": bytes, "inter_node": bytes} (the norm's scalar spans the world)."""
     out = {"intra_node": 0, "inter_node": 0}
     for (dim, _), payload in fig["by_dim"].items():
-        out["inter_node" if spans_nodes(L, SPAN[dim], gpus_per_node) else "intra_node"] += payload
+        out["inter_node" if group_spans_nodes(L, dim, gpus_per_node) else "intra_node"] += payload
     return out

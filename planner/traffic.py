@@ -19,6 +19,11 @@ from planner.shapes import F32, Layout, Workload, act_bytes, micro_rows
 from planner.stages import shard_elements, stage, units
 
 
+def moe_layers(w: Workload, st) -> int:
+    """The mixture-of-experts blocks among those of a stage."""
+    return sum(w.has_experts(b) for c in st.chunks for b in st.chunk_blocks[c])
+
+
 def comm_bytes(w: Workload, L: Layout, p: int, r: int) -> dict:
     """{collective kind: payload bytes} this rank hands to parallel/comm.py per step."""
     out = {}
@@ -30,8 +35,9 @@ def comm_bytes(w: Workload, L: Layout, p: int, r: int) -> dict:
 def comm_by_dim(w: Workload, L: Layout, p: int, r: int) -> dict:
     """{(group, kind): payload bytes per step}; group: the grid dimension whose group
     carries it ("tp", "cp", "pp", "dp": the gradient group dp x cp, under HSDP the
-    shard group; "dpr": across the replica groups), or "norm". r: the rank in the
-    shard group."""
+    shard group; "dpr": across the replica groups; "ep": the expert-parallel group;
+    "edp": the ranks holding the same experts; "seq": cp x tp), or "norm". r: the rank
+    in the shard group."""
     st = stage(w, L, p)
     out = {}
 
@@ -42,16 +48,22 @@ def comm_by_dim(w: Workload, L: Layout, p: int, r: int) -> dict:
     rows, tokens = micro_rows(w, L), w.block // L.cp
     passes = L.grad_accum * L.M                  # micro-batches through this rank's chunks
     layers = sum(st.layers.values())
+    moe = moe_layers(w, st)                      # of them, mixture-of-experts blocks
     n_tok = rows * tokens                        # tokens of one micro-batch on this rank
     act = n_tok * w.n_embd * act_bytes(w)        # one full activation (all of the sequence)
-    # tensor parallelism: Megatron's f and g, per layer and micro-batch
+    # tensor parallelism: Megatron's f and g, per layer and micro-batch (an MoE block's MLP
+    # has none: each TP rank routes its share of the tokens, taken from and given back to
+    # the replicated activations by an all-gather each way without sequence parallelism;
+    # a recompute stops at the block's last saved tensor, before the one giving them back)
+    forwards = passes * moe * (2 if L.ckpt else 1)  # an MoE block's routings (recomputed too)
     if L.tp > 1:
+        pairs = 4 * layers - 2 * moe + st.first + st.last
         if L.sp:
-            each = (4 * layers + st.first + st.last) * act
-            add("tp", "all_gather", passes * each)
-            add("tp", "reduce_scatter", passes * each)
+            add("tp", "all_gather", passes * pairs * act)
+            add("tp", "reduce_scatter", passes * pairs * act)
         else:
-            add("tp", "all_reduce", passes * (4 * layers + st.first + st.last) * act)
+            add("tp", "all_reduce", passes * pairs * act)
+            add("tp", "all_gather", 2 * passes * moe * act)
         if st.last:  # vocabulary-parallel loss: the max, then (sum of exp, target logit)
             add("tp", "all_reduce", passes * 3 * n_tok * F32)
     # context parallelism: the ring (forward cp-1 hops of K|V; backward cp-1 of K|V with
@@ -60,6 +72,19 @@ def comm_by_dim(w: Workload, L: Layout, p: int, r: int) -> dict:
         kv_fwd = 2 * n_tok * (w.n_embd // L.tp) * act_bytes(w)
         kv = 2 * n_tok * (w.n_embd // L.tp) * F32
         add("cp", "send", passes * layers * ((L.cp - 1) * kv_fwd + (L.cp - 1) * 2 * kv + kv))
+    # mixture of experts (forward collectives again in a checkpointed block's recompute):
+    # each sequence's choices per expert summed over its cp x tp ranks (the balance loss);
+    # under ep, per block and micro-batch the counts (E integers) and the tokens' rows
+    # to their experts and back, forward and backward: N x k rows of C each way, N the
+    # tokens this TP rank routes, in the experts' compute dtype (parallel/comm.py counts
+    # this rank's own rows, the even split's: planner/efficiency.py's MOE_IMBALANCE is
+    # the busiest rank's share of the time)
+    if L.cp * L.tp > 1:
+        add("seq", "all_reduce", forwards * rows * w.experts * F32)
+    if L.ep > 1:
+        rows_k_c = n_tok // L.tp * w.top_k * w.n_embd
+        add("ep", "all_to_all_counts", forwards * w.experts * 8)
+        add("ep", "all_to_all", 2 * (forwards + passes * moe) * rows_k_c * act_bytes(w))
     # pipeline: activations forward and gradients back across ranks (fp32 residual stream)
     if L.pp > 1:
         ranks = chunk_ranks(L.schedule, L.pp, L.V)
@@ -69,30 +94,37 @@ def comm_by_dim(w: Workload, L: Layout, p: int, r: int) -> dict:
         add("pp", "send", L.grad_accum * L.M * crossings * rows * (tokens // shards) * w.n_embd * F32)
     # data parallelism over dp x cp (fsdp: shards over a replica group's dp x cp, and under
     # HSDP each unit's gradient shard is all-reduced once a step across the R groups)
+    # (expert parallelism: a block's experts over the N / ep ranks holding the same ones,
+    # "edp": a unit of their own under fsdp, an all-reduce of their own under ddp)
     N = L.shards if L.dp_kind == "fsdp" else L.dp * L.cp
     if L.dp_kind == "fsdp":
         for u in units(st, L, N):
-            full = N * u.shard * F32
+            full, dim = u.padded * F32, ("edp" if u.stride > 1 else "dp")
             if L.R > 1:
                 add("dpr", "all_reduce", u.shard * F32)
             if L.zero_stage == 1:
-                add("dp", "reduce_scatter", full)
-                add("dp", "all_gather", full)
+                add(dim, "reduce_scatter", full)
+                add(dim, "all_gather", full)
             elif L.zero_stage == 2:  # every backward through the unit, per chunk touching it
-                add("dp", "reduce_scatter", full * passes * u.touching)
-                add("dp", "all_gather", full)
+                add(dim, "reduce_scatter", full * passes * u.touching)
+                add(dim, "all_gather", full)
             else:  # forward gathers every unit, backward the blocks again (resharded)
-                add("dp", "all_gather", L.grad_accum * full * (2 if u.block else 1))
-                add("dp", "reduce_scatter", L.grad_accum * full)
+                add(dim, "all_gather", L.grad_accum * full * (2 if u.block else 1))
+                add(dim, "reduce_scatter", L.grad_accum * full)
     elif N > 1:
-        add("dp", "all_reduce", sum(q.numel for q in st.params) * F32)
-    # after backward: sequence parallelism's partial gradients, the tied embedding's
-    if L.sp:
+        add("dp", "all_reduce", sum(q.numel for q in st.params if not q.expert) * F32)
+        if N // L.ep > 1:
+            add("edp", "all_reduce", sum(q.numel for q in st.params if q.expert) * F32)
+    # after backward: the partial gradients over TP (sequence parallelism's replicated
+    # parameters, the routers and experts), the tied embedding's
+    def partial(q):
+        return q.partial or (L.sp and q.replicated)
+    if L.tp > 1:
         if L.dp_kind == "fsdp":
-            add("tp", "all_reduce", F32 * sum(shard_elements(u, r, lambda q: q.replicated)
+            add("tp", "all_reduce", F32 * sum(shard_elements(u, r, partial)
                                         for u in units(st, L, N)))
         else:
-            add("tp", "all_reduce", F32 * sum(q.numel for q in st.params if q.replicated))
+            add("tp", "all_reduce", F32 * sum(q.numel for q in st.params if partial(q)))
     if st.tied_across:
         if L.dp_kind == "fsdp":
             add("embed", "all_reduce", F32 * sum(shard_elements(u, r, lambda q: q.name == plan.TIED)
@@ -100,7 +132,7 @@ def comm_by_dim(w: Workload, L: Layout, p: int, r: int) -> dict:
         else:
             add("embed", "all_reduce", F32 * next(q.numel for q in st.params if q.name == plan.TIED))
     # the global gradient norm's scalar, over the ranks holding different gradient elements
-    sharded = (L.pp, L.tp) + ((L.shards,) if L.dp_kind == "fsdp" else ())
+    sharded = (L.pp, L.tp) + ((L.shards,) if L.dp_kind == "fsdp" else (L.ep,))
     if max(sharded) > 1:
         add("norm", "all_reduce", F32)
     return out

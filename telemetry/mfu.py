@@ -2,10 +2,13 @@
 
     flops per token = 6 N + 12 L C T    (PaLM, appendix B; nanoGPT's estimate_mfu)
 
-N is the parameter count without the position embedding (the token embedding
-counts: it is also the LM head's matmul), 6N the forward (2N) and backward
-(4N) matmul FLOPs per token, 12 L C T the attention scores and weighted sums
-(L layers, width C, context T). MFU = that x tokens/s / (peak x devices).
+N is the parameter count a token is multiplied by without the position embedding
+(the token embedding counts: it is also the LM head's matmul), 6N the forward (2N)
+and backward (4N) matmul FLOPs per token, 12 L C T the attention scores and weighted
+sums (L layers, width C, context T). MFU = that x tokens/s / (peak x devices).
+A mixture-of-experts block (model.moe_experts = E > 0) counts its active parameters:
+the router (C x E) and k = model.moe_top_k of its E experts (each 2 C H weights, plus
+H + C biases), not the E experts its memory holds (`active_params`).
 Recomputation (activation checkpointing) is not counted: it is model FLOPs,
 not hardware FLOPs, so checkpointing shows as a lower MFU.
 
@@ -41,11 +44,24 @@ PEAKS = [
 
 def flops_per_token(gpt_config: dict) -> float:
     """Training FLOPs per token of a GPT of this shape (a gpt_config dict)."""
-    C, L, T, V = (gpt_config[k] for k in ("n_embd", "n_layer", "block_size", "vocab_size"))
+    C, L, T = (gpt_config[k] for k in ("n_embd", "n_layer", "block_size"))
+    return 6 * active_params(gpt_config) + 12 * L * C * T
+
+
+def active_params(gpt_config: dict) -> int:
+    """Parameters one token's forward multiplies by (wpe left out): every dense block's, and
+    in a mixture-of-experts block (block i when moe_experts > 0 and (i+1) % moe_every == 0,
+    model.ModelConfig.has_experts) its attention, LayerNorms, router and k of its experts."""
+    C, L, V = (gpt_config[k] for k in ("n_embd", "n_layer", "vocab_size"))
     bias = gpt_config.get("bias", True)
-    per_block = 12 * C * C + (13 * C if bias else 2 * C)  # 4 matrices, 2 LayerNorms (+ biases)
-    n = V * C + L * per_block + (2 * C if bias else C)     # + final LayerNorm; wpe left out
-    return 6 * n + 12 * L * C * T
+    E, k = gpt_config.get("moe_experts", 0), gpt_config.get("moe_top_k", 2)
+    H = gpt_config.get("moe_hidden", 0) or 4 * C
+    moe_blocks = L // gpt_config.get("moe_every", 1) if E else 0
+    shared = 4 * C * C + (8 * C if bias else 2 * C)   # attention's 2 matrices, 2 LayerNorms (+ biases)
+    mlp = 8 * C * C + (5 * C if bias else 0)           # the dense MLP's 2 matrices (+ biases)
+    expert = 2 * C * H + (H + C if bias else 0)        # one expert's
+    blocks = L * shared + (L - moe_blocks) * mlp + moe_blocks * (C * E + k * expert)
+    return V * C + blocks + (2 * C if bias else C)     # + final LayerNorm
 
 
 def peak_flops(device_name: str, precision: str):

@@ -30,10 +30,13 @@ from training.config import TrainerConfig  # noqa: E402
 
 N_HEAD, N_EMBD, BLOCK, BATCH, STEPS = 4, 32, 16, 16, 2
 
-# name: (planner Layout fields, n_layer, vocab). The parity layouts of tests/layout_worker.py,
-# one of each kind: dp, fsdp stages, tp with and without sequence parallelism, every
-# pipeline schedule, cp, checkpointing, hybrid sharding (R replica groups; the planner's
-# dp counts all of them) and offload, and compositions on 4 ranks.
+# name: (planner Layout fields, n_layer, vocab[, the model's experts]). The parity layouts of
+# tests/layout_worker.py, one of each kind: dp, fsdp stages, tp with and without sequence
+# parallelism, every pipeline schedule, cp, checkpointing, hybrid sharding (R replica
+# groups; the planner's dp counts all of them) and offload, compositions on 4 ranks, and
+# mixture-of-experts models with expert parallelism (ep: the experts' own units and
+# all-reduces, the all-to-all; with tp: the routers' partial gradients, the token shares).
+MOE = {"experts": 4, "top_k": 2, "hidden": 48}  # planner Workload fields (model.moe_*)
 CASES = {
     2: {
         "ddp_bucket": (dict(dp_kind="ddp_bucket", dp=2), 2, 65),
@@ -52,6 +55,7 @@ CASES = {
         "fsdp2-offload-accum2": (dict(dp_kind="fsdp", zero_stage=2, dp=2, grad_accum=2, offload=True),
                                  2, 65),
         "hsdp2x1-fsdp1-offload": (dict(dp_kind="fsdp", zero_stage=1, dp=2, R=2, offload=True), 2, 65),
+        "ep2-fsdp2": (dict(dp_kind="fsdp", zero_stage=2, dp=2, ep=2), 2, 65, MOE),
     },
     4: {
         "dp2tp2-fsdp2-sp": (dict(dp_kind="fsdp", zero_stage=2, dp=2, tp=2, sp=True), 2, 65),
@@ -62,6 +66,8 @@ CASES = {
         "hsdp2x2-fsdp3": (dict(dp_kind="fsdp", zero_stage=3, dp=4, R=2), 2, 65),
         "hsdp2x2-fsdp2-offload-accum2": (dict(dp_kind="fsdp", zero_stage=2, dp=4, R=2, offload=True,
                                               grad_accum=2), 2, 64),
+        "ep2-dp4-fsdp3": (dict(dp_kind="fsdp", zero_stage=3, dp=4, ep=2), 2, 65, MOE),
+        "ep2tp2-ddp_bucket": (dict(dp_kind="ddp_bucket", dp=2, tp=2, ep=2), 2, 65, MOE),
     },
 }
 
@@ -74,7 +80,7 @@ def parallel_config(f):
     return ParallelConfig(dp=f.get("dp_kind", "single"), tp=f.get("tp", 1), pp=pp, cp=f.get("cp", 1),
                           zero_stage=f.get("zero_stage", 3) or 3,
                           dp_replicate=f.get("R", 1), offload=f.get("offload", False),
-                          sequence_parallel=f.get("sp", False), **more)
+                          sequence_parallel=f.get("sp", False), ep=f.get("ep", 1), **more)
 
 
 def global_batch(step, vocab):
@@ -83,15 +89,15 @@ def global_batch(step, vocab):
     return data[:, :-1], data[:, 1:]
 
 
-def run_case(fields, n_layer, vocab):
+def run_case(fields, n_layer, vocab, moe=None):
     sizes = {d: fields.get(d, 1) for d in ("dp", "pp", "cp", "tp")}
     sizes["dp_replicate"] = fields.get("R", 1)  # the planner's dp is all replica groups'
     sizes["dp"] //= sizes["dp_replicate"]
-    grid = ProcessGrid(sizes, torch.device("cpu"))
+    grid = ProcessGrid(sizes, torch.device("cpu"), ep=fields.get("ep", 1))
     tcfg = TrainerConfig(lr=3e-3, activation_checkpointing=fields.get("ckpt", False))
     torch.manual_seed(1234)
     model = GPT(GPTConfig(n_layer=n_layer, n_head=N_HEAD, n_embd=N_EMBD, vocab_size=vocab,
-                          block_size=BLOCK))
+                          block_size=BLOCK, **{f"moe_{k}": v for k, v in (moe or {}).items()}))
     strategy = parallelize(model, grid, parallel_config(fields))
     strategy.configure_compute(tcfg)
     strategy.configure_optimizer(tcfg)

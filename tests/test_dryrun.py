@@ -12,7 +12,13 @@ in one process under the fake process-group backend.
   and AdamW state at the end of its optimizer step), not the planner's figure, which
   the test sets one byte off to tell them apart;
 - a rank whose step fails stops the dryrun: one line naming the rank and the error,
-  exit status 2, and the ranks tried before it in plan.out.
+  exit status 2, and the ranks tried before it in plan.out;
+- expert parallelism at full size: 8 experts, ep 8, on 64 x 8 ranks (`python main.py
+  mode=dryrun`), and dp x tp x ep in process with the test's own count of what each rank
+  holds: the measured state equals the planner's, the activations within the goals (the
+  routed rows the even split: the fake backend brings no counts); a rank with experts
+  too large for this machine (the meta device: nothing to route by) and the all-gather
+  exchange are refused with one line.
 """
 
 import json
@@ -126,3 +132,87 @@ def test_a_failing_rank_is_named_and_exits_2(tmp_path, monkeypatch, capfd):
     assert err.strip() == ("error: dryrun: rank 7 (pp 1) of 8 failed at step 1: RuntimeError: "
                            "out of luck at step 1"), err
     assert [r["rank"] for r in json.loads(out.read_text())] == [0, 2]
+
+
+MOE = ["model.n_layer=2", "model.n_head=2", "model.n_embd=32", "data.block_size=16",
+       "model.moe_experts=8", "model.moe_hidden=48", "plan.nodes=64", "plan.gpus_per_node=8"]
+
+
+def test_dryrun_command_runs_an_ep_layout_at_full_size(tmp_path):
+    """8 experts over ep 8 of 512 ranks (dp 512, fsdp stage 2: each expert's shard over the
+    64 ranks holding it): the first and the last rank, their state as planned."""
+    out = tmp_path / "dry.json"
+    result = run_tree([python(), os.path.join(REPO, "main.py"), "mode=dryrun", *MOE,
+                       "trainer.batch_size=512", "parallel.dp=fsdp", "parallel.zero_stage=2",
+                       "parallel.ep=8", f"plan.out={out}"], 120, "mode=dryrun ep",
+                      cwd=str(tmp_path), env=job_env())
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    assert "dp512 ep8 fsdp2 on 64 x 8 ranks" in result.stdout, result.stdout
+    items = json.loads(out.read_text())
+    assert [r["rank"] for r in items] == [0, 511] and all(r["device"] == "cpu" for r in items)
+    assert all(r["state_bytes"] == r["plan_state_bytes"] for r in items)
+    within_goals(items)
+
+
+def test_dryrun_of_ep_with_tp_holds_what_is_planned(monkeypatch):
+    """dp128 tp4 ep8 ddp_bucket and dp128 tp2 pp2 ep8 fsdp1 1F1B on 64 x 8, in process: each
+    rank holds (the test's count of its tensors) what it records and what the planner
+    predicts, the experts of its ep rank only."""
+    from config import load_config
+    from planner import dryrun as module
+    for layout in (["parallel.dp=ddp_bucket", "parallel.tp=4", "parallel.ep=8"],
+                   ["parallel.dp=fsdp", "parallel.zero_stage=1", "parallel.ep=8",
+                    "parallel.tp=2", "parallel.pp=2", "parallel.microbatches=2",
+                    "model.moe_every=2"]):  # stage 0 without experts
+        held = held_by_ranks(monkeypatch)
+        items = module.dryrun(load_config(["mode=dryrun", *MOE, "model.n_head=4",
+                                           "trainer.batch_size=256", *layout], 1), device="cpu")
+        assert sorted(held) == [r["rank"] for r in items]
+        for r in items:
+            print(f"{layout} rank {r['rank']}: held {held[r['rank']]}, planned "
+                  f"{r['plan_state_bytes']}")
+            assert r["state_bytes"] == held[r["rank"]] == r["plan_state_bytes"]
+        within_goals(items)
+
+
+@pytest.mark.parametrize("overrides,message", [
+    (["parallel.ep=8", "parallel.dp=ddp_bucket"],
+     "dryrun: rank 0 does not fit in half of this machine's"),
+    (["parallel.ep=8", "parallel.dp=ddp_bucket", "parallel.ep_impl=allgather"],
+     "dryrun: parallel.ep_impl=allgather routes by choices the fake backend does not bring"),
+])
+def test_dryrun_refuses_what_it_cannot_route(overrides, message, monkeypatch):
+    from config import load_config
+    from errors import UserError
+    from planner import dryrun as module
+    monkeypatch.setattr(module, "host_memory_bytes", lambda: 0)  # no rank fits: the meta device
+    with pytest.raises(UserError, match=message) as e:
+        module.dryrun(load_config(["mode=dryrun", *MOE, "trainer.batch_size=512", *overrides], 1))
+    assert "\n" not in str(e.value)
+    if "allgather" not in message:
+        assert "no values to route tokens by (model.moe_experts)" in str(e.value)
+
+
+def test_dryrun_reads_no_count_the_fake_backend_brings(monkeypatch):
+    """The fake backend's all-to-all may leave anything in its output (here: E x the
+    rank's choices per expert, as if every rank sent each of its experts all its tokens):
+    the ranks still receive the even split of their N x k rows, the planner's count (its
+    activations within 2%)."""
+    import torch
+    import torch.distributed as dist
+    from config import load_config
+    from planner import dryrun as module
+    real = dist.all_to_all_single
+
+    def anything(output, input, *args, **kw):
+        done = real(output, input, *args, **kw)
+        if output.dtype == torch.int64:  # the choices per expert
+            output.fill_(int(input.sum()))
+        return done
+    monkeypatch.setattr(dist, "all_to_all_single", anything)
+    items = module.dryrun(load_config(["mode=dryrun", *MOE, "plan.nodes=2", "trainer.batch_size=64",
+                                       "parallel.dp=ddp_bucket", "parallel.ep=8"], 1), device="cpu")
+    for r in items:
+        print(f"rank {r['rank']}: activations {r['activation_bytes']}, planned "
+              f"{r['plan_activation_bytes']}")
+        assert abs(r["activation_bytes"] / r["plan_activation_bytes"] - 1) <= 0.02, r

@@ -2,9 +2,10 @@
 
 - tests/planner_worker.py trains a matrix of real layouts under torchrun on 2 and 4
   ranks (ddp_bucket, fsdp stages 1-3, tp with and without sequence parallelism, every
-  pipeline schedule, cp, checkpointing, hybrid sharding and offload, and compositions
-  of dp, tp, pp and cp): for every rank, the planner's state bytes (device and host)
-  and bytes per collective kind equal what the run counts (exactly), and its
+  pipeline schedule, cp, checkpointing, hybrid sharding and offload, compositions
+  of dp, tp, pp and cp, and expert parallelism with fsdp and tp): for every rank, the
+  planner's state bytes (device and host) and bytes per collective kind equal what the
+  run counts (exactly; the all-to-all's routed rows summed over the ranks), and its
   activation bytes are within 10% of the meter's; plan.out's collectives are rank 0's.
 - every layout of tests/layout_worker.py's parity matrix the planner models: plan.out's
   byte figures equal, as integers, what the run logs.
@@ -39,10 +40,18 @@ def planner_result(world):
 
 
 def planned(world, name):
-    fields, n_layer, vocab = CASES[world][name]
+    fields, n_layer, vocab, *moe = CASES[world][name]
     w = Workload(n_layer=n_layer, n_head=N_HEAD, n_embd=N_EMBD, vocab=vocab, block=BLOCK,
-                 batch=BATCH)
+                 batch=BATCH, **(moe[0] if moe else {}))
     return w, Layout(**fields)
+
+
+ROUTED = "all_to_all"  # rows to the experts' ranks: as many as the router sends (uneven)
+
+
+def routed_apart(comm):
+    """(the bytes of every kind but the all-to-all's rows, the all-to-all's)."""
+    return {k: v for k, v in comm.items() if k != ROUTED}, comm.get(ROUTED, 0)
 
 
 ALL = [(world, name) for world in CASES for name in CASES[world]]
@@ -54,16 +63,23 @@ def test_planner_equals_what_the_run_counts(world, name):
     within 10% of the meter's peak."""
     w, L = planned(world, name)
     ranks = planner_result(world)[name]
+    routed = [0, 0]  # the all-to-all's rows, over all ranks: (planned, counted)
     for got in ranks:
         p, r = got["coords"]["pp"], got["shard_rank"]
         comm = {k[len("comm_"):-len("_bytes")]: v for k, v in got["comm"].items()
                 if k.endswith("_bytes") and k != "comm_bytes" and v}
-        assert comm_bytes(w, L, p, r) == comm, f"rank {got['rank']}: planned vs counted"
+        # the rows an expert-parallel rank sends depend on the routing; the even split the
+        # planner counts is their mean: every other kind exactly, their sum over the ranks
+        (plan_rest, plan_routed), (rest, counted) = routed_apart(comm_bytes(w, L, p, r)), \
+            routed_apart(comm)
+        assert plan_rest == rest, f"rank {got['rank']}: planned vs counted"
+        routed = [routed[0] + plan_routed, routed[1] + counted]
         act = activation_bytes(w, L, p)
         measured = got["activation_peak_bytes"]
         print(f"{name} rank {got['rank']}: activations planned {act} measured {measured} "
               f"({act / measured:.3f}x)")
         assert abs(act / measured - 1) <= 0.10, (act, measured)
+    assert routed[0] == routed[1] and (routed[0] > 0) == (L.ep > 1), routed
     # state_bytes (host_state_bytes) in metrics.jsonl: the max over ranks (Strategy.state_figures)
     for measured, planner in (("state_bytes", state_bytes), ("host_state_bytes", host_state_bytes)):
         planned_max = max(planner(w, L, got["coords"]["pp"], got["shard_rank"]) for got in ranks)
@@ -74,6 +90,9 @@ def test_planner_equals_what_the_run_counts(world, name):
     logged = {k: v for k, v in rank0["comm"].items() if k.endswith("_bytes") and v}
     plan_out = {k: v for k, v in metrics_names(rank_figures(w, L)["fullest"]).items()
                 if k.startswith("comm_") and v}
+    if L.ep > 1:  # rank 0's routed rows and their sum in comm_bytes: its routing's, not the mean
+        for d in (plan_out, logged):
+            d.pop("comm_bytes"), d.pop(f"comm_{ROUTED}_bytes")
     assert plan_out == logged, f"plan.out {plan_out}, rank 0 logged {logged}"
 
 
