@@ -70,13 +70,19 @@ def grouped_runs(x, w):
         return False
     key = (x.device.type, x.dtype)
     if key not in _GROUPED_OK:
-        try:
-            a = torch.ones(4, 16, device=x.device, dtype=x.dtype, requires_grad=True)
-            b = torch.ones(2, 16, 16, device=x.device, dtype=x.dtype, requires_grad=True)
-            out = torch._grouped_mm(a, b, offs=torch.tensor([2, 4], dtype=torch.int32,
-                                                            device=x.device))
-            out.backward(torch.ones_like(out))
-            _GROUPED_OK[key] = True
+        try:  # its own graph, apart from a recompute's (checkpoint counts what a forward saves)
+            with torch.autograd.graph.saved_tensors_hooks(lambda t: t, lambda t: t):
+                _GROUPED_OK[key] = _probe(x.device, x.dtype)
         except (RuntimeError, NotImplementedError):
             _GROUPED_OK[key] = False
     return _GROUPED_OK[key]
+
+
+def _probe(device, dtype):
+    """A tiny torch._grouped_mm, forward and backward: True, or it raises."""
+    with torch.enable_grad():
+        a = torch.ones(4, 16, device=device, dtype=dtype, requires_grad=True)
+        b = torch.ones(2, 16, 16, device=device, dtype=dtype, requires_grad=True)
+        out = torch._grouped_mm(a, b, offs=torch.tensor([2, 4], dtype=torch.int32, device=device))
+        out.backward(torch.ones_like(out))
+    return True

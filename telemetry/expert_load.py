@@ -38,7 +38,8 @@ def moe_stats(layers, grid, num_experts, blocks):
             row = rows[blocks.index(i)]
             row[0], row[1], row[2] = s["balance"], s["z"], s["forwards"]
             row[3:] = s["counts"]
-    grid.sum_over_ranks(rows)
+    if grid.world_size > 1:
+        grid.sum_over_ranks(rows)
     out, loads, balance, z = {}, [], [], []
     for block, (b, zz, forwards, *counts) in zip(blocks, rows.tolist()):  # the one read
         if not forwards:  # a block no training forward ran this step

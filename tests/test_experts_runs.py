@@ -141,3 +141,13 @@ def test_the_gpt2_sized_preset_has_gpt2_small_s_active_parameters():
     active = model.num_params() - experts * (m.moe_experts - m.moe_top_k) // m.moe_experts
     assert (m.n_layer, m.n_head, m.n_embd) == (12, 12, 768)
     assert round(active / 1e6, 1) == 124.5 and round(model.num_params() / 1e6, 1) == 209.5
+
+
+def test_recompute_runs_in_a_fresh_process(tmp_path):
+    """trainer.activation_checkpointing with experts in a new interpreter: the first
+    block's forward probes torch._grouped_mm inside the checkpointed region, and the probe's
+    own graph must not count as what the block saved (CheckpointError: 49 vs 46 tensors).
+    A fresh process: the probe's answer is cached per process."""
+    result = run_job(tmp_path, 1, ["parallel.dp=single", "trainer.activation_checkpointing=true",
+                                   "trainer.max_steps=2"] + MOE, fresh=True)
+    assert result.returncode == 0, result.stderr[-3000:]
