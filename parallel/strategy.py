@@ -71,6 +71,7 @@ class Strategy:
         self.last_state_bytes = self.last_host_state_bytes = 0  # at the last optimizer step
         self.balancer = None  # model.moe_bias_rate > 0: expert_parallel/balance.py
         self.not_finite = None  # clip_gradients: this step's gradients hold an inf or NaN
+        self.skips_not_finite = True  # mode=dryrun: its fake reductions' norm means nothing
         for call in getattr(dp, "replaces", ()):  # a reference's own, PyTorch's way
             setattr(self, call, getattr(dp, call))
 
@@ -122,8 +123,10 @@ class Strategy:
     def clip_gradients(self, max_norm) -> torch.Tensor:
         """The global pre-clip norm; the step's gradients clipped to max_norm. fp32 and
         bf16: a norm that is not finite marks the step to be skipped (finite.py)."""
+        self.comm.at(phase="gradient norm")
         norm = clip_gradients(self.dp, self.precision, self.grads(), max_norm)
-        self.not_finite = None if self.precision.scaler else not_finite(norm)
+        self.not_finite = None if self.precision.scaler or not self.skips_not_finite \
+            else not_finite(norm)
         return norm
 
     def clip_grad_norm_(self, max_norm) -> float:
@@ -135,6 +138,7 @@ class Strategy:
         the gradients dropped."""
         for group in self.optimizer.param_groups:
             group["lr"] = lr
+        self.comm.at(phase="optimizer step")
         self.dp.update(self.step_optimizer)
         self.last_state_bytes, self.last_host_state_bytes = self.dp.drop_gradients()
 

@@ -159,20 +159,6 @@ def even_split(strategy):
         del comm.all_to_all
 
 
-@contextmanager
-def every_step_taken():
-    """The fake backend's reductions bring uninitialized memory: the gradients' norm may be
-    an inf or a NaN, and parallel/finite.py would skip the step (AdamW's state then never
-    allocated; on the meta device its flag cannot even be read). The dry run takes it."""
-    from parallel import strategy as module
-    real = module.step_unless
-    module.step_unless = lambda optimizer, found: optimizer.step()
-    try:
-        yield
-    finally:
-        module.step_unless = real
-
-
 def host_memory_bytes():
     return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
 
@@ -283,8 +269,10 @@ def one_step(cfg, rank, world, vocab, device):
         micro = GlobalBatches(len(data), t.batch_size, t.seed, cfg.data.sampler) \
             .local_micro_batches(data, 0, grid.data_rank, grid.data_size, t.grad_accum)
         meter = ActivationMeter(meta=device.type == "meta")
-        with meta_kernels() if device.type == "meta" else nullcontext(), even_split(strategy), \
-                every_step_taken():
+        # the fake backend's reductions bring uninitialized memory: the gradients' norm may be
+        # an inf or a NaN (on the meta device, unreadable); the dry run takes the step anyway
+        strategy.skips_not_finite = False
+        with meta_kernels() if device.type == "meta" else nullcontext(), even_split(strategy):
             step.compute_step(strategy, micro, 0, t, OneGroup(), meter)
         return strategy.state_figures()["state_bytes"], meter.peak_bytes
     finally:
