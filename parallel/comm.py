@@ -14,7 +14,10 @@ it with the textbook volumes.
 
 The counter also times how long the training thread was blocked in them (a synchronous
 call, or `wait()` on the work of an asynchronous one: `take_waited_s`): a rank that waits
-little while the others wait long is the one they wait for (telemetry/stragglers.py).
+little while the others wait long is the one they wait for (telemetry/stragglers.py). And
+it knows what it is waiting in (`waiting`: the collective, its group's ranks, how many
+collectives this rank has started on that group, the step and the phase the trainer and
+the step's code set with `at`): what a hang report says (launch/hang_report.py).
 """
 
 import re
@@ -96,28 +99,54 @@ class CommCounter:
         self.counting = True
         self.device = None if device is None else torch.device(device)
         self.waited_s, self.thread = 0.0, threading.get_ident()  # the training thread's
+        self.where = {"step": 0, "phase": "setup"}  # set by `at`
+        self.started = Counter()  # group's ranks -> collectives started on it
+        self.ranks = {}  # group -> its global ranks
+        self.last = None  # the last collective started: (kind, group's ranks, its number)
+        self.waiting = None  # what the training thread is blocked in now (a dict), or None
+
+    def at(self, **where):
+        """Note where the run is (step=, phase=) for a hang report."""
+        self.where.update(where)
+
+    def _started(self, kind, group):
+        ranks = self.ranks.get(group)
+        if ranks is None:  # (a dict lookup in torch, kept: some collectives run per layer)
+            ranks = self.ranks[group] = tuple(dist.get_process_group_ranks(group)) \
+                if group is not None else tuple(range(dist.get_world_size()))
+        self.started[ranks] += 1
+        self.last = (kind, ranks, self.started[ranks])
+        return self.last
 
     @contextmanager
-    def blocked(self):
+    def blocked(self, what=None):
         """Time a wait for a collective, if the training thread is the one waiting (the
-        ring's worker thread waits for its own sends: not the step's wait)."""
+        ring's worker thread waits for its own sends: not the step's wait), and note what
+        it waits in (`what`: _started's, default the last started)."""
+        mine = threading.get_ident() == self.thread
+        if mine:
+            kind, ranks, number = what or self.last or ("?", (), 0)
+            self.waiting = {"op": kind, "group": list(ranks), "collective_on_group": number,
+                            **self.where}
         start = time.perf_counter()
         try:
             yield
         finally:
-            if threading.get_ident() == self.thread:
+            if mine:
                 self.waited_s += time.perf_counter() - start
+                self.waiting = None
 
     def take_waited_s(self) -> float:
         """Seconds the training thread was blocked in collectives since the last take."""
         waited, self.waited_s = self.waited_s, 0.0
         return waited
 
-    def _run(self, call, async_op):
+    def _run(self, kind, group, call, async_op):
         """A collective's call: its work wrapped to time its wait, or timed itself."""
+        what = self._started(kind, group)
         if async_op:
-            return TimedWork(call(), self)
-        with self.blocked():
+            return TimedWork(call(), self, what)
+        with self.blocked(what):
             return call()
 
     def check(self, kind, *tensors):
@@ -152,20 +181,20 @@ class CommCounter:
 
     def all_reduce(self, tensor, group=None, op=dist.ReduceOp.SUM, async_op=False):
         self.record("all_reduce", tensor)
-        return self._run(lambda: dist.all_reduce(tensor, op=op, group=group, async_op=async_op),
-                         async_op)
+        return self._run("all_reduce", group, lambda: dist.all_reduce(
+            tensor, op=op, group=group, async_op=async_op), async_op)
 
     def reduce_scatter(self, output, input, group=None, op=dist.ReduceOp.SUM, async_op=False):
         self.check("reduce_scatter", output)
         self.record("reduce_scatter", input)
-        return self._run(lambda: reduce_scatter_single(output, input, op=op, group=group,
-                                                       async_op=async_op), async_op)
+        return self._run("reduce_scatter", group, lambda: reduce_scatter_single(
+            output, input, op=op, group=group, async_op=async_op), async_op)
 
     def all_gather(self, output, input, group=None, async_op=False):
         self.check("all_gather", input)
         self.record("all_gather", output)
-        return self._run(lambda: all_gather_single(output, input, group=group, async_op=async_op),
-                         async_op)
+        return self._run("all_gather", group, lambda: all_gather_single(
+            output, input, group=group, async_op=async_op), async_op)
 
     def all_to_all(self, output, input, output_splits, input_splits, group=None, kind="all_to_all",
                    counted=None):
@@ -174,13 +203,13 @@ class CommCounter:
         rank hands over, its own share included)."""
         self.check(kind, output, input)
         self.record(kind, input if counted is None else counted)
-        with self.blocked():
+        with self.blocked(self._started(kind, group)):
             return dist.all_to_all_single(output, input, output_splits, input_splits, group=group)
 
     def broadcast(self, tensor, src, group=None, async_op=False):
         self.record("broadcast", tensor)
-        return self._run(lambda: dist.broadcast(tensor, src=src, group=group, async_op=async_op),
-                         async_op)
+        return self._run("broadcast", group, lambda: dist.broadcast(
+            tensor, src=src, group=group, async_op=async_op), async_op)
 
     def exchange(self, sends=(), recvs=(), group=None):
         """Post sends [(tensor, dst)] and receives [(tensor, src)] as one batch
@@ -196,7 +225,8 @@ class CommCounter:
         for tensor, dst in sends:
             self.record("send", tensor)
             ops.append(dist.P2POp(dist.isend, tensor, peer=dst, group=group))
-        works = [TimedWork(w, self) for w in (dist.batch_isend_irecv(ops) if ops else [])]
+        what = self._started("send/recv", group) if ops else None
+        works = [TimedWork(w, self, what) for w in (dist.batch_isend_irecv(ops) if ops else [])]
         return works if len(works) == len(ops) else [works[0]] * len(ops)
 
 
@@ -204,11 +234,11 @@ class TimedWork:
     """An asynchronous collective's work whose wait() is timed (CommCounter.blocked); the
     rest is the work's own."""
 
-    def __init__(self, work, counter):
-        self.work, self.counter = work, counter
+    def __init__(self, work, counter, what):
+        self.work, self.counter, self.what = work, counter, what
 
     def wait(self, *args, **kwargs):
-        with self.counter.blocked():
+        with self.counter.blocked(self.what):
             return self.work.wait(*args, **kwargs)
 
     def __getattr__(self, name):

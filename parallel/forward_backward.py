@@ -42,15 +42,19 @@ class ForwardBackward:
         for _, moe in plan.moe_layers(dp.module):  # their losses' gradient: the main loss's
             moe.begin_step(self.precision.loss_scale / pieces)
         if dp.pipeline is not None:
+            dp.comm.at(phase="pipeline schedule (forward and backward)")
             loss = self.pipeline_rounds(micro_batches)
         else:
             total = torch.zeros((), device=dp.device)
             for i, (x, y) in enumerate(micro_batches):
                 with dp.backward_scope(None, i == len(micro_batches) - 1):
+                    dp.comm.at(phase="forward")
                     _, micro_loss = self.forward_loss(dp.model, x, y)
+                    dp.comm.at(phase="backward")
                     self.backward(micro_loss, len(micro_batches))
                 total += micro_loss.detach()
             loss = total / len(micro_batches)
+        dp.comm.at(phase="gradient sync")
         dp.sync_gradients()
         finish_gradients(dp)
         return data_mean(dp, loss)
@@ -60,6 +64,7 @@ class ForwardBackward:
         """Mean loss over the global eval batch (x, y is this rank's share), through the
         strategy's module or its pipeline stages."""
         dp = self.dp
+        dp.comm.at(phase="evaluation")
         x, y = self.split(x, y)
         dp.module.eval()
         try:
