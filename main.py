@@ -39,6 +39,7 @@ from data.prepare import prepare
 from errors import UserError
 from fault_tolerance import lighthouse, replica_group
 from launch import preemption
+from launch.hang_report import hang_dir, nccl_flight_recorder
 from launch.devices import cuda_index, local_rank_from_env, pick_device  # noqa: F401 (tests: main.cuda_index)
 from launch.exit import flush_and_exit
 from model import GPT, GPTConfig, shapes_only
@@ -81,8 +82,12 @@ def determinism(enabled):
         torch.backends.cudnn.benchmark, torch.backends.cudnn.deterministic = before[2:]
 
 
-def init_process_group(device, timeout_s, rank, world_size):
+def init_process_group(device, timeout_s, rank, world_size, run_dir=None):
     backend = "nccl" if device.type == "cuda" else "gloo"
+    if backend == "nccl" and run_dir:  # a timed-out collective dumps NCCL's recent ones there
+        os.makedirs(hang_dir(run_dir), exist_ok=True)
+        for key, value in nccl_flight_recorder(run_dir).items():
+            os.environ.setdefault(key, value)
     timeout = datetime.timedelta(seconds=timeout_s)
     # NCCL: bind the group to this rank's GPU now (communicators created eagerly; barriers
     # know the device instead of guessing it from the rank)
@@ -259,7 +264,7 @@ def main(argv, rank, world_size, local_rank):
         return
     preemption.install()  # SIGTERM/SIGUSR1 now stop after a step, with a snapshot
     device = pick_device(cfg.trainer.device, local_rank, world_size)
-    init_process_group(device, cfg.parallel.timeout_s, rank, world_size)
+    init_process_group(device, cfg.parallel.timeout_s, rank, world_size, cfg.trainer.run_dir)
     try:
         grid = ProcessGrid(cfg.sizes, device, cfg.parallel.timeout_s, cfg.parallel.ep)  # config.validate's
         with determinism(cfg.trainer.deterministic):

@@ -10,8 +10,10 @@ It also records what fixes the data order (the sampler and its version, the trai
 split's size and, for prepared tokens, the corpus's fingerprint), and check_resumable
 refuses to continue with another.
 
-A step, in this order (train):
+A step, in this order (steps; train wraps them: a collective that gives up waiting ends
+the run with every rank's report of where it was and who is behind, launch/hang_report.py):
 
+ 0. hangs.at              the step, for a hang report (and the phases of 8 and 11)
  1. profiler.before_step  its range in the trace; a redone try stays in it (telemetry/)
  2. record.before_step    its start on the device's clock (telemetry/step_record.py)
  3. group.begin_step      the quorum: the step to compute, this group's shares of its batch
@@ -43,7 +45,9 @@ from checkpoint.async_snapshot import AsyncSnapshots
 from checkpoint.resume import snapshot_location
 from checkpoint.sync_snapshot import SyncSnapshots
 from fault_tolerance.one_group import OneGroup
+from launch.hang_report import HangReport
 from launch.preemption import EndOfStep
+from parallel.comm import collective_failure
 from parallel.compile import compile_events
 from parallel.grid import together
 from parallel.pipeline_parallel.clock import DeviceClock
@@ -86,6 +90,10 @@ class Trainer:
         self.batches = StepBatches(GlobalBatches(len(train_set), t.batch_size, t.seed,
                                                  cfg.data.sampler), train_set, grid, t.grad_accum)
         self.group = OneGroup()  # join_replicas: this launch's (ft.enabled: a ReplicaGroup)
+        self.hangs = HangReport(t.run_dir, grid.rank, grid.world_size, strategy.comm,
+                                cfg.parallel.timeout_s)
+        if grid.is_main:
+            self.hangs.clear()  # an earlier launch's reports are not this one's
         self.end_of_step = EndOfStep(grid, self.snapshots, lambda: self.save(final=True), t,
                                      self.snapshot_path)
 
@@ -109,9 +117,21 @@ class Trainer:
                          self.resumed_record)
 
     def train(self):
+        """The steps up to trainer.max_steps; a collective that gave up waiting ends it with
+        where every rank was and which are behind (launch/hang_report.py)."""
+        try:
+            return self.steps()
+        except Exception as e:
+            failure = collective_failure(e, self.cfg.parallel.timeout_s)
+            if failure is None:
+                raise
+            raise self.hangs.explain(failure, e) from e
+
+    def steps(self):
         """The steps up to trainer.max_steps, in the order of the module's docstring."""
         t, group = self.t, self.group
         while self.step < t.max_steps:
+            self.hangs.at(step=self.step + 1, phase="start of step")
             self.profiler.before_step(self.step + 1)
             self.record.before_step()
             self.step, shares = group.begin_step(self.step)  # a healing group's step jumps
@@ -124,16 +144,19 @@ class Trainer:
             logged = due(t.log_every, self.step, last)
             evaluated = due(t.eval_every, self.step, last)
             saved = (due(t.save_every, self.step) or last) and group.writes_snapshots()
+            self.hangs.at(phase="metrics record")
             record = self.record.after_step(self.step, *done, data_ms, measured=logged or evaluated,
                                             last=last, saved=saved,
                                             sources=(group, self.meter, self.compiles))
             if evaluated:
                 record.update(val_loss=self.evaluate(), **self.compiles.after_eval())
             if saved:
+                self.hangs.at(phase="snapshot")
                 self.save(final=last, record=record)
             self.record.write(record, self.step, console=logged or last)
             self.profiler.after_step(self.step, last)
             if not last:  # the next step's batches where known, then one all-reduce
+                self.hangs.at(phase="end of step")
                 error = self.batches.read_ahead(self.step, group.next_shares(), group.replicas)
                 self.end_of_step.after_step(self.step, saved, error)
         return self.step

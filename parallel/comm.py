@@ -129,12 +129,10 @@ class CommCounter:
             self.waiting = {"op": kind, "group": list(ranks), "collective_on_group": number,
                             **self.where}
         start = time.perf_counter()
-        try:
-            yield
-        finally:
-            if mine:
-                self.waited_s += time.perf_counter() - start
-                self.waiting = None
+        yield  # raising (a timeout): `waiting` stays, for the hang report
+        if mine:
+            self.waited_s += time.perf_counter() - start
+            self.waiting = None
 
     def take_waited_s(self) -> float:
         """Seconds the training thread was blocked in collectives since the last take."""
