@@ -47,7 +47,7 @@ from checkpoint.sync_snapshot import SyncSnapshots
 from fault_tolerance.one_group import OneGroup
 from launch.hang_report import HangReport
 from launch.preemption import EndOfStep
-from parallel.comm import collective_failure
+from parallel.comm import collective_failure, timed_out
 from parallel.compile import compile_events
 from parallel.grid import together
 from parallel.pipeline_parallel.clock import DeviceClock
@@ -125,7 +125,7 @@ class Trainer:
             failure = collective_failure(e, self.cfg.parallel.timeout_s)
             if failure is None:
                 raise
-            raise self.hangs.explain(failure, e) from e
+            raise self.hangs.explain(failure, e, timed_out(e)) from e
 
     def steps(self):
         """The steps up to trainer.max_steps, in the order of the module's docstring."""

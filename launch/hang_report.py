@@ -23,6 +23,7 @@ import traceback
 from errors import UserError
 
 MAX_GRACE_S = 60.0  # the longest a rank waits for the others' reports (at most the timeout)
+GONE_GRACE_S = 2.0  # after a peer left (a crash, a kill): the others learn it at once too
 
 
 def hang_dir(run_dir):
@@ -54,16 +55,19 @@ class HangReport:
     def at(self, **where):
         self.comm.at(**where)
 
-    def explain(self, failure, error):
-        """failure: the one-line UserError parallel.comm.collective_failure made of `error`.
-        Writes this rank's report, reads the others', returns the UserError to end with."""
+    def explain(self, failure, error, timed_out=True):
+        """failure: the one-line UserError parallel.comm.collective_failure made of `error`;
+        timed_out: it gave up waiting (else a peer left: every live rank learns that at
+        once, and the others' reports come within GONE_GRACE_S). Writes this rank's report,
+        reads the others', returns the UserError to end with."""
         report = {"rank": self.rank, **self.where(error), "error": str(failure)}
         os.makedirs(self.dir, exist_ok=True)
         path = os.path.join(self.dir, f"rank{self.rank}.json")
         with open(path + ".tmp", "w") as f:
             json.dump(report, f, indent=1)
         os.replace(path + ".tmp", path)
-        others = self.read_reports(range(self.world_size))
+        others = self.read_reports(range(self.world_size),
+                                   self.grace_s if timed_out else GONE_GRACE_S)
         behind = self.behind(report, others, range(self.world_size))
         place = (f"{report['op']} #{report['collective_on_group']} over ranks "
                  f"{_ranks(report['group'])}" if "op" in report else report["site"])
@@ -86,9 +90,9 @@ class HangReport:
                 site = f"{os.path.basename(frame.filename)}:{frame.lineno} {frame.name}"
         return {"site": site, **self.comm.where}
 
-    def read_reports(self, group) -> dict:
-        """{rank: report} of the ranks of `group` that wrote one within the grace."""
-        group, deadline, found = list(group), time.monotonic() + self.grace_s, {}
+    def read_reports(self, group, grace_s) -> dict:
+        """{rank: report} of the ranks of `group` that wrote one within grace_s."""
+        group, deadline, found = list(group), time.monotonic() + grace_s, {}
         while True:
             for rank in group:
                 path = os.path.join(self.dir, f"rank{rank}.json")

@@ -65,6 +65,11 @@ _TIMED_OUT = re.compile(r"timed out|timeout|watchdog", re.I)
 _PEER_GONE = re.compile(r"connection (closed|reset|refused)|broken pipe|socket closed", re.I)
 
 
+def timed_out(error) -> bool:
+    """Whether a collective's error says it gave up waiting (not that its peer left)."""
+    return bool(_TIMED_OUT.search(str(error)))
+
+
 def collective_failure(error, timeout_s):
     """The one-line UserError for an exception a collective raised (a backend's
     RuntimeError or torch's DistError), or None if `error` is something else. Each rank

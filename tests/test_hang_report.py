@@ -17,7 +17,7 @@ import pytest
 from harness import REPO, TINY, job_env, kill_tree, python, read_metrics
 from launch import process_tree
 
-TIMEOUT_S = 8
+TIMEOUT_S = 5
 
 
 def rank_of(pid):
