@@ -2,11 +2,12 @@
 
 - tests/experts_worker.py (inside tests/layout_worker.py's 2-, 4- and 8-rank launches):
   ep 2 and 4 with ddp_naive, ddp_bucket and fsdp stages 1-3, accumulation 2 and 3, ep
-  carved from cp, ep x tp with and without sequence parallelism, ep x pp (1f1b with a
-  stage without experts, zbv), ep x cp, ep x HSDP (with offload), the 4-D dp x cp x tp
-  with ep 4, bf16, fp16 with its loss scaler, recompute, compile (aot_eager), DeepSeek-V3's
-  choice biases, and a router that sends every token to one expert, each against a
-  single-process replica (and the all-gather reference exchange): per-step loss, pre-clip gradient norm, balance loss, z-loss and
+  carved from cp, ep x tp with and without sequence parallelism, ep x pp (every schedule:
+  1f1b with a stage without experts, gpipe, interleaved, zb1p, zbv), ep x cp, ep x HSDP
+  (with offload), the 4-D dp x cp x tp with ep 4, bf16, fp16 with its loss scaler,
+  recompute, compile (aot_eager), DeepSeek-V3's choice biases, the all-gather reference
+  exchange, and a router that sends every token to one expert, each against a
+  single-process replica: per-step loss, pre-clip gradient norm, balance loss, z-loss and
   busiest expert's load, validation loss and final parameters; the all-to-all bytes
   equal their textbook count, 4 x tokens x k x C x 4 bytes a block and step;
 - in process: the grouped experts against one product per token, the router's weights
