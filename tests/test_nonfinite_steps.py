@@ -133,3 +133,36 @@ def test_a_gpu_run_gets_fused_adamw_and_the_cpu_keeps_foreach():
     assert not opt.defaults.get("fused")
     opt = build_adamw([{"params": [torch.nn.Parameter(torch.ones(2))]}], TrainerConfig(), fused=True)
     assert opt.defaults["fused"]
+
+
+def test_a_live_optimizer_behind_takes_the_step_count_it_loads():
+    """A replica group alive but behind heals from a peer's state through load_regions:
+    AdamW's step count must become the peer's even though its own state exists (it used to
+    be read only into an empty state, leaving the group's own count: other bias
+    corrections from then on)."""
+    from dp_worker import OneRank
+    from model import GPT, GPTConfig
+    from parallel.config import ParallelConfig
+    from parallel.parallelize import parallelize
+    from training.config import TrainerConfig
+    config = GPTConfig(n_layer=1, n_head=2, n_embd=16, vocab_size=20, block_size=8)
+    x = torch.randint(20, (2, 8), generator=torch.Generator().manual_seed(0))
+
+    def trained(steps):
+        strategy = parallelize(GPT(config, seed=1), OneRank(), ParallelConfig(dp="single"))
+        strategy.configure_optimizer(TrainerConfig())
+        for _ in range(steps):
+            strategy.forward_backward([(x, x)])
+            strategy.optimizer_step(1e-3)
+        return strategy
+    peer, behind = trained(3), trained(1)
+
+    class Held:  # the peer's state as a reader (fault_tolerance/state_transfer.py's role)
+        def __init__(self, pieces):
+            self.pieces = {(key, tuple(box)): t for key, _, box, t in pieces}
+
+        def read_box(self, key, box):
+            return self.pieces[(key, tuple(box))]
+    behind.load_shards(Held(peer.shard_pieces()))
+    steps = {float(s["step"]) for s in behind.optimizer.state.values()}
+    assert steps == {3.0}, steps
