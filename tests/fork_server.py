@@ -161,6 +161,9 @@ def serve(directory):
     threads = len(os.listdir("/proc/self/task"))
     if threads != 1:
         sys.exit(f"fork_server: {threads} threads after the imports; a fork would copy one")
+    if "torch" in sys.modules and sys.modules["torch"].cuda.is_initialized():
+        # a forked child cannot use a CUDA context its parent made: its first CUDA call fails
+        sys.exit("fork_server: the imports initialized CUDA; a forked process could not use it")
     mine = startup_env(os.environ)
     listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     listener.bind(os.path.join(directory, "socket"))

@@ -34,7 +34,8 @@ import prefetch  # noqa: E402
 TINY = ["model.n_layer=2", "model.n_head=2", "model.n_embd=32", "data.block_size=16",
         "trainer.batch_size=12", "trainer.max_steps=6", "trainer.warmup_steps=2",
         "trainer.log_every=1", "trainer.eval_every=0", "trainer.save_every=0",
-        "sample.length=0", "wandb.mode=disabled", "parallel.timeout_s=60"]
+        "sample.length=0", "wandb.mode=disabled", "parallel.timeout_s=60",
+        "trainer.device=cpu"]  # the gloo matrix: on CPU also on a machine with GPUs
 
 
 def job_env(forked=True):

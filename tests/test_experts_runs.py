@@ -119,7 +119,8 @@ def test_the_tiny_preset_trains_with_its_experts_split(tmp_path):
     scaled = ["model.n_layer=2", "model.n_embd=32", "model.moe_hidden=32", "data.block_size=16",
               "trainer.batch_size=8", "trainer.max_steps=2", "trainer.log_every=1",
               "trainer.eval_every=0", "trainer.save_every=0", "sample.length=0",
-              "wandb.mode=disabled", "parallel.ep=2", "trainer.run_dir=runs/moe-tiny"]
+              "wandb.mode=disabled", "parallel.ep=2", "trainer.run_dir=runs/moe-tiny",
+              "trainer.device=cpu"]
     result = run_job(tmp_path, 2, [preset] + scaled, tiny=False)
     assert result.returncode == 0, result.stderr[-3000:]
     records = read_metrics(tmp_path / "runs" / "moe-tiny")

@@ -116,6 +116,16 @@ def test_the_stand_in_is_forked_unless_the_startup_environment_differs():
     assert preloaded({"TORCHINDUCTOR_CACHE_DIR": os.devnull}) == "True"  # read when compiling
 
 
+def test_the_server_has_not_initialized_cuda_when_it_forks():
+    """On a GPU machine a forked process can use CUDA only if the server never initialized
+    it (its imports must not; it refuses to serve otherwise). A forked process sees the
+    server's state (a CPU machine: never initialized; the check matters on a GPU one)."""
+    out = subprocess.run([python(), "-c", "import sys, torch; print('torch' in sys.modules "
+                          "and not torch.cuda.is_initialized())"], env=job_env(),
+                         capture_output=True, text=True, timeout=120)
+    assert out.stdout.strip() == "True", out
+
+
 def test_another_thread_count_and_inductor_cache_are_what_the_interpreter_sees(tmp_path):
     """bench.run's jobs: the single process with 2 threads, each variant's own inductor
     cache. Forked (not refused: above), the process must see both as a real interpreter
