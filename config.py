@@ -155,6 +155,7 @@ def validate(cfg: Config, world_size: int):
         (t.max_skipped_steps >= 1,
          f"trainer.max_skipped_steps must be >= 1, got {t.max_skipped_steps}"),
         (m.n_layer >= 1 and m.n_head >= 1 and m.n_embd >= 1, "model sizes must be positive"),
+        (m.vocab_pad_to >= 1, f"model.vocab_pad_to must be >= 1 (1: no padding), got {m.vocab_pad_to}"),
         (m.n_embd % m.n_head == 0,
          f"model.n_embd={m.n_embd} is not divisible by model.n_head={m.n_head}"),
         (0.0 <= m.dropout < 1.0, f"model.dropout must be in [0, 1), got {m.dropout}"),

@@ -191,7 +191,7 @@ def train(cfg, grid):
     with shapes_only():  # each rank materializes what it holds
         model = GPT(gpt_config)
     if init_state is not None:  # model.init_from: checked against the model, read by box
-        check_state_names(dict(model.named_parameters()), init_state,
+        check_state_names(model.canonical_shapes(), init_state,
                           f"model.init_from={cfg.model.init_from}")
         init = GivenWeights(init_state)
     else:  # the same values whatever the layout: each parameter from (seed, its name)

@@ -11,7 +11,9 @@ A few details matter to the parallel code:
   that c_attn gathers);
 - the token embedding and the LM head share one weight (`lm_head.weight is
   transformer.wte.weight`), so the canonical state dict names it once, as
-  `transformer.wte.weight`;
+  `transformer.wte.weight`; with `vocab_pad_to`, that tensor is its first vocab_size
+  rows (`canonical_shapes`): the padded rows are zeros that no state holds, and the
+  LM head gives them -inf logits (`LMHead`);
 - the loss is a module (`cross_entropy`) that tensor parallelism can swap for
   its vocabulary-parallel one, and forward is `embed`, the blocks, `head`:
   pipeline stages run those pieces on different ranks;
@@ -77,6 +79,8 @@ class ModelConfig:
     moe_z_loss_coef: float = 0.001   # the router z-loss's weight (ST-MoE); 0 = off
     moe_bias_rate: float = 0.0  # DeepSeek-V3's loss-free balancing: per-expert choice biases
                                 # move this much a step towards balance; 0 = off
+    vocab_pad_to: int = 1       # vocabulary rows padded to a multiple of this (64: GPT-2's 50257
+                                # -> 50304, docs/data.md); 1 = none
 
     def has_experts(self, block_index):
         """Whether block `block_index` is a mixture-of-experts block."""
@@ -88,6 +92,11 @@ class GPTConfig(ModelConfig):
     """The model section plus what the data decides (vocabulary, context)."""
     vocab_size: int = 0
     block_size: int = 0
+
+    @property
+    def padded_vocab_size(self):
+        """Rows of the embedding and LM head: vocab_size rounded up to a multiple of vocab_pad_to."""
+        return -(-self.vocab_size // self.vocab_pad_to) * self.vocab_pad_to
 
 
 def causal_attention(q, k, v, dropout_p):
@@ -147,6 +156,22 @@ class Block(nn.Module):
         return x + self.mlp(self.ln_2(x))
 
 
+class LMHead(nn.Linear):
+    """The LM head over a padded vocabulary: the logits of the padded ids (>= vocab_size)
+    are -inf, so they take no probability, are never sampled and give their rows no
+    gradient (tensor parallelism's head and loss mask their own padding)."""
+
+    def __init__(self, n_embd, vocab_size, padded_vocab_size):
+        super().__init__(n_embd, padded_vocab_size, bias=False)
+        self.vocab_size = vocab_size
+
+    def forward(self, x):
+        logits = super().forward(x)
+        if self.out_features > self.vocab_size:  # in place: the product's output is not saved
+            logits[..., self.vocab_size:] = float("-inf")
+        return logits
+
+
 class GPT(nn.Module):
     def __init__(self, config: GPTConfig, seed=None):
         """seed: of the initial weights (initial_value); None: drawn from torch's default
@@ -156,13 +181,13 @@ class GPT(nn.Module):
         assert config.vocab_size > 0 and config.block_size > 0
         self.config = config
         self.transformer = nn.ModuleDict(dict(
-            wte=nn.Embedding(config.vocab_size, config.n_embd),
+            wte=nn.Embedding(config.padded_vocab_size, config.n_embd),
             wpe=nn.Embedding(config.block_size, config.n_embd),
             drop=nn.Dropout(config.dropout),
             h=nn.ModuleList([Block(config, config.has_experts(i)) for i in range(config.n_layer)]),
             ln_f=nn.LayerNorm(config.n_embd, bias=config.bias),
         ))
-        self.lm_head = nn.Linear(config.n_embd, config.vocab_size, bias=False)
+        self.lm_head = LMHead(config.n_embd, config.vocab_size, config.padded_vocab_size)
         self.lm_head.weight = self.transformer.wte.weight  # weight tying
         self.cross_entropy = nn.CrossEntropyLoss()  # mean over tokens
 
@@ -197,14 +222,26 @@ class GPT(nn.Module):
         gen = torch.Generator().manual_seed(int.from_bytes(digest, "little") >> 1)
         return torch.empty(tuple(shape), device="cpu").normal_(0.0, rule[1], generator=gen)
 
+    def canonical_shapes(self):
+        """{name: shape} of the state snapshots, state_dict and the export hold: each
+        parameter's, but the tied weight's real rows only (a padded vocabulary's rows
+        belong to no token: they stay zero)."""
+        shapes = {name: tuple(p.shape) for name, p in self.named_parameters()}
+        shapes["transformer.wte.weight"] = (self.config.vocab_size, self.config.n_embd)
+        return shapes
+
     @torch.no_grad()
     def init_weights(self, seed):
-        """Every parameter to initial_value(seed) (what a sharded run materializes too)."""
-        for name, p in self.named_parameters():
-            p.copy_(self.initial_value(name, p.shape, self.init_rule(name), seed))
+        """Every parameter to initial_value(seed) (what a sharded run materializes too);
+        a padded vocabulary's rows to zeros."""
+        for name, shape in self.canonical_shapes().items():
+            box = tuple(slice(0, n) for n in shape)  # all of it, or a padded vocabulary's real rows
+            self.get_parameter(name).zero_()[box].copy_(
+                self.initial_value(name, shape, self.init_rule(name), seed))
 
     def num_params(self):
-        return sum(p.numel() for p in self.parameters())
+        """Parameters of the canonical model (a padded vocabulary's rows not counted)."""
+        return sum(math.prod(shape) for shape in self.canonical_shapes().values())
 
     def forward(self, idx, targets=None):
         x = self.embed(idx)

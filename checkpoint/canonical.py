@@ -8,12 +8,13 @@ from errors import UserError
 
 
 def check_state_names(expected: dict, state: dict, what: str):
-    """Raise a UserError listing missing / unexpected / mis-shaped entries."""
+    """Raise a UserError listing missing / unexpected / mis-shaped entries. expected: {name:
+    a shape, or anything with a .shape}."""
     missing = sorted(set(expected) - set(state))
     unexpected = sorted(set(state) - set(expected))
-    shapes = [f"{n}: {tuple(state[n].shape)} vs {tuple(expected[n].shape)}"
-              for n in sorted(set(expected) & set(state))
-              if tuple(state[n].shape) != tuple(expected[n].shape)]
+    want = {n: tuple(getattr(e, "shape", e)) for n, e in expected.items()}
+    shapes = [f"{n}: {tuple(state[n].shape)} vs {want[n]}" for n in sorted(set(expected) & set(state))
+              if tuple(state[n].shape) != want[n]]
     if missing or unexpected or shapes:
         parts = [f"missing {missing[:4]}" if missing else "",
                  f"unexpected {unexpected[:4]}" if unexpected else "",
@@ -23,11 +24,12 @@ def check_state_names(expected: dict, state: dict, what: str):
 
 @torch.no_grad()
 def load_named_parameters(module, state, what="snapshot model state"):
-    """Copy a canonical state dict into a full (unsharded) GPT."""
-    params = dict(module.named_parameters())
-    check_state_names(params, state, what)
-    for name, p in params.items():
-        p.copy_(state[name])
+    """Copy a canonical state dict into a full (unsharded) GPT; the rows a padded vocabulary
+    adds (model.vocab_pad_to) become zeros."""
+    shapes = module.canonical_shapes()
+    check_state_names(shapes, state, what)
+    for name, shape in shapes.items():
+        module.get_parameter(name).zero_()[tuple(slice(0, n) for n in shape)] = state[name]
 
 
 def optimizer_state_from(reader):

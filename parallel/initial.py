@@ -31,7 +31,7 @@ class InitialWeights:
         """model: the canonical GPT (built on the meta device, or with values); seed:
         trainer.seed."""
         self.model_class = type(model)
-        self.specs = {n: (tuple(p.shape), model.init_rule(n)) for n, p in model.named_parameters()}
+        self.specs = {n: (shape, model.init_rule(n)) for n, shape in model.canonical_shapes().items()}
         self.seed = seed
         self._last = (None, None)  # (name, whole tensor): one parameter at a time
 

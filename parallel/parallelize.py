@@ -66,7 +66,9 @@ def parallelize(model, grid, cfg, init=None):
         init = to_meta(model)
     comm = CommCounter(grid.device)  # counts training traffic; checks every tensor's device
     precision = Precision("fp32", grid.device, world_size=grid.world_size)  # step 6 sets it
-    local = LocalModel(model, {n: Placement.whole(n, w.shape) for n, w in model.named_parameters()},
+    canonical = model.canonical_shapes()  # a padded vocabulary's rows in none (model.vocab_pad_to)
+    local = LocalModel(model, {n: Placement.leading_rows(n, canonical[n], w.shape)
+                               for n, w in model.named_parameters()},
                        comm, init=init, precision=precision)
     if grid.tp_size > 1 and "parallelizes_tp_itself" not in capabilities(p):  # 1. tensor
         local.placements, local.tp = apply_tensor_parallel(model, grid, p, comm)

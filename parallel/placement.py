@@ -56,6 +56,15 @@ class Placement:
         shape = tuple(shape)
         return Placement(name, shape, shape, tp_replicated=tp_replicated, partial_grad=partial_grad)
 
+    @staticmethod
+    def leading_rows(name, shape, local_shape):
+        """The canonical tensor `shape` is the local one's first rows, the rest pad it (a
+        padded vocabulary, model.vocab_pad_to); whole when the shapes agree."""
+        shape, local_shape = tuple(shape), tuple(local_shape)
+        if shape == local_shape:
+            return Placement.whole(name, shape)
+        return Placement(name, shape, local_shape, 0, ((0, 0, shape[0]),))
+
     def canonical_boxes(self, local_box):
         """Cut a box of the local tensor into [(canonical box, local sub-box)]; rows of
         padding (in no piece) are dropped."""

@@ -156,6 +156,9 @@ DATA = [  # data parallelism: hybrid sharding, offload, each strategy (data_para
     Rule("torch_tp", lambda pp: pp > 1,
          "parallel.tp_impl=torch does not run under pipeline parallelism: PyTorch's references "
          "measure pure data or tensor parallelism"),
+    Rule("torch_tp", lambda m: m.vocab_pad_to > 1,
+         "parallel.tp_impl=torch with model.vocab_pad_to={m.vocab_pad_to} is refused: PyTorch's "
+         "reference does not mask a padded vocabulary's logits (use our parallel.tp)"),
     Rule("torch_pp", lambda pp, tp: pp == 1 or tp > 1,
          "parallel.pp_impl=torch is PyTorch's pipelining, the reference for parallel.pp: set "
          "parallel.pp > 1 and parallel.tp=1"),

@@ -144,7 +144,7 @@ def compute_seconds(w: Workload, L: Layout, p: int, machine, params: int,
     elementwise = layers * (fwd * memory_seconds(eb, FWD_ELEMENTWISE_KERNELS, machine)
                             + memory_seconds(2 * eb, BWD_ELEMENTWISE_KERNELS, machine))
     if st.last:  # LM head and loss (the logits written, read by the loss, its gradient)
-        V = -(-w.vocab // L.tp)
+        V = -(-w.padded_vocab // L.tp)
         matmul += matmul_seconds(t, V, C, w, machine, passes=3)
         elementwise += memory_seconds((4 * act_bytes(w) + F32) * t * V, 6, machine)
     if moe:  # the tokens' rows gathered by expert and their outputs weighed and summed back

@@ -131,7 +131,7 @@ def end_activations(w: Workload, L: Layout, rows: int, first: bool, last: bool):
     if first:  # token ids (int64) the embedding keeps, positions; TP: its mask (bool)
         total += 8 * n + 8 * (w.block // L.cp) + (n if L.tp > 1 else 0)
     if last:  # final LayerNorm, LM head input, the loss's softmax and targets
-        vocab = -(-w.vocab // L.tp)
+        vocab = -(-w.padded_vocab // L.tp)
         total += n * C * F32 // s + 2 * n * F32 // s + n * C * F32
         total += n * vocab * F32 + 8 * n + (n if L.tp > 1 else 0)
     return total
@@ -157,7 +157,7 @@ def activation_bytes(w: Workload, L: Layout, p: int, busiest=1.0) -> int:
     # split backward: W keeps the graph below the weights' gradients; what lies above them
     # (the last chunk's loss: its softmax, the targets) lives as long as the pipeline still
     # holds the chunk's output, until its next F has run or its next B starts
-    top = {c: (n * -(-w.vocab // L.tp) * F32 + 8 * n + (n if L.tp > 1 else 0))
+    top = {c: (n * -(-w.padded_vocab // L.tp) * F32 + 8 * n + (n if L.tp > 1 else 0))
            if c == last_chunk else 0 for c in st.chunks}
     split = SCHEDULES[L.schedule].split_backward
     live = peak = 0
@@ -197,7 +197,7 @@ def memory_need(w: Workload, L: Layout, fig: dict) -> int:
     elif busiest > 1:
         need += activation_bytes(w, L, fig["pp_rank"], busiest) - fig["activation_bytes"]
     if st.last:
-        need += rows * (w.block // L.cp) * -(-w.vocab // L.tp) * F32
+        need += rows * (w.block // L.cp) * -(-w.padded_vocab // L.tp) * F32
     if L.dp_kind == "fsdp" and L.zero_stage == 3:
         full = []  # a block's units (its experts with the rest) are gathered together
         for u in units(st, L, L.shards):

@@ -34,7 +34,7 @@ def workload(cfg) -> Workload:
     m = cfg.model
     return Workload(m.n_layer, m.n_head, m.n_embd, vocab, cfg.data.block_size,
                     cfg.trainer.batch_size, cfg.trainer.precision, m.bias, m.moe_experts,
-                    m.moe_top_k, m.moe_every, m.moe_hidden)
+                    m.moe_top_k, m.moe_every, m.moe_hidden, m.vocab_pad_to)
 
 
 def check(cfg, gpu):

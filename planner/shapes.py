@@ -88,10 +88,16 @@ class Workload:
     top_k: int = 2        # model.moe_top_k
     every: int = 1        # model.moe_every
     hidden: int = 0       # model.moe_hidden (0: 4 x n_embd)
+    vocab_pad_to: int = 1  # model.vocab_pad_to: the LM head computes padded_vocab logits
 
     @property
-    def shape(self):
-        return (self.n_layer, self.n_head, self.n_embd, self.vocab, self.block, self.bias,
+    def padded_vocab(self) -> int:
+        """Rows of the embedding and LM head (model.GPTConfig.padded_vocab_size)."""
+        return -(-self.vocab // self.vocab_pad_to) * self.vocab_pad_to
+
+    @property
+    def shape(self):  # the model census builds: the padded rows are parameters it allocates
+        return (self.n_layer, self.n_head, self.n_embd, self.padded_vocab, self.block, self.bias,
                 self.experts, self.top_k, self.every, self.hidden)
 
     def gpt_config(self) -> dict:

@@ -28,8 +28,16 @@ class DTensorReference(ReplicatedStrategy):
     replaces = ("state_dict", "shard_pieces", "load_shards")
 
     def canonical(self, name, t):
-        """`t` (parameter `name` or one of its AdamW states) as a canonical CPU tensor."""
-        return full(t.detach()).cpu()
+        """`t` (parameter `name` or one of its AdamW states) as a canonical CPU tensor (a
+        padded vocabulary's rows cut off: placement.Placement.leading_rows)."""
+        t, shape = full(t.detach()).cpu(), self.placements[name].shape
+        return t[:shape[0]] if shape and shape[0] != t.size(0) else t
+
+    def padded(self, name, canonical):
+        """A canonical tensor of parameter `name` with the zero rows its local tensor pads."""
+        rows = self.placements[name].local_shape[0] - canonical.size(0) if canonical.dim() else 0
+        return torch.cat([canonical, canonical.new_zeros(rows, *canonical.shape[1:])]) if rows \
+            else canonical
 
     def local(self, name, canonical, like):
         """This rank's part of `canonical`, held as `like` (parameter `name`) is."""
@@ -57,10 +65,11 @@ class DTensorReference(ReplicatedStrategy):
     @torch.no_grad()
     def load_shards(self, reader):
         state = {n: reader.read_full(f"model/{n}") for n in self.named}
-        check_state_names(self.named, state, "snapshot model state")
+        check_state_names({n: self.placements[n] for n in self.named}, state, "snapshot model state")
         for name, p in self.named.items():
-            local_part(p).copy_(local_part(self.local(name, state[name], p)))
+            local_part(p).copy_(local_part(self.local(name, self.padded(name, state[name]), p)))
         for name, fields in optimizer_state_from(reader).items():
             p = self.named[name]
             self.optimizer.state[p] = {k: v.reshape(()).clone() if k == "step" else
-                                       self.local(name, v, p) for k, v in fields.items()}
+                                       self.local(name, self.padded(name, v), p)
+                                       for k, v in fields.items()}

@@ -11,8 +11,9 @@ parallel/tensor_parallel/layers.py, in place, where the model plan
     MLP c_fc           column-parallel: rows [4rc, 4(r+1)c)
     MLP c_proj         row-parallel: columns [4rc, 4(r+1)c); bias replicated
     embedding = head   vocabulary-parallel: rows [r*Vl, (r+1)*Vl) of the
-                       vocabulary padded to N*Vl; padded rows belong to no
-                       canonical tensor, get -inf logits, never a gradient
+                       vocabulary (its model.vocab_pad_to rows) padded to N*Vl;
+                       padded rows belong to no canonical tensor, get -inf
+                       logits, never a gradient
     LayerNorms, wpe    replicated
 
 Per layer and micro-batch that is one all-reduce after attention and one
@@ -109,7 +110,8 @@ def apply_tensor_parallel(model, grid, cfg, comm):
             plan.swap_linear(block, linear.path, layer)
 
     V, C = model.config.vocab_size, model.config.n_embd
-    rows = padded_vocab(V, N)
+    canonical[plan.TIED] = (V, C)  # model.vocab_pad_to's rows are padding too: in no piece
+    rows = padded_vocab(plan.token_embedding(model).weight.size(0), N)
     start, n_real = r * rows, max(0, min(rows, V - r * rows))
     embedding = VocabParallelEmbedding(plan.token_embedding(model), start, n_real, rows, tp)
     plan.set_vocab_parallel(model, embedding, VocabParallelLMHead(embedding, tp),  # tied: same rows

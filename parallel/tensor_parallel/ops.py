@@ -142,7 +142,8 @@ class _VocabParallelCrossEntropy(Function):
         logits -= top.unsqueeze(1)
         mine = (target >= vocab_start) & (target < vocab_start + n_real)
         local_target = torch.where(mine, target - vocab_start, 0)
-        target_logit = logits.gather(1, local_target.unsqueeze(1)).squeeze(1) * mine
+        # where, not * mine: a rank of padding only (model.vocab_pad_to) gathers -inf
+        target_logit = torch.where(mine, logits.gather(1, local_target.unsqueeze(1)).squeeze(1), 0.0)
         exp = logits.exp_()
         sums = torch.stack([exp.sum(dim=1), target_logit])
         tp.comm.all_reduce(sums, group=tp.group)  # sum of exponentials, target logit
