@@ -305,3 +305,58 @@ def test_what_replica_groups_cannot_run_is_refused_with_the_config(overrides, me
         load_config(["ft.enabled=true"] + overrides, 2)
     load_config(overrides, 2)
     load_config(["ft.enabled=true", "parallel.timeout_s=61", "ft.timeout_s=60"], 2)
+
+
+def launch_groups(tmp_path, phase, common, port):
+    """Two replica groups of one rank and, once both wait for it, their lighthouse."""
+    groups = [Job(str(tmp_path / f"{phase}-group{i}"), [python(), MAIN] + common +
+                  [f"ft.lighthouse=localhost:{port}", f"ft.replica_id={i}"]) for i in range(2)]
+    wait_until("the groups waiting for the lighthouse",
+               lambda: all(WAITING in g.console() for g in groups), groups)
+    beacon = Job(str(tmp_path / f"{phase}-lighthouse"), [
+        python(), MAIN, "mode=lighthouse", f"ft.lighthouse=localhost:{port}", "ft.min_replicas=2"])
+    return groups, beacon
+
+
+def test_every_group_killed_then_restarted_from_the_shared_snapshot_continues_exactly(tmp_path):
+    """Two replica groups sharing trainer.snapshot_path (a snapshot every step) are both
+    SIGKILLed, with their lighthouse, once they are past step 3. Started again (a new
+    lighthouse, the same commands but for trainer.max_steps), both resume from the newest
+    snapshot and the steps they train after it equal one process's (loss and grad norm,
+    rtol 1e-5)."""
+    snapshots = tmp_path / "snapshots"
+    common = TINY + ONE + ["ft.enabled=true", "ft.replicas=2", "parallel.timeout_s=120",
+                           "trainer.save_every=1", "trainer.keep_snapshots=3",
+                           f"trainer.snapshot_path={snapshots}"]
+    jobs = []
+    try:
+        groups, beacon = launch_groups(tmp_path, "first", common + ["trainer.max_steps=100000"],
+                                       free_port())
+        jobs += groups + [beacon]
+        wait_until("step 3 in both groups", lambda: min(g.last_step() for g in groups) >= 3,
+                   jobs)
+    finally:
+        for job in jobs:
+            job.stop()  # SIGKILL: every group, and the lighthouse
+    from checkpoint.snapshot_dirs import fs_and_root, kept_steps
+    resumed_at = kept_steps(*fs_and_root(str(snapshots)))[-1]
+    end = resumed_at + 3
+    jobs = []
+    try:
+        groups, beacon = launch_groups(tmp_path, "second", common + [f"trainer.max_steps={end}"],
+                                       free_port())
+        jobs += groups + [beacon]
+        for g in groups:
+            assert g.proc.wait(timeout=300) == 0, g.console()[-3000:]
+    finally:
+        for job in jobs:
+            job.stop()
+    reference = {r["step"]: r for r in run_metrics(tmp_path / "reference", 1,
+                                                    ONE + [f"trainer.max_steps={end}"])}
+    for g in groups:
+        assert f"resuming from snapshot {snapshots} at step {resumed_at}" in g.console(), \
+            g.console()[-3000:]
+        records = [r for r in g.records() if r["step"] > resumed_at]
+        assert [r["step"] for r in records] == list(range(resumed_at + 1, end + 1)), records
+        assert all(r["ft_live_groups"] == 2 for r in records), records
+        assert_parity([reference[r["step"]] for r in records], records)
