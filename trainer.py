@@ -45,6 +45,7 @@ from checkpoint.async_snapshot import AsyncSnapshots
 from checkpoint.resume import snapshot_location
 from checkpoint.sync_snapshot import SyncSnapshots
 from fault_tolerance.one_group import OneGroup
+from fault_tolerance.replica_group import QuorumLost
 from launch.hang_report import HangReport
 from launch.preemption import EndOfStep
 from parallel.comm import collective_failure, timed_out
@@ -77,6 +78,7 @@ class Trainer:
         self.snapshot_meta = snapshot_meta
         self.snapshot_path = snapshot_location(self.t)
         self.step, self.wandb_id = 0, uuid.uuid4().hex[:12]
+        self.saved_at = 0  # the step of the last snapshot this launch wrote (or resumed)
         self.resumed_record = None  # the snapshot step's metrics record (restore())
         t = self.t
         self.record = StepRecord(t, grid, strategy, DeviceClock(grid.device),
@@ -104,6 +106,7 @@ class Trainer:
         if self.strategy.balancer is not None:  # mixture of experts: the choice biases
             self.strategy.balancer.load_state(reader.meta.get("moe_bias"))
         self.step, self.wandb_id = reader.meta["step"], reader.meta["wandb_id"]
+        self.saved_at = self.step
         self.resumed_record = reader.meta.get("metrics_record")
         if self.grid.is_main:
             print(f"resuming from snapshot {self.snapshot_path} at step {self.step}", flush=True)
@@ -134,7 +137,12 @@ class Trainer:
             self.hangs.at(step=self.step + 1, phase="start of step")
             self.profiler.before_step(self.step + 1)
             self.record.before_step()
-            self.step, shares = group.begin_step(self.step)  # a healing group's step jumps
+            try:
+                self.step, shares = group.begin_step(self.step)  # a healing group's step jumps
+            except QuorumLost:  # the lighthouse gone: the last committed step is kept
+                if self.step > self.saved_at and group.writes_snapshots():
+                    self.save(final=True)
+                raise
             micro, data_ms = self.batches.take(self.step, shares, group.replicas)
             done = compute_step(self.strategy, micro, self.step, t, group, self.meter)
             if done is None:  # voted down (a replica group failed in it): redone
@@ -183,7 +191,7 @@ class Trainer:
         metrics.jsonl only after the snapshot commits: a kill in between would otherwise
         leave the step missing from metrics.jsonl (the resumed run starts after it), and
         MetricsLog writes it back from here."""
-        started = time.perf_counter()
+        started, self.saved_at = time.perf_counter(), self.step
         pieces = self.strategy.shard_pieces()
         meta = self._snapshot_meta()
         if record is not None:

@@ -31,6 +31,11 @@ from fault_tolerance.shares import shares_of
 from fault_tolerance.state_transfer import held_state, load_held_state, wait_for_device
 
 
+class QuorumLost(UserError):
+    """No quorum within ft.timeout_s (the lighthouse gone, or too few groups): the trainer
+    writes the last committed step's snapshot, then the run ends with this line."""
+
+
 class ReplicaGroup:
     def __init__(self, ft, grid, strategy, run_dir, step, manager=None):
         """Waits for the lighthouse (at most ft.timeout_s), then starts torchft's Manager:
@@ -42,6 +47,7 @@ class ReplicaGroup:
         self.log = logs.to_file(run_dir, grid.rank)
         self.store = None
         self.healed_from = None
+        self.quorum_rank = None  # this group's place in the last quorum (begin_step)
         self.manager = (manager or self._torchft_manager)(self._load, self._state)
         self.manager.load_state_dict({"step": step, "batches_committed": 0})
         self.live = None            # {ft.replica_id: start token} of the last committed step
@@ -97,13 +103,14 @@ class ReplicaGroup:
             self.manager.start_quorum()
         except Exception as e:  # the lighthouse gone, or no quorum within ft.timeout_s
             first = str(e).strip().splitlines()[0][:200] if str(e).strip() else type(e).__name__
-            raise UserError(f"no quorum of replica groups from the lighthouse at ft.lighthouse="
+            raise QuorumLost(f"no quorum of replica groups from the lighthouse at ft.lighthouse="
                             f"{self.ft.lighthouse} within ft.timeout_s={self.ft.timeout_s:g} s "
                             f"({first}): is it running, with ft.min_replicas groups up?") from None
         if self.manager.errored():  # the quorum could not reconfigure the group: the step is
             self.shares = [0]           # computed on some share and voted down (commit)
             return self.manager.current_step(), self.shares
         rank, live = self.manager.participating_rank(), self.manager.num_participants()
+        self.quorum_rank = rank  # kept: a lost quorum's manager raises when asked again
         if self.healed_from is not None:
             seconds = time.perf_counter() - self.started
             self._say(f"ft: group {self.ft.replica_id} healed from group {self.healed_from} at "
@@ -185,7 +192,7 @@ class ReplicaGroup:
     def writes_snapshots(self):
         """Whether this group writes the step's snapshot: the first of the quorum does, so
         a trainer.snapshot_path shared by the groups has one writer."""
-        return self.manager.participating_rank() == 0
+        return self.quorum_rank == 0
 
     def close(self):
         self.manager.shutdown(wait=False)

@@ -360,3 +360,54 @@ def test_every_group_killed_then_restarted_from_the_shared_snapshot_continues_ex
         assert [r["step"] for r in records] == list(range(resumed_at + 1, end + 1)), records
         assert all(r["ft_live_groups"] == 2 for r in records), records
         assert_parity([reference[r["step"]] for r in records], records)
+
+
+def test_the_lighthouse_lost_ends_every_group_with_its_last_step_kept(tmp_path):
+    """The lighthouse SIGKILLed past step 3 (no periodic snapshot: trainer.save_every is far):
+    each group ends within ft.timeout_s plus a margin, with one line and exit status 2, and
+    the first group of the last quorum writes the last committed step's snapshot on the
+    way out. A new lighthouse and the same commands continue from it exactly."""
+    snapshots = tmp_path / "snapshots"
+    timeout_s = 10
+    common = TINY + ONE + ["ft.enabled=true", "ft.replicas=2", "parallel.timeout_s=120",
+                           f"ft.timeout_s={timeout_s}", "trainer.save_every=1000",
+                           f"trainer.snapshot_path={snapshots}"]
+    jobs = []
+    try:
+        groups, beacon = launch_groups(tmp_path, "first", common + ["trainer.max_steps=100000"],
+                                       free_port())
+        jobs += groups + [beacon]
+        wait_until("step 3 in both groups", lambda: min(g.last_step() for g in groups) >= 3,
+                   jobs)
+        beacon.stop()  # SIGKILL
+        lost = time.time()
+        statuses = [g.proc.wait(timeout=timeout_s + 60) for g in groups]
+        ended = time.time() - lost
+    finally:
+        for job in jobs:
+            job.stop()
+    print(f"groups ended {ended:.1f} s after the lighthouse was killed: {statuses}")
+    assert statuses == [2, 2] and ended <= timeout_s + 30
+    for g in groups:
+        errors = [ln for ln in g.console().splitlines() if ln.startswith("error")]
+        assert len(errors) == 1 and "no quorum of replica groups" in errors[0], g.console()[-2000:]
+    from checkpoint.snapshot_dirs import fs_and_root, kept_steps
+    last = min(g.last_step() for g in groups)
+    assert kept_steps(*fs_and_root(str(snapshots))) == [last]  # the last committed step
+    end = last + 3
+    jobs = []
+    try:
+        groups, beacon = launch_groups(tmp_path, "second", common + [f"trainer.max_steps={end}"],
+                                       free_port())
+        jobs += groups + [beacon]
+        for g in groups:
+            assert g.proc.wait(timeout=300) == 0, g.console()[-3000:]
+    finally:
+        for job in jobs:
+            job.stop()
+    reference = {r["step"]: r for r in run_metrics(tmp_path / "reference", 1,
+                                                    ONE + [f"trainer.max_steps={end}"])}
+    for g in groups:
+        records = [r for r in g.records() if r["step"] > last]
+        assert [r["step"] for r in records] == list(range(last + 1, end + 1)), records
+        assert_parity([reference[r["step"]] for r in records], records)
