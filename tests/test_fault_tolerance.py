@@ -307,14 +307,15 @@ def test_what_replica_groups_cannot_run_is_refused_with_the_config(overrides, me
     load_config(["ft.enabled=true", "parallel.timeout_s=61", "ft.timeout_s=60"], 2)
 
 
-def launch_groups(tmp_path, phase, common, port):
+def launch_groups(tmp_path, phase, common, port, min_replicas=2):
     """Two replica groups of one rank and, once both wait for it, their lighthouse."""
     groups = [Job(str(tmp_path / f"{phase}-group{i}"), [python(), MAIN] + common +
                   [f"ft.lighthouse=localhost:{port}", f"ft.replica_id={i}"]) for i in range(2)]
     wait_until("the groups waiting for the lighthouse",
                lambda: all(WAITING in g.console() for g in groups), groups)
     beacon = Job(str(tmp_path / f"{phase}-lighthouse"), [
-        python(), MAIN, "mode=lighthouse", f"ft.lighthouse=localhost:{port}", "ft.min_replicas=2"])
+        python(), MAIN, "mode=lighthouse", f"ft.lighthouse=localhost:{port}",
+        f"ft.min_replicas={min_replicas}"])
     return groups, beacon
 
 
@@ -411,3 +412,49 @@ def test_the_lighthouse_lost_ends_every_group_with_its_last_step_kept(tmp_path):
         records = [r for r in g.records() if r["step"] > last]
         assert [r["step"] for r in records] == list(range(last + 1, end + 1)), records
         assert_parity([reference[r["step"]] for r in records], records)
+
+
+def test_a_hung_group_is_dropped_and_heals_when_it_resumes(tmp_path):
+    """Two replica groups of one rank; group 1 is stopped with SIGSTOP (alive, silent) once
+    both train together. Group 0 drops it after ft.timeout_s and trains alone; group 1,
+    continued (SIGCONT), fails the step it was in, heals from group 0 (weights, AdamW state,
+    step) and trains beside it again. Every step either logs equals one process's (loss
+    and grad norm, rtol 1e-5)."""
+    from harness import forked_process
+    common = TINY + ONE + OPEN_ENDED + ["ft.enabled=true", "ft.replicas=2",
+                                        "parallel.timeout_s=120", "ft.timeout_s=10"]
+    jobs = []
+    try:
+        groups, beacon = launch_groups(tmp_path, "run", common, free_port(), min_replicas=1)
+        g0, g1 = groups
+        jobs += groups + [beacon]
+        wait_until("both groups in one quorum", lambda: min(g.last_step() for g in groups) >= 3
+                   and g0.records()[-1].get("ft_live_groups") == 2, jobs)
+        hung = forked_process(g1.proc.pid) or g1.proc.pid  # the rank itself, not its stand-in
+        os.kill(hung, signal.SIGSTOP)
+        stopped_after = g0.last_step()
+        wait_until("the survivor training alone", lambda: sum(
+            r["ft_live_groups"] == 1 and r["step"] > stopped_after for r in g0.records()) >= 2,
+            jobs, timeout=120)
+        os.kill(hung, signal.SIGCONT)
+        wait_until("the resumed group healed and training beside the survivor",
+                   lambda: "healed from group 0" in g1.console() and sum(
+                       r["ft_live_groups"] == 2 and r["step"] > stopped_after
+                       for r in g1.records()) >= JOINT_STEPS, jobs, timeout=180)
+        for g in groups:
+            g.stop()
+        end = min(g0.last_step(), g1.last_step())
+    finally:
+        for job in jobs:
+            job.stop()
+    print(g0.console()[-1200:], g1.console()[-1500:], sep="\n")
+    reference = {r["step"]: r for r in run_metrics(
+        tmp_path / "reference", 1, ONE + OPEN_ENDED + [f"trainer.max_steps={end}"])}
+    assert re.search(r"^ft: group \[1\] left at step \d+", g0.console(), re.M), g0.console()
+    for g in groups:
+        records = [r for r in g.records() if r["step"] <= end]
+        assert records and records[-1]["step"] == end
+        assert_parity([reference[r["step"]] for r in records], records)
+    healed = re.search(r"^ft: group 1 healed from group 0 at step (\d+)", g1.console(), re.M)
+    assert healed and int(healed.group(1)) > stopped_after, g1.console()[-3000:]
+    assert g1.console().count("ProcessGrid(") == 1  # the same process, continued
