@@ -62,6 +62,11 @@ class HeldStateReader:
     def __init__(self, tensors):
         self.tensors = tensors
 
+    def keys(self):
+        """The canonical keys it holds (a peer whose AdamW has not stepped sends none of
+        its state: placement.load_regions then leaves none)."""
+        return {key.partition("@")[0] for key in self.tensors}
+
     def read_box(self, key, box):
         found = self.tensors.get(key if key.endswith("/step") else f"{key}@{box_key(box)}")
         if found is None:

@@ -1,7 +1,7 @@
 """Fault-tolerant replica groups (fault_tolerance/, torchft) on gloo, real launches.
 
-A lighthouse (`mode=lighthouse`) and two replica groups of 2 ranks each (fsdp, ZeRO-3
-inside), each its own torchrun. Once both are in the quorum, group 1 is SIGKILLed (its
+A lighthouse (`mode=lighthouse`) and two replica groups of 2 ranks each (fsdp ZeRO-3,
+tp=2 or pp=2 inside), each its own torchrun. Once both are in the quorum, group 1 is SIGKILLed (its
 whole process tree) at a random step; group 0 goes on without a restart, taking group 1's
 share of every batch; group 1 started again heals from group 0 (weights, AdamW state,
 step) and trains beside it. Every step either group logs equals the single-process run
@@ -40,7 +40,7 @@ from harness import (MAIN, TINY, assert_parity, command, job_env, kill_tree, our
                      python, read_metrics, run_job, run_metrics)
 
 OPEN_ENDED = ["trainer.max_steps=100000", "trainer.min_lr=0.002", "trainer.lr=0.002"]
-GROUP = ["parallel.dp=fsdp", "parallel.zero_stage=3", "ft.enabled=true", "ft.replicas=2",
+GROUP = ["ft.enabled=true", "ft.replicas=2",
          "ft.timeout_s=400",  # the restarted group waits for its lighthouse from the start
          "parallel.timeout_s=450"]  # above ft.timeout_s (fault_tolerance/config.refuse)
 JOINT_STEPS = 3  # steps the restarted group trains beside the survivor before the end
@@ -117,10 +117,17 @@ def wait_until(what, ok, jobs, timeout=300):
         time.sleep(0.05)
 
 
-def test_lost_group_costs_a_step_and_heals_from_its_peer(tmp_path):
+@pytest.mark.parametrize("inside", [
+    ["parallel.dp=fsdp", "parallel.zero_stage=3"],
+    ["parallel.dp=single", "parallel.tp=2"],
+    ["parallel.dp=single", "parallel.pp=2", "parallel.microbatches=2"],
+], ids=["fsdp3", "tp2", "pp2"])
+def test_lost_group_costs_a_step_and_heals_from_its_peer(tmp_path, inside):
+    """(The module's first paragraph, for each layout inside a group of 2 ranks.)"""
     port, later = free_port(), free_port()
     group = lambda i, name, port: Job(str(tmp_path / name), command(  # noqa: E731
-        2, TINY + OPEN_ENDED + GROUP + [f"ft.replica_id={i}", f"ft.lighthouse=localhost:{port}"]))
+        2, TINY + OPEN_ENDED + GROUP + inside + [f"ft.replica_id={i}",
+                                                 f"ft.lighthouse=localhost:{port}"]))
     jobs, forwarder = [], None
     try:
         jobs += [group(0, "group0", port), group(1, "group1", port),
