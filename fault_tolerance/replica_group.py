@@ -28,7 +28,8 @@ from errors import UserError
 from fault_tolerance import lighthouse, logs
 from fault_tolerance.one_group import OneGroup
 from fault_tolerance.shares import shares_of
-from fault_tolerance.state_transfer import held_state, load_held_state, wait_for_device
+from fault_tolerance.state_transfer import (differences, held_state, load_held_state,
+                                            numbers_of, wait_for_device)
 
 
 class QuorumLost(UserError):
@@ -37,17 +38,19 @@ class QuorumLost(UserError):
 
 
 class ReplicaGroup:
-    def __init__(self, ft, grid, strategy, run_dir, step, manager=None):
+    def __init__(self, ft, grid, strategy, run_dir, step, manager=None, numbers=None):
         """Waits for the lighthouse (at most ft.timeout_s), then starts torchft's Manager:
         this rank's end of the process group that spans the groups. step: where this
         group starts (a snapshot's step, or 0). manager: a stand-in for torchft's Manager
         (tests), called as manager(load_state_dict, state_dict) with this group's two state
-        callbacks; None: torchft's."""
+        callbacks; None: torchft's. numbers: state_transfer.numbers_of(cfg), which a group
+        that heals from this one must share."""
         self.ft, self.grid, self.strategy = ft, grid, strategy
         self.log = logs.to_file(run_dir, grid.rank)
         self.store = None
         self.healed_from = None
         self.quorum_rank = None  # this group's place in the last quorum (begin_step)
+        self.numbers, self.refused = numbers, None  # numbers_of(cfg); a refusal (_load)
         self.manager = (manager or self._torchft_manager)(self._load, self._state)
         self.manager.load_state_dict({"step": step, "batches_committed": 0})
         self.live = None            # {ft.replica_id: start token} of the last committed step
@@ -106,6 +109,8 @@ class ReplicaGroup:
             raise QuorumLost(f"no quorum of replica groups from the lighthouse at ft.lighthouse="
                             f"{self.ft.lighthouse} within ft.timeout_s={self.ft.timeout_s:g} s "
                             f"({first}): is it running, with ft.min_replicas groups up?") from None
+        if self.refused:  # healing found another config: leave (the live groups redo the step)
+            raise UserError(self.refused)
         if self.manager.errored():  # the quorum could not reconfigure the group: the step is
             self.shares = [0]           # computed on some share and voted down (commit)
             return self.manager.current_step(), self.shares
@@ -230,9 +235,19 @@ class ReplicaGroup:
         # torchft calls this on its own thread (and stream) when a group joins, at the start
         # of a step: the last optimizer step's kernels may still be queued on the device
         wait_for_device(self.grid.device)
-        return held_state(self.strategy, self.manager.current_step(), self.ft.replica_id)
+        return held_state(self.strategy, self.manager.current_step(), self.ft.replica_id,
+                          self.numbers)
 
     def _load(self, sent):
+        """A live group's state (on torchft's thread): taken only if its settings are this
+        group's; else noted, and begin_step ends this group with one line."""
+        theirs = sent.get("numbers")
+        differ = differences(self.numbers, theirs) if self.numbers and theirs else []
+        if differ:
+            self.refused = (f"replica group {self.ft.replica_id} does not match the live groups "
+                            f"(group {sent['replica_id']}'s): {', '.join(differ)} differ, which "
+                            "changes the numbers; it is refused: start it with their settings")
+            return
         load_held_state(self.strategy, sent)
         self.healed_from = sent["replica_id"]
 
@@ -296,4 +311,4 @@ def start(cfg, grid, strategy, step):
     """This launch's replica group: a ReplicaGroup, or without ft.enabled a OneGroup."""
     if not cfg.ft.enabled:  # (what ft.enabled cannot run is refused with the config: config.refuse)
         return OneGroup()
-    return ReplicaGroup(cfg.ft, grid, strategy, cfg.trainer.run_dir, step)
+    return ReplicaGroup(cfg.ft, grid, strategy, cfg.trainer.run_dir, step, numbers=numbers_of(cfg))

@@ -17,7 +17,7 @@ from parallel.placement import OPTIM_FIELDS
 
 
 @torch.no_grad()
-def held_state(strategy, step, replica_id):
+def held_state(strategy, step, replica_id, numbers=None):
     """This rank's state as a dict of tensors and ints (copies: torchft serves it while
     this group computes the step)."""
     tensors = {}
@@ -34,7 +34,32 @@ def held_state(strategy, step, replica_id):
         if "step" in state:
             tensors[f"optim/{name}/step"] = state["step"].reshape(()).cpu().clone()
     return {"tensors": tensors, "step": step, "replica_id": replica_id,
-            "precision": strategy.precision.state()}
+            "precision": strategy.precision.state(), "numbers": numbers}
+
+
+def numbers_of(cfg) -> dict:
+    """The settings a step's numbers depend on, which every replica group must share: the
+    model, the data's shape, the global batch and its cut, the schedule and optimizer, the
+    precision, the layout inside a group (what a healing group loads must fit it). Not the
+    ft keys (each group's own) nor where files go."""
+    t = cfg.trainer
+    return {"model": dict(vars(cfg.model)), "data.block_size": cfg.data.block_size,
+            "data.tokenizer": cfg.data.tokenizer, "parallel": dict(vars(cfg.parallel)),
+            **{f"trainer.{k}": getattr(t, k) for k in (
+                "batch_size", "grad_accum", "lr", "min_lr", "warmup_steps", "max_steps",
+                "weight_decay", "beta1", "beta2", "grad_clip", "seed", "precision")}}
+
+
+def differences(mine, theirs) -> list:
+    """The keys whose values differ between two numbers_of (nested: model.n_layer, ...)."""
+    out = []
+    for key in sorted(set(mine) | set(theirs)):
+        a, b = mine.get(key), theirs.get(key)
+        if isinstance(a, dict) and isinstance(b, dict):
+            out += [f"{key}.{k}" for k in differences(a, b)]
+        elif a != b:
+            out.append(key)
+    return out
 
 
 def wait_for_device(device):

@@ -465,3 +465,41 @@ def test_a_hung_group_is_dropped_and_heals_when_it_resumes(tmp_path):
     healed = re.search(r"^ft: group 1 healed from group 0 at step (\d+)", g1.console(), re.M)
     assert healed and int(healed.group(1)) > stopped_after, g1.console()[-3000:]
     assert g1.console().count("ProcessGrid(") == 1  # the same process, continued
+
+
+def test_a_group_that_does_not_match_is_refused_when_it_joins(tmp_path):
+    """Group 0 trains alone (ft.min_replicas=1); group 1 joins with another global batch.
+    Healing from group 0, it finds their settings differ: it ends with one line naming
+    the keys (exit status 2), and group 0 trains on with one process's losses."""
+    common = TINY + ONE + OPEN_ENDED + ["ft.enabled=true", "ft.replicas=2",
+                                        "parallel.timeout_s=120", "ft.timeout_s=30"]
+    port = free_port()
+    jobs = []
+    try:
+        g0 = Job(str(tmp_path / "group0"), [python(), MAIN] + common + [
+            f"ft.lighthouse=localhost:{port}", "ft.replica_id=0"])
+        jobs.append(g0)
+        wait_until("group 0 waiting", lambda: WAITING in g0.console(), jobs)
+        jobs.append(Job(str(tmp_path / "lighthouse"), [python(), MAIN, "mode=lighthouse",
+                                                       f"ft.lighthouse=localhost:{port}",
+                                                       "ft.min_replicas=1"]))
+        wait_until("group 0 at step 3", lambda: g0.last_step() >= 3, jobs)
+        g1 = Job(str(tmp_path / "group1"), [python(), MAIN] + common + [
+            "trainer.batch_size=24", f"ft.lighthouse=localhost:{port}", "ft.replica_id=1"])
+        assert g1.proc.wait(timeout=120) == 2, g1.console()[-3000:]
+        refused_at = g0.last_step()
+        wait_until("group 0 going on", lambda: g0.last_step() >= refused_at + 3, jobs)
+        g0.stop()
+        end = g0.last_step()
+    finally:
+        for job in jobs:
+            job.stop()
+    errors = [ln for ln in g1.console().splitlines() if ln.startswith("error")]
+    print(errors)
+    assert len(errors) == 1 and "does not match the live groups" in errors[0] \
+        and "trainer.batch_size" in errors[0], g1.console()[-3000:]
+    reference = {r["step"]: r for r in run_metrics(
+        tmp_path / "reference", 1, ONE + OPEN_ENDED + [f"trainer.max_steps={end}"])}
+    records = [r for r in g0.records() if r["step"] <= end]
+    assert [r["step"] for r in records] == list(range(1, end + 1))
+    assert_parity([reference[r["step"]] for r in records], records)
