@@ -229,6 +229,7 @@ def group_over_grads(grads, replica_id=0, replicas=2):
     grid = SimpleNamespace(device=torch.device("cpu"), rank=0, is_main=True)
     group = object.__new__(ReplicaGroup)
     group.ft, group.grid, group.token, group.shares = ft, grid, 7, [0]
+    group.numbers, group.refused = None, None
     group.manager = Recorder()
     return group
 
@@ -291,7 +292,7 @@ def test_the_healing_state_is_read_after_the_device_is_synchronized(monkeypatch)
     calls = []
     monkeypatch.setattr(replica_group, "wait_for_device", lambda device: calls.append("wait"))
     monkeypatch.setattr(replica_group, "held_state",
-                        lambda strategy, step, replica_id: calls.append("read") or {})
+                        lambda strategy, step, replica_id, numbers: calls.append("read") or {})
     group = group_over_grads([])
     group.strategy = None
     group.manager.current_step = lambda: 4
