@@ -445,7 +445,7 @@ def test_a_hung_group_is_dropped_and_heals_when_it_resumes(tmp_path):
             jobs, timeout=120)
         os.kill(hung, signal.SIGCONT)
         wait_until("the resumed group healed and training beside the survivor",
-                   lambda: "healed from group 0" in g1.console() and sum(
+                   lambda: sum(
                        r["ft_live_groups"] == 2 and r["step"] > stopped_after
                        for r in g1.records()) >= JOINT_STEPS, jobs, timeout=180)
         for g in groups:
@@ -462,8 +462,9 @@ def test_a_hung_group_is_dropped_and_heals_when_it_resumes(tmp_path):
         records = [r for r in g.records() if r["step"] <= end]
         assert records and records[-1]["step"] == end
         assert_parity([reference[r["step"]] for r in records], records)
-    healed = re.search(r"^ft: group 1 healed from group 0 at step (\d+)", g1.console(), re.M)
-    assert healed and int(healed.group(1)) > stopped_after, g1.console()[-3000:]
+    # the last heal (a group that joined the first quorum late healed then too)
+    healed = re.findall(r"^ft: group 1 healed from group 0 at step (\d+)", g1.console(), re.M)
+    assert healed and int(healed[-1]) > stopped_after, g1.console()[-3000:]
     assert g1.console().count("ProcessGrid(") == 1  # the same process, continued
 
 
