@@ -29,11 +29,11 @@ class Layout:
     M: int = 1                # parallel.microbatches
     grad_accum: int = 1       # trainer.grad_accum
     ckpt: bool = False        # trainer.activation_checkpointing
-    ckpt_mode: str = "full"   # trainer.activation_checkpointing_mode: full | selective
-    ckpt_every: int = 1       # trainer.activation_checkpointing_every
     R: int = 1                # parallel.dp_replicate: replica groups of dp / R ranks (HSDP)
     offload: bool = False     # parallel.offload
     ep: int = 1               # parallel.ep: experts split over ep of a replica group's dp x cp ranks
+    ckpt_mode: str = "full"   # trainer.activation_checkpointing_mode: full | selective
+    ckpt_every: int = 1       # trainer.activation_checkpointing_every
 
     def recompute(self, block: int) -> str:
         """How block `block` (canonical index) is recomputed: "" (not), full or selective."""
