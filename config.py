@@ -152,6 +152,9 @@ def validate(cfg: Config, world_size: int):
          f"trainer.precision must be fp32, bf16 or fp16, got {t.precision!r}"),
         (t.fp16_init_scale > 0 and t.fp16_growth_interval >= 1,
          "trainer.fp16_init_scale must be > 0 and trainer.fp16_growth_interval >= 1"),
+        (t.activation_checkpointing_mode in ("full", "selective") and t.activation_checkpointing_every >= 1,
+         "trainer.activation_checkpointing_mode must be full or selective, activation_checkpointing_every "
+         f">= 1; got {t.activation_checkpointing_mode!r}, {t.activation_checkpointing_every}"),
         (t.max_skipped_steps >= 1,
          f"trainer.max_skipped_steps must be >= 1, got {t.max_skipped_steps}"),
         (m.n_layer >= 1 and m.n_head >= 1 and m.n_embd >= 1, "model sizes must be positive"),

@@ -70,7 +70,7 @@ class ModelConfig:
     init_from: str = ""        # a Hugging Face GPT-2 folder (config.json + model.safetensors) to
                                # start from; its shape must match; ignored when resuming
     moe_experts: int = 0       # mixture of experts (moe/): experts per MoE block, a router and
-                               # experts in place of its MLP; 0 = dense, every block an MLP
+                               # experts in place of its MLP; 0 = dense
     moe_top_k: int = 2         # experts each token goes to
     moe_every: int = 1         # every n-th block carries experts (1: all; 2: blocks 1, 3, ...)
     moe_hidden: int = 0        # an expert's hidden width; 0 = 4 * n_embd (the dense MLP's)

@@ -1,4 +1,4 @@
-"""`trainer.activation_checkpointing`: recompute each transformer block in backward.
+"""`trainer.activation_checkpointing`: recompute transformer blocks in backward.
 
 Applied from outside the model: every block's `forward` (the instance
 attribute, so module hooks still run around it) becomes
@@ -7,6 +7,17 @@ then keeps only its input for backward; when backward reaches it, its forward
 runs again (under the same autocast state) to rebuild what it saved, and the
 memory of one block's activations is used at a time. The cost: one more
 forward per block, about a third more compute.
+
+Two keys refine it (torchtitan's `ac_mode=selective` and `ac_freq`):
+- `activation_checkpointing_mode=selective` keeps the outputs of the matrix
+  products (mm, addmm, bmm, the fused attention kernels) and recomputes only
+  the cheap operations between them (norms, GELU, softmax, dropout, adds):
+  torch.utils.checkpoint's selective contexts with a per-op policy. Less
+  memory saved than full, almost no extra FLOPs. A fused attention call with
+  dropout on draws random numbers, so it is recomputed like every random op
+  (saving it would shift the stream the recomputed dropouts draw from).
+- `activation_checkpointing_every=n` recomputes block i only when i % n == 0
+  (the canonical block index, so pipeline stages agree); the others keep all.
 
 What recompute must reproduce, for the gradients to be those of the run
 without checkpointing:
@@ -26,22 +37,69 @@ without checkpointing:
   (2 per block and micro-batch), as Megatron's full recompute does.
 """
 
+from contextlib import contextmanager
+
 import torch
-from torch.utils.checkpoint import checkpoint
+from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
 from parallel import model_plan as plan
+from telemetry.activation_meter import ActivationMeter
+
+_aten = torch.ops.aten
+SAVED_OPS = {getattr(_aten, name).default for name in (  # the matrix products selective keeps
+    "mm", "addmm", "bmm", "_scaled_dot_product_flash_attention",
+    "_scaled_dot_product_efficient_attention", "_scaled_dot_product_cudnn_attention",
+    "_scaled_dot_product_flash_attention_for_cpu", "_grouped_mm") if hasattr(_aten, name)}
 
 
-def checkpoint_blocks(gpt, tp_random=None):
-    """Make every block of `gpt` (a ModuleList, or a pipeline stage's ModuleDict)
-    recompute in backward. tp_random: the TP context's TPRandom, if any."""
-    for _, block in plan.blocks(gpt):
-        if not getattr(block, "checkpointed", False):
-            block.forward = _recomputed(block.forward, tp_random)
+def keep_matmuls(ctx, func, *args, **kwargs):
+    """The selective policy: save matrix products' outputs (unless the op draws dropout)."""
+    if func in SAVED_OPS and not _dropout_p(func, args, kwargs):
+        return CheckpointPolicy.MUST_SAVE
+    return CheckpointPolicy.PREFER_RECOMPUTE
+
+
+def _selective_contexts():
+    """One checkpoint call's selective contexts. The outputs kept are also held for the
+    activation meter (trainer.measure_activations), which cannot see checkpoint's cache,
+    until the recompute has used them."""
+    held = []
+
+    def policy(ctx, func, *args, **kwargs):
+        keep = keep_matmuls(ctx, func, *args, **kwargs)
+        meter = ActivationMeter.active
+        if keep == CheckpointPolicy.MUST_SAVE and meter is not None and not ctx.is_recompute:
+            out = ctx.op_output if isinstance(ctx.op_output, (tuple, list)) else (ctx.op_output,)
+            held.extend(meter.hold(t) for t in out if isinstance(t, torch.Tensor))
+        return keep
+
+    @contextmanager
+    def recompute(context):
+        with context:
+            yield
+        held.clear()
+    forward_context, recompute_context = create_selective_checkpoint_contexts(policy)
+    return forward_context, recompute(recompute_context)
+
+
+def _dropout_p(func, args, kwargs):
+    names = [a.name for a in func._schema.arguments]
+    i = names.index("dropout_p") if "dropout_p" in names else len(args)
+    return kwargs.get("dropout_p", args[i] if i < len(args) else 0.0)
+
+
+def checkpoint_blocks(gpt, tp_random=None, mode="full", every=1):
+    """Make the blocks of `gpt` (a ModuleList, or a pipeline stage's ModuleDict) whose
+    canonical index is a multiple of `every` recompute in backward, all of it (full) or
+    all but the matrix products (selective). tp_random: the TP context's TPRandom, if any."""
+    for i, block in plan.blocks(gpt):
+        if i % every == 0 and not getattr(block, "checkpointed", False):
+            block.forward = _recomputed(block.forward, tp_random, mode == "selective")
             block.checkpointed = True
 
 
-def _recomputed(forward, tp_random):
+def _recomputed(forward, tp_random, selective=False):
+    more = {"context_fn": _selective_contexts} if selective else {}
     def run(x):
         if not torch.is_grad_enabled():  # evaluation: nothing to save
             return forward(x)
@@ -56,5 +114,5 @@ def _recomputed(forward, tp_random):
                 return forward(x)  # the recompute: the TP stream as at the block's entry
             finally:
                 tp_random.own_state = live
-        return checkpoint(body, x, use_reentrant=False, preserve_rng_state=True)
+        return checkpoint(body, x, use_reentrant=False, preserve_rng_state=True, **more)
     return run

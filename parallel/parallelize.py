@@ -99,5 +99,6 @@ def prepare_compute(model, tp, precision, t):
     if t.compile:  # 4. compilation
         compile_model(model, t.compile_backend, t.compile_scope)
     if t.activation_checkpointing:  # 5. recompute, around the compiled forward
-        checkpoint_blocks(model, tp.random if tp is not None else None)
+        checkpoint_blocks(model, tp.random if tp is not None else None,
+                          t.activation_checkpointing_mode, t.activation_checkpointing_every)
     precision.configure(t.precision, t.fp16_init_scale, t.fp16_growth_interval)  # 6.

@@ -21,9 +21,9 @@ class PlanConfig:
     mfu: float = 0.0            # 0 = the efficiency model's compute time (MFU is an output); > 0 = assume this MFU
     flash_attention: bool = True  # fused attention; false = scores materialized (Megatron-LM before FlashAttention)
     tp_comm_overlap: bool = False  # TP's gathers / scatters pipelined with their GEMMs (Megatron-Core's --tp-comm-overlap); ours are not
-    param_gather_overlap: bool = False  # ZeRO-1/2's parameter all-gather behind the next step's first forward (Megatron's --overlap-param-gather); ours runs after the step
-    param_gather_bytes: int = 4  # bytes an element of that all-gather moves: 4 = ours (fp32 parameters), 2 = Megatron's distributed optimizer (its bf16 copy)
-    kernel_slowdown: float = 1.0  # the step's kernels take this many times the efficiency model's (1 = fused kernels: llm.c, Megatron); a PyTorch GPT-2 step (nanoGPT) is 1.46 x llm.c's
+    param_gather_overlap: bool = False  # ZeRO-1/2's parameter all-gather behind the next forward (Megatron's --overlap-param-gather; ours: after the step)
+    param_gather_bytes: int = 4  # bytes per element of that all-gather: 4 = ours (fp32), 2 = Megatron's distributed optimizer (bf16 copy)
+    kernel_slowdown: float = 1.0  # kernels take this many times the efficiency model's time (1: fused, llm.c and Megatron; a PyTorch GPT-2 step, nanoGPT: 1.46)
     search: bool = True         # false: evaluate only the layout of the parallel.* / trainer.* keys given
     vocab_size: int = 0         # vocabulary planned for; 0 = the tokenizer's (gpt2: 50257; char: data.path's)
     top: int = 10               # rows of the printed table

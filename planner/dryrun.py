@@ -56,6 +56,8 @@ def layout_of(cfg, world) -> Layout:
                   schedule=p.pp_schedule if pipelined else "1f1b", V=V if pipelined else 1,
                   M=p.microbatches if pipelined else 1, grad_accum=cfg.trainer.grad_accum,
                   ckpt=cfg.trainer.activation_checkpointing, R=sizes["dp_replicate"],
+                  ckpt_mode=cfg.trainer.activation_checkpointing_mode,
+                  ckpt_every=cfg.trainer.activation_checkpointing_every,
                   offload=p.offload, ep=p.ep)
 
 

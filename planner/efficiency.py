@@ -132,7 +132,9 @@ def compute_seconds(w: Workload, L: Layout, p: int, machine, params: int,
     C = w.n_embd
     rows, s = micro_rows(w, L), w.block // L.cp
     t = rows * s                                      # tokens of one pass on this rank
-    fwd = 2 if L.ckpt else 1                          # checkpointing recomputes each block's forward
+    modes = [L.recompute(b) for c in st.chunks for b in st.chunk_blocks[c]]
+    fwd = 1 + modes.count("full") / max(layers, 1)    # full recompute runs the matmuls again,
+    cheap = fwd + modes.count("selective") / max(layers, 1)  # selective the cheap ops only
     attention_in_out = sum(matmul_seconds(t, n, k, w, machine) for n, k in
                            ((3 * C // L.tp, C), (C, C // L.tp)))
     mlp = sum(matmul_seconds(t, n, k, w, machine) for n, k in ((4 * C // L.tp, C), (C, 4 * C // L.tp)))
@@ -141,7 +143,7 @@ def compute_seconds(w: Workload, L: Layout, p: int, machine, params: int,
     attention = layers * attention_seconds(w, L, rows, s, fwd, flash, machine)
     sp_tokens = t // L.tp if L.sp else t              # without SP every TP rank repeats them
     eb = elementwise_bytes(w) * sp_tokens
-    elementwise = layers * (fwd * memory_seconds(eb, FWD_ELEMENTWISE_KERNELS, machine)
+    elementwise = layers * (cheap * memory_seconds(eb, FWD_ELEMENTWISE_KERNELS, machine)
                             + memory_seconds(2 * eb, BWD_ELEMENTWISE_KERNELS, machine))
     if st.last:  # LM head and loss (the logits written, read by the loss, its gradient)
         V = -(-w.padded_vocab // L.tp)

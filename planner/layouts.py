@@ -35,7 +35,8 @@ def run_config(cfg, L: Layout):
         pp_layers=[], tp_impl="own", pp_impl="own", cp_impl="ring", allreduce="native",
         reduce_dtype="fp32", reshard_after_forward=True, prefetch=True)
     t = dataclasses.replace(cfg.trainer, grad_accum=L.grad_accum, activation_checkpointing=L.ckpt,
-                            compile=False)
+                            activation_checkpointing_mode=L.ckpt_mode,
+                            activation_checkpointing_every=L.ckpt_every, compile=False)
     return dataclasses.replace(cfg, parallel=p, trainer=t)
 
 

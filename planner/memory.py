@@ -85,15 +85,19 @@ def fsdp_candidate_ranks(w, L, p):
 
 # ------------------------------------------------------------------ activations
 
-def block_activations(w: Workload, L: Layout, rows: int, experts=False, busiest=1.0):
-    """(saved bytes of one block for one micro-batch, the part the weight gradients keep
-    until W under a split backward); experts: a mixture-of-experts block's, its expert
-    rows `busiest` x the even split."""
+def block_activations(w: Workload, L: Layout, rows: int, experts=False, busiest=1.0, index=0):
+    """(saved bytes of block `index` for one micro-batch, the part the weight gradients
+    keep until W under a split backward); experts: a mixture-of-experts block's, its
+    expert rows `busiest` x the even split."""
     n, C, e = rows * (w.block // L.cp), w.n_embd, act_bytes(w)
     t, s = L.tp, (L.tp if L.sp else 1)
-    if L.ckpt:  # a checkpointed block keeps its input only
-        return n * C * F32 // s, 0
     heads_t = w.n_head // t * rows * (w.block // L.cp)   # attention's log-sum-exp, per head row
+    mode = L.recompute(index)
+    if mode == "full":  # a checkpointed block keeps its input only
+        return n * C * F32 // s, 0
+    if mode == "selective" and not experts:  # its input and the matmuls' outputs: q|k|v and
+        # attention out (split over TP), c_fc's (4 C, split), both projections' (full rows)
+        return n * C * F32 // s + n * C * e * (3 + 1 + 4) // t + 2 * n * C * e + heads_t * F32, 0
     residual = 2 * n * C * F32 // s + 4 * n * F32 // s   # both LayerNorms' inputs and statistics
     lin_in = n * C * (e if w.precision != "fp32" else F32)  # c_attn's (c_fc's) input, gathered
     split = n * C * e * (3 + 1) // t                      # q|k|v, attention out
@@ -145,7 +149,7 @@ def activation_bytes(w: Workload, L: Layout, p: int, busiest=1.0) -> int:
     last_chunk = L.pp * L.V - 1 if L.pp > 1 else 0
 
     def blocks(c, part):  # chunk c's blocks' (part 0: saved, 1: kept for W)
-        return sum(block_activations(w, L, rows, w.has_experts(b), busiest)[part]
+        return sum(block_activations(w, L, rows, w.has_experts(b), busiest, b)[part]
                    for b in st.chunk_blocks[c])
     size = {c: blocks(c, 0) + end_activations(w, L, rows, c == 0, c == last_chunk)
             for c in st.chunks}

@@ -32,6 +32,12 @@ class Layout:
     R: int = 1                # parallel.dp_replicate: replica groups of dp / R ranks (HSDP)
     offload: bool = False     # parallel.offload
     ep: int = 1               # parallel.ep: experts split over ep of a replica group's dp x cp ranks
+    ckpt_mode: str = "full"   # trainer.activation_checkpointing_mode: full | selective
+    ckpt_every: int = 1       # trainer.activation_checkpointing_every
+
+    def recompute(self, block: int) -> str:
+        """How block `block` (canonical index) is recomputed: "" (not), full or selective."""
+        return self.ckpt_mode if self.ckpt and block % self.ckpt_every == 0 else ""
 
     @property
     def shards(self) -> int:
@@ -55,6 +61,9 @@ class Layout:
                 out["parallel.pp_virtual_stages"] = self.V
         out.update({"trainer.grad_accum": self.grad_accum,
                     "trainer.activation_checkpointing": self.ckpt})
+        if self.ckpt and (self.ckpt_mode, self.ckpt_every) != ("full", 1):
+            out.update({"trainer.activation_checkpointing_mode": self.ckpt_mode,
+                        "trainer.activation_checkpointing_every": self.ckpt_every})
         return out
 
     def name(self) -> str:
@@ -70,7 +79,10 @@ class Layout:
                 + f" M{self.M}"
         if self.grad_accum > 1:
             text += f" ga{self.grad_accum}"
-        return text + (" ckpt" if self.ckpt else "")
+        if self.ckpt:
+            text += " ckpt" + (" selective" if self.ckpt_mode == "selective" else "") \
+                + (f" every{self.ckpt_every}" if self.ckpt_every > 1 else "")
+        return text
 
 
 @dataclass(frozen=True)

@@ -164,7 +164,8 @@ def step_time(w: Workload, L: Layout, fig: dict, machine, pcfg) -> dict:
     peak = machine.peak[w.precision]
     world = L.dp * L.pp * L.cp * L.tp
     if pcfg.mfu:
-        compute = model_flops(w) / world * (4 / 3 if L.ckpt else 1) / (peak * pcfg.mfu)
+        full = sum(L.recompute(b) == "full" for b in range(w.n_layer)) / w.n_layer
+        compute = model_flops(w) / world * (1 + full / 3) / (peak * pcfg.mfu)
         backward = compute * 2 / 3 / (L.grad_accum * L.M)
     else:
         kinds = {kind: seconds * pcfg.kernel_slowdown for kind, seconds in

@@ -29,10 +29,9 @@ def markdown():
         " `config=FILE` names, same schema), then every `key=value` on the command line"
         " (omegaconf dot-list), e.g.",
         "`torchrun --standalone --nproc_per_node=2 main.py trainer.max_steps=100 parallel.dp=fsdp`.",
-        "Each section is a dataclass beside the code it configures; a key's line below is the"
-        " comment on its field there. Unknown keys, wrong types and impossible layouts stop"
-        " every rank with one line and exit status 2. `python main.py --help` prints the same"
-        " keys.",
+        "A key's line below is the comment on its dataclass field, beside the code it configures."
+        " Unknown keys, wrong types and impossible layouts stop every rank with one line, exit"
+        " status 2. `python main.py --help` prints the same keys.",
         "",
         "## Modes",
         "",

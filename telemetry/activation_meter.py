@@ -8,7 +8,9 @@ saved until the last saved reference to its storage is released (after its
 backward), each storage once; parameters and views of them are left out.
 That is the number sequence parallelism (activations 1/tp between blocks),
 pipeline schedules (1F1B holds at most P micro-batches, GPipe all M) and
-activation checkpointing change.
+activation checkpointing change. Selective checkpointing keeps the matmul
+outputs in its own cache, outside autograd's saved tensors: it hands them to
+the meter entered now (`ActivationMeter.active`) through `hold`.
 
     meter = ActivationMeter()
     with meter:          # forward and backward of one step
@@ -23,6 +25,8 @@ from torch.autograd.graph import saved_tensors_hooks
 
 
 class ActivationMeter:
+    active = None  # the meter inside whose `with` this process is, if any
+
     def __init__(self, meta=False, on=True):
         """meta: count tensors on the meta device too (mode=dryrun's shapes-only ranks),
         each storage once by its identity (meta storages have no address). on=False
@@ -36,16 +40,22 @@ class ActivationMeter:
             self.peak_bytes = self.current
             self._hooks = saved_tensors_hooks(self._pack, lambda t: t)
             self._hooks.__enter__()
+            ActivationMeter.active = self
         return self
 
     def __exit__(self, *exc):
         if self._hooks is not None:
             self._hooks.__exit__(*exc)
             self._hooks = None
+            ActivationMeter.active = None
 
     def figures(self):
         """(fields for the step's metrics record, False: they never make it written)."""
         return ({"activation_peak_mb": self.peak_bytes / 2**20} if self.on else {}), False
+
+    def hold(self, t):
+        """Count t as saved for backward until the alias returned is released."""
+        return self._pack(t)
 
     def _pack(self, t):
         if isinstance(t, torch.nn.Parameter) or isinstance(t._base, torch.nn.Parameter) \

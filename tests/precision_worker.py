@@ -18,8 +18,8 @@ result cannot hang a rank.
 - sp_bytes: tp=2 with sequence parallelism, one step in fp32 and in bf16: the bytes
   its all-gathers and reduce-scatters move (bf16 sends the gathered activations in
   bf16: at most 0.55x fp32's);
-- recompute: trainer.activation_checkpointing against the same layout
-  without it, fp32, with dropout 0.1: per-step losses, and the gradients of
+- recompute: trainer.activation_checkpointing (full, selective, selective on
+  every 2nd block) against the same layout without it, fp32, with dropout 0.1: per-step losses, and the gradients of
   one step on every rank, which must be bitwise equal (the TP random
   streams and fsdp's gather hooks replayed in the recompute). Layouts where a
   forward follows a recompute within one step (gradient accumulation, and on 4
@@ -200,19 +200,25 @@ def check_sp_bytes():
     return out
 
 
+# variant: (trainer.activation_checkpointing_mode, activation_checkpointing_every); every=2
+# recomputes block 0 of 2 (of 4 under RECOMPUTE4: one block a stage)
+RECOMPUTE_MODES = {"full": ("full", 1), "selective": ("selective", 1), "selective-every2": ("selective", 2)}
+
+
 def check_recompute(layouts):
     result = {}
     for name, layout in layouts.items():
-        runs = {}
-        for ckpt in (False, True):
-            tcfg = TrainerConfig(lr=LR, weight_decay=0.1, activation_checkpointing=ckpt)
-            runs[ckpt] = train(layout, tcfg, 4, dropout=0.1, grads_at=2)
-        (plain, g_plain), (recomputed, g_ckpt) = runs[False], runs[True]
-        same_grads = len(g_plain) == len(g_ckpt) and all(torch.equal(a, b) for a, b in zip(g_plain, g_ckpt))
-        flags = torch.tensor([int(same_grads)])
-        dist.all_reduce(flags, op=dist.ReduceOp.MIN)
-        result[name] = {"losses_equal": [p[0] == r[0] for p, r in zip(plain, recomputed)],
-                        "grads_bitwise_equal_on_every_rank": bool(flags.item())}
+        plain, g_plain = train(layout, TrainerConfig(lr=LR, weight_decay=0.1), 4, dropout=0.1, grads_at=2)
+        result[name] = {}
+        for variant, (mode, every) in RECOMPUTE_MODES.items():
+            tcfg = TrainerConfig(lr=LR, weight_decay=0.1, activation_checkpointing=True,
+                                 activation_checkpointing_mode=mode, activation_checkpointing_every=every)
+            recomputed, g_ckpt = train(layout, tcfg, 4, dropout=0.1, grads_at=2)
+            same_grads = len(g_plain) == len(g_ckpt) and all(torch.equal(a, b) for a, b in zip(g_plain, g_ckpt))
+            flags = torch.tensor([int(same_grads)])
+            dist.all_reduce(flags, op=dist.ReduceOp.MIN)
+            result[name][variant] = {"losses_equal": [p[0] == r[0] for p, r in zip(plain, recomputed)],
+                                     "grads_bitwise_equal_on_every_rank": bool(flags.item())}
     return result
 
 

@@ -75,6 +75,8 @@ def test_defaults_and_overrides():
     (["trainer.resume_step=0"], 1, "resume_step"),
     (["trainer.precision=fp8"], 1, "trainer.precision must be fp32, bf16 or fp16"),
     (["trainer.precision=fp16", "trainer.fp16_growth_interval=0"], 1, "fp16_growth_interval"),
+    (["trainer.activation_checkpointing_mode=op"], 1, "activation_checkpointing_mode must be full or"),
+    (["trainer.activation_checkpointing_every=0"], 1, "activation_checkpointing_every >= 1"),
     # the ring's thread beside autograd's NCCL communicators (refused on CUDA only: gloo runs it)
     (["parallel.allreduce=ring", "parallel.tp=2", "trainer.device=cuda"], 4,
      "parallel.allreduce=ring and parallel.tp=2 is refused on CUDA"),

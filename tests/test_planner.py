@@ -143,10 +143,16 @@ def test_plan_out_equals_metrics_of_the_layout_matrix(world, name):
     assert planned == logged, f"{L.name()}: planned {planned}, logged {logged}"
 
 
-@pytest.mark.parametrize("ckpt", [False, True], ids=["plain", "checkpointed"])
-def test_planner_equals_one_process_counts(ckpt):
+RECOMPUTES = {"plain": (False, "full", 1), "checkpointed": (True, "full", 1),
+              "selective": (True, "selective", 1), "selective-every2": (True, "selective", 2)}
+
+
+@pytest.mark.parametrize("recompute", list(RECOMPUTES))
+def test_planner_equals_one_process_counts(recompute):
     """In this process (no group): `single`'s state bytes exactly, its activations within
-    10%, with and without activation checkpointing."""
+    10%, without activation checkpointing, full, selective, and selective on every 2nd
+    block (the meter sees selective's kept matmul outputs through ActivationMeter.hold)."""
+    ckpt, mode, every = RECOMPUTES[recompute]
     import torch
     from dp_worker import OneRank
     from model import GPT, GPTConfig
@@ -157,7 +163,8 @@ def test_planner_equals_one_process_counts(ckpt):
     torch.manual_seed(0)
     gpt = GPT(GPTConfig(n_layer=2, n_head=N_HEAD, n_embd=N_EMBD, vocab_size=65, block_size=BLOCK))
     strategy = parallelize(gpt, OneRank(), ParallelConfig(dp="single"))
-    tcfg = TrainerConfig(activation_checkpointing=ckpt)
+    tcfg = TrainerConfig(activation_checkpointing=ckpt, activation_checkpointing_mode=mode,
+                         activation_checkpointing_every=every)
     strategy.configure_compute(tcfg)
     strategy.configure_optimizer(tcfg)
     data = torch.randint(0, 65, (BATCH, BLOCK + 1))
@@ -166,9 +173,19 @@ def test_planner_equals_one_process_counts(ckpt):
         strategy.forward_backward([(data[:, :-1], data[:, 1:])])
     strategy.optimizer_step(1e-3)
     w = Workload(n_layer=2, n_head=N_HEAD, n_embd=N_EMBD, vocab=65, block=BLOCK, batch=BATCH)
-    L = Layout(ckpt=ckpt)
+    L = Layout(ckpt=ckpt, ckpt_mode=mode, ckpt_every=every)
     assert state_bytes(w, L, 0, 0) == strategy.last_state_bytes
+    print(f"{recompute}: planned {activation_bytes(w, L, 0)}, measured {meter.peak_bytes}")
     assert abs(activation_bytes(w, L, 0) / meter.peak_bytes - 1) <= 0.10
+
+
+def test_selective_activations_lie_between_none_and_full():
+    """The planner's saved bytes: full < selective every 2nd block < selective < none."""
+    w = Workload(n_layer=4, n_head=4, n_embd=256, vocab=65, block=128, batch=16)
+    got = [activation_bytes(w, Layout(ckpt=ckpt, ckpt_mode=mode, ckpt_every=every), 0)
+           for ckpt, mode, every in RECOMPUTES.values()]
+    plain, full, selective, every2 = got
+    assert full < selective < every2 < plain, got
 
 
 def test_census_is_the_models_parameters_under_tp():

@@ -96,20 +96,22 @@ def test_sequence_parallel_activations_travel_in_bf16_under_bf16():
     assert ratio <= 0.55, r
 
 
+@pytest.mark.parametrize("variant", ["full", "selective", "selective-every2"])
 @pytest.mark.parametrize("layout", ["single", "fsdp1", "fsdp3", "ddp_bucket", "tp2", "tp2-sp",
                                     "pp2-1f1b-m2", "tp2-accum2"])
-def test_activation_checkpointing_recomputes_the_same_gradients(layout):
-    r = worker()["recompute"][layout]
+def test_activation_checkpointing_recomputes_the_same_gradients(layout, variant):
+    r = worker()["recompute"][layout][variant]
     assert all(r["losses_equal"]), r
     assert r["grads_bitwise_equal_on_every_rank"], r
 
 
-def test_activation_checkpointing_under_tp_x_pp_1f1b_leaves_the_tp_stream_where_it_was():
+@pytest.mark.parametrize("variant", ["full", "selective", "selective-every2"])
+def test_activation_checkpointing_under_tp_x_pp_1f1b_leaves_the_tp_stream_where_it_was(variant):
     """4 ranks, tp=2 x pp=2, 1F1B with 2 micro-batches, dropout 0.1: the last stage
     runs micro-batch 1's forward after micro-batch 0's recompute, so a recompute that
     leaves the TP rank's own random stream rewound changes its attention masks
     (layout_worker.py's 4-rank session measures it)."""
-    r = layout_worker_result(4)["recompute4"]["tp2-pp2-1f1b-m2"]
+    r = layout_worker_result(4)["recompute4"]["tp2-pp2-1f1b-m2"][variant]
     assert all(r["losses_equal"]), r
     assert r["grads_bitwise_equal_on_every_rank"], r
 

@@ -29,16 +29,18 @@ class TrainerConfig:
     resume_step: int = -1       # -1 = resume from the newest snapshot; S = go back to kept step S
     device: str = "auto"        # auto (cuda if available) | cpu | cuda; a rank's GPU is its LOCAL_RANK
     measure_activations: bool = False  # log activation_peak_mb, the bytes autograd saves for
-                                       # backward (a hook per saved tensor: small overhead)
-    precision: str = "fp32"     # fp32 | bf16 | fp16: autocast compute; weights, gradients and
-                                # AdamW state stay fp32; fp16 adds a dynamic loss scaler
+                                       # backward (a hook per saved tensor)
+    precision: str = "fp32"     # fp32 | bf16 | fp16 (autocast; weights, gradients, AdamW state
+                                # stay fp32; fp16 adds a dynamic loss scaler)
     fp16_init_scale: float = 65536.0  # fp16: the loss scaler's first scale (halved on overflow)
     fp16_growth_interval: int = 2000  # fp16: steps without overflow before the scale doubles
-    max_skipped_steps: int = 5  # fp32/bf16: a step whose gradients are not finite is skipped on
-                                # every rank; this many in a row stop the run
-    activation_checkpointing: bool = False  # recompute each block in backward: less memory, ~1/3 more compute
-    snapshot_async: bool = False  # write snapshots in the background from a host copy of each
-                                  # rank's state (false: every rank waits for its write)
+    max_skipped_steps: int = 5  # fp32/bf16: non-finite gradients skip the step on every
+                                # rank; this many in a row stop the run
+    activation_checkpointing: bool = False  # recompute blocks in backward: less memory, more compute
+    activation_checkpointing_mode: str = "full"  # full | selective (matmul outputs kept, the rest recomputed)
+    activation_checkpointing_every: int = 1  # recompute blocks 0, n, 2n, ... (1: all)
+    snapshot_async: bool = False  # write snapshots in the background from a host copy
+                                  # (false: every rank waits)
     compile: bool = False       # torch.compile each transformer block after parallelizing (parallel/compile.py)
     compile_backend: str = "inductor"  # inductor | aot_eager (no code generation: the tests) | eager
     compile_scope: str = "block"  # block | model (the whole GPT in one graph: one process, no checkpointing)

@@ -99,6 +99,9 @@ def precision_variants():
                 note="one process, bf16 autocast"),
         Variant("single_ckpt", ("parallel.dp=single", ckpt), ranks=1, threads=0, reference="single",
                 note="one process, every block recomputed in backward"),
+        Variant("single_sac", ("parallel.dp=single", ckpt, "trainer.activation_checkpointing_mode=selective"),
+                ranks=1, threads=0, reference="single",
+                note="one process, selective: matmul outputs kept, the rest recomputed"),
         Variant("ddp_bucket_bf16", ddp + (bf16,), reference="ddp_bucket",
                 note="bf16 autocast, fp32 gradient all-reduce"),
         Variant("ddp_bucket_reduce_bf16", ddp + ("parallel.reduce_dtype=bf16",),
@@ -244,6 +247,8 @@ PRESETS = {
     "precision": ["single", "single_bf16", "single_ckpt", "ddp_bucket", "ddp_bucket_bf16",
                   "ddp_bucket_reduce_bf16", "ddp_bucket_bf16_reduce_bf16", "ddp_bucket_fp16",
                   "fsdp3", "fsdp3_ckpt", "pp_1f1b", "pp_1f1b_ckpt"],
+    # none / full / selective recompute (with --set trainer.measure_activations=true)
+    "recompute": ["single", "single_ckpt", "single_sac"],
     # each compiled layout beside itself eager (run with the default model)
     "compile": ["single", "single_compiled", "single_1t", "single_1t_compiled", "ddp_bucket",
                 "ddp_bucket_compiled", "fsdp3", "fsdp3_compiled", "tp", "tp_compiled", "pp_1f1b",
