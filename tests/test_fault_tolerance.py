@@ -361,9 +361,13 @@ def test_every_group_killed_then_restarted_from_the_shared_snapshot_continues_ex
             job.stop()
     reference = {r["step"]: r for r in run_metrics(tmp_path / "reference", 1,
                                                     ONE + [f"trainer.max_steps={end}"])}
+    # the newest committed snapshot (a kill in the middle of a write leaves that step's
+    # directory uncommitted: the resume takes the one before)
+    at = {int(m) for g in groups for m in re.findall(
+        rf"^resuming from snapshot {re.escape(str(snapshots))} at step (\d+)", g.console(), re.M)}
+    assert len(at) == 1 and resumed_at - 1 <= min(at) <= resumed_at, [g.console() for g in groups]
+    resumed_at = at.pop()
     for g in groups:
-        assert f"resuming from snapshot {snapshots} at step {resumed_at}" in g.console(), \
-            g.console()[-3000:]
         records = [r for r in g.records() if r["step"] > resumed_at]
         assert [r["step"] for r in records] == list(range(resumed_at + 1, end + 1)), records
         assert all(r["ft_live_groups"] == 2 for r in records), records
