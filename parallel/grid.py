@@ -56,7 +56,7 @@ class ProcessGrid:
         self.timeout = None if timeout_s is None else datetime.timedelta(seconds=timeout_s)
         self.splits = can_split(device)  # one split per dimension instead of a group per line
         self.ranks = torch.arange(self.world_size).view(*self.sizes.values())
-        self.coords = dict(zip(DIMS, (int(c) for c in (self.ranks == self.rank).nonzero()[0])))
+        self.coords = self.ranks_coords(self.rank)
         # every rank must create every group, in the same order
         self._groups = {}
         for d in DIMS:  # dp_size, dp_rank, dp_group, pp_size, ...

@@ -326,6 +326,33 @@ def launch_groups(tmp_path, phase, common, port, min_replicas=2):
     return groups, beacon
 
 
+def restart_groups(tmp_path, common, end):
+    """Both groups and a new lighthouse started again with trainer.max_steps=end, run to
+    their end; returns (groups, {step: record} of one process's run to `end`)."""
+    jobs = []
+    try:
+        groups, beacon = launch_groups(tmp_path, "second", common + [f"trainer.max_steps={end}"],
+                                       free_port())
+        jobs += groups + [beacon]
+        for g in groups:
+            assert g.proc.wait(timeout=300) == 0, g.console()[-3000:]
+    finally:
+        for job in jobs:
+            job.stop()
+    reference = {r["step"]: r for r in run_metrics(tmp_path / "reference", 1,
+                                                    ONE + [f"trainer.max_steps={end}"])}
+    return groups, reference
+
+
+def steps_after(group, resumed_at, end, reference):
+    """The group's records past `resumed_at`: every step to `end`, each one process's
+    (loss and grad norm, rtol 1e-5). Returns them."""
+    records = [r for r in group.records() if r["step"] > resumed_at]
+    assert [r["step"] for r in records] == list(range(resumed_at + 1, end + 1)), records
+    assert_parity([reference[r["step"]] for r in records], records)
+    return records
+
+
 def test_every_group_killed_then_restarted_from_the_shared_snapshot_continues_exactly(tmp_path):
     """Two replica groups sharing trainer.snapshot_path (a snapshot every step) are both
     SIGKILLed, with their lighthouse, once they are past step 3. Started again (a new
@@ -349,18 +376,7 @@ def test_every_group_killed_then_restarted_from_the_shared_snapshot_continues_ex
     from checkpoint.snapshot_dirs import fs_and_root, kept_steps
     resumed_at = kept_steps(*fs_and_root(str(snapshots)))[-1]
     end = resumed_at + 3
-    jobs = []
-    try:
-        groups, beacon = launch_groups(tmp_path, "second", common + [f"trainer.max_steps={end}"],
-                                       free_port())
-        jobs += groups + [beacon]
-        for g in groups:
-            assert g.proc.wait(timeout=300) == 0, g.console()[-3000:]
-    finally:
-        for job in jobs:
-            job.stop()
-    reference = {r["step"]: r for r in run_metrics(tmp_path / "reference", 1,
-                                                    ONE + [f"trainer.max_steps={end}"])}
+    groups, reference = restart_groups(tmp_path, common, end)
     # the newest committed snapshot (a kill in the middle of a write leaves that step's
     # directory uncommitted: the resume takes the one before)
     at = {int(m) for g in groups for m in re.findall(
@@ -368,10 +384,8 @@ def test_every_group_killed_then_restarted_from_the_shared_snapshot_continues_ex
     assert len(at) == 1 and resumed_at - 1 <= min(at) <= resumed_at, [g.console() for g in groups]
     resumed_at = at.pop()
     for g in groups:
-        records = [r for r in g.records() if r["step"] > resumed_at]
-        assert [r["step"] for r in records] == list(range(resumed_at + 1, end + 1)), records
+        records = steps_after(g, resumed_at, end, reference)
         assert all(r["ft_live_groups"] == 2 for r in records), records
-        assert_parity([reference[r["step"]] for r in records], records)
 
 
 def test_the_lighthouse_lost_ends_every_group_with_its_last_step_kept(tmp_path):
@@ -407,22 +421,9 @@ def test_the_lighthouse_lost_ends_every_group_with_its_last_step_kept(tmp_path):
     last = min(g.last_step() for g in groups)
     assert kept_steps(*fs_and_root(str(snapshots))) == [last]  # the last committed step
     end = last + 3
-    jobs = []
-    try:
-        groups, beacon = launch_groups(tmp_path, "second", common + [f"trainer.max_steps={end}"],
-                                       free_port())
-        jobs += groups + [beacon]
-        for g in groups:
-            assert g.proc.wait(timeout=300) == 0, g.console()[-3000:]
-    finally:
-        for job in jobs:
-            job.stop()
-    reference = {r["step"]: r for r in run_metrics(tmp_path / "reference", 1,
-                                                    ONE + [f"trainer.max_steps={end}"])}
+    groups, reference = restart_groups(tmp_path, common, end)
     for g in groups:
-        records = [r for r in g.records() if r["step"] > last]
-        assert [r["step"] for r in records] == list(range(last + 1, end + 1)), records
-        assert_parity([reference[r["step"]] for r in records], records)
+        steps_after(g, last, end, reference)
 
 
 def test_a_hung_group_is_dropped_and_heals_when_it_resumes(tmp_path):
