@@ -27,6 +27,7 @@ from char_dataset import SAMPLERS, DataConfig
 from errors import UserError
 from fault_tolerance import config as ft_config
 from fault_tolerance.config import FTConfig
+from launch.devices import precision_for
 from model import ModelConfig
 from parallel.config import ParallelConfig
 from parallel.layout import check_keys, check_layout
@@ -110,8 +111,19 @@ def load_config(overrides, world_size: int, yaml_path: str = DEFAULT_YAML) -> Co
         raise UserError(f"bad config: {_first_line(e)}") from None
     except Exception as e:  # a YAML syntax error, a directory instead of a file, ...
         raise UserError(f"cannot read config file {yaml_path}: {_first_line(e)}") from None
+    if cfg.trainer.precision == "auto":  # resolved once, here: what runs is what is recorded
+        cfg.trainer.precision = auto_precision(cfg)
     validate(cfg, world_size)
     return cfg
+
+
+def auto_precision(cfg):
+    """bf16 where the device has it: this machine's (launch/devices.py), or for mode=plan
+    the planned GPU's (plan.gpu, whose table may lack bf16: a V100)."""
+    if cfg.mode == "plan":
+        from planner.machines import machine
+        return "bf16" if "bf16" in machine(cfg.plan).peak else "fp32"
+    return precision_for(cfg.trainer.device)
 
 
 @functools.lru_cache(maxsize=1)
@@ -149,7 +161,7 @@ def validate(cfg: Config, world_size: int):
         (cfg.mode != "export" or bool(cfg.export.path),
          "mode=export needs export.path=DIR: the Hugging Face GPT-2 folder to write"),
         (t.precision in ("fp32", "bf16", "fp16"),
-         f"trainer.precision must be fp32, bf16 or fp16, got {t.precision!r}"),
+         f"trainer.precision must be auto, fp32, bf16 or fp16, got {t.precision!r}"),
         (t.fp16_init_scale > 0 and t.fp16_growth_interval >= 1,
          "trainer.fp16_init_scale must be > 0 and trainer.fp16_growth_interval >= 1"),
         (t.activation_checkpointing_mode in ("full", "selective") and t.activation_checkpointing_every >= 1,
@@ -229,7 +241,7 @@ def to_dict(cfg: Config) -> dict:
 # ---------------------------------------------------------------- the keys, described
 # Every key's meaning is the comment on its field's line in its dataclass (continued on
 # comment-only lines right below it): one place, read by `main.py --help` and by
-# scripts/config_reference.py, which writes docs/configuration.md.
+# scripts/config_reference.py, which writes docs/configuration*.md.
 
 @dataclass
 class Key:

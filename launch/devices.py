@@ -33,6 +33,18 @@ def pick_device(choice, local_rank, world_size=1):
     return torch.device("cpu")
 
 
+def precision_for(device_choice):
+    """trainer.precision=auto on this machine: bf16 where the device computes it natively
+    (a CUDA GPU of compute capability 8.0 or newer, A100, H100, ...; ROCm GPUs), else fp32
+    (a CPU, or an older GPU, where bf16 is emulated and slower than fp32). Reads the first
+    visible GPU's properties (no tensor, no context made on it): a node's GPUs are alike."""
+    if not uses_cuda(device_choice):
+        return "fp32"
+    if torch.version.hip or torch.cuda.get_device_properties(0).major >= 8:
+        return "bf16"
+    return "fp32"
+
+
 def cuda_index(local_rank, visible, local_world=1, world_size=1):
     """This rank's GPU: LOCAL_RANK when the node's ranks share its GPUs (torchrun), 0 when
     the launcher shows each task just one (srun --gpus-per-task=1: every task sees its

@@ -12,6 +12,35 @@ def test_defaults_and_overrides():
     assert cfg.wandb.mode == "offline"  # never asks for a key by default
 
 
+@pytest.mark.parametrize("device,gpu_major,mode,expected", [
+    ("auto", None, "train", "fp32"),     # no CUDA: a CPU run stays fp32
+    ("cpu", 9, "train", "fp32"),         # a GPU present but not chosen
+    ("auto", 9, "train", "bf16"),        # an H100 (compute capability 9.0)
+    ("cuda", 8, "train", "bf16"),        # an A100
+    ("auto", 7, "train", "fp32"),        # a V100: bf16 only emulated, slower than fp32
+    ("auto", 9, "dryrun", "bf16"),
+    ("cpu", None, "plan", "bf16"),       # mode=plan asks plan.gpu (H100-80GB here), not this machine
+])
+def test_precision_auto_is_bf16_where_the_device_has_it(monkeypatch, device, gpu_major, mode, expected):
+    """trainer.precision=auto is resolved in load_config, the same way on every rank, so the
+    rules, config.yaml, snapshots and healing read the precision that runs. The GPU is a
+    stand-in: torch.cuda answers as a machine with that GPU would."""
+    import types
+    import torch
+    if gpu_major is not None:
+        monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+        monkeypatch.setattr(torch.cuda, "get_device_properties",
+                            lambda index: types.SimpleNamespace(major=gpu_major))
+    cfg = load_config([f"mode={mode}", "trainer.precision=auto", f"trainer.device={device}",
+                       "plan.gpu=H100-80GB"], 1)
+    assert cfg.trainer.precision == expected
+
+
+def test_precision_auto_plans_for_the_planned_gpu():
+    v100 = load_config(["mode=plan", "trainer.precision=auto", "plan.gpu=V100-32GB"], 1)
+    assert v100.trainer.precision == "fp32"  # no bf16 in its table
+
+
 @pytest.mark.parametrize("overrides,world,message", [
     (["trainer.bogus=1"], 1, "bogus"),
     (["trainer.max_steps=many"], 1, "max_steps"),
@@ -73,7 +102,7 @@ def test_defaults_and_overrides():
     (["parallel.zero_stage=4"], 1, "zero_stage"),
     (["trainer.keep_snapshots=0"], 1, "keep_snapshots"),
     (["trainer.resume_step=0"], 1, "resume_step"),
-    (["trainer.precision=fp8"], 1, "trainer.precision must be fp32, bf16 or fp16"),
+    (["trainer.precision=fp8"], 1, "trainer.precision must be auto, fp32, bf16 or fp16"),
     (["trainer.precision=fp16", "trainer.fp16_growth_interval=0"], 1, "fp16_growth_interval"),
     (["trainer.activation_checkpointing_mode=op"], 1, "activation_checkpointing_mode must be full or"),
     (["trainer.activation_checkpointing_every=0"], 1, "activation_checkpointing_every >= 1"),

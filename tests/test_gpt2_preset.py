@@ -28,7 +28,9 @@ def test_preset_is_gpt2_small():
         model = GPT(GPTConfig(**asdict(m), vocab_size=50257, block_size=d.block_size))
     assert round(model.num_params() / 1e6, 1) == 124.4  # the canonical model: real rows only
     assert m.vocab_pad_to == 64 and model.transformer.wte.weight.shape == (50304, 768)
-    assert t.precision == "fp32"  # bf16 where the device has it: no automatic choice exists yet
+    from omegaconf import OmegaConf
+    assert OmegaConf.load(PRESET.split("=", 1)[1]).trainer.precision == "auto"  # bf16 on a GPU with it
+    assert load_config([PRESET, "trainer.device=cpu"], 1).trainer.precision == "fp32"
 
 
 SCALED = ["model.n_layer=1", "model.n_embd=48", "data.block_size=32", "trainer.batch_size=4",
