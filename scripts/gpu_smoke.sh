@@ -19,7 +19,7 @@
 #
 # Tiers: 1 (one process on its device: the NCCL group of one rank and our ddp_bucket and
 # fsdp3 collectives through it, fsdp3 and FSDP2 with CPU offload (host gradients beside the
-# device's loss; fp16 too), bf16, fp16, recompute, compile, the profiler with a CUDA
+# device's loss; fp16 too), bf16, fp16, recompute (full, selective), compile, the profiler with a CUDA
 # memory snapshot, an async snapshot killed and resumed, dropout), 2 (every path: data
 # parallelism, ZeRO 1-3, tp, pp schedules, cp, precisions, recompute, compile, async
 # snapshots killed and resumed, dropout, PyTorch's DDP, FSDP2 and TP on the same model),
@@ -98,6 +98,7 @@ MATRIX=(
   "1|single-bf16|1|$BF16_RTOL|parallel.dp=single trainer.precision=bf16"
   "1|single-fp16|1|$FP16_RTOL|parallel.dp=single trainer.precision=fp16 trainer.fp16_init_scale=1024"
   "1|single-recompute|1|$RTOL|parallel.dp=single trainer.activation_checkpointing=true"
+  "1|single-recompute-selective|1|$RTOL|parallel.dp=single trainer.activation_checkpointing=true trainer.activation_checkpointing_mode=selective"
   "1|single-compile|1|$RTOL|parallel.dp=single trainer.compile=true"
   "1|single-profile|1|$RTOL|parallel.dp=single trainer.profile_from=3 trainer.profile_steps=2 trainer.memory_snapshot=true"
   "1|single-kill-resume|1|-|parallel.dp=single trainer.snapshot_async=true trainer.save_every=2 trainer.max_steps=$KR_STEPS"

@@ -24,7 +24,7 @@ from harness import REPO, job_env, run_tree
 TIERS = {
     "1": ["single", "single-ddp_bucket", "single-fsdp3", "single-fsdp3-offload",
           "single-fsdp3-offload-fp16", "single-torch_fsdp-offload", "single-bf16", "single-fp16",
-          "single-recompute", "single-compile", "single-profile", "single-kill-resume",
+          "single-recompute", "single-recompute-selective", "single-compile", "single-profile", "single-kill-resume",
           "single-dropout"],
     "2": ["ddp_naive", "ddp_bucket", "ddp_bucket-ring", "torch_ddp", "fsdp1", "fsdp2",
           "fsdp3-prefetch", "fsdp3-noprefetch", "torch_fsdp", "tp2", "tp2-torch", "tp2-sp",

@@ -1,0 +1,166 @@
+"""`python -m bench.shakespeare_curve`: a real-text learning curve, ours beside nanoGPT's.
+
+configs/shakespeare-char.yaml (nanoGPT's config/train_shakespeare_char.py) trained on a
+Shakespeare text with the character tokenizer, one process on whatever device is there;
+with `--nanogpt PATH` (a checkout of karpathy/nanoGPT) nanoGPT's own train.py runs the same
+configuration on the same text and device right after, from a copy of its checkout (its
+prepare.py writes data files beside itself; the user's checkout is left as it was). Both
+split the text the same way (the last 10% validates) and evaluate 200 x 64 validation
+windows; their validation losses are printed step by step, with the best, the last and the
+wall time of each. The goal at full size is nanoGPT's reported best, 1.4697 (issue 46).
+
+    python -m bench.shakespeare_curve --data tinyshakespeare.txt --nanogpt ../nanoGPT
+    python -m bench.shakespeare_curve --data tinyshakespeare.txt --small   # minutes on a CPU
+
+`--small` shrinks both to 2 layers x 64, context 64, batch 8, 60 steps (the suite runs it).
+"""
+
+import argparse
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+
+from bench import report
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+PRESET = "configs/shakespeare-char.yaml"
+GOAL = 1.47  # nanoGPT's README: best validation loss 1.4697 with this configuration
+# the shared shape, as (our key, nanoGPT's name, full value, --small value)
+SHAPE = [("model.n_layer", "n_layer", 6, 2), ("model.n_head", "n_head", 6, 2),
+         ("model.n_embd", "n_embd", 384, 64), ("data.block_size", "block_size", 256, 64),
+         ("trainer.batch_size", "batch_size", 64, 8), ("trainer.max_steps", "max_iters", 5000, 60),
+         ("trainer.eval_every", "eval_interval", 250, 20), ("trainer.eval_batches", "eval_iters", 200, 4),
+         ("trainer.warmup_steps", "warmup_iters", 100, 10)]
+NANOGPT_STEP = re.compile(r"^step (\d+): train loss ([\d.]+), val loss ([\d.]+)", re.M)
+
+
+def parse_args(argv):
+    p = argparse.ArgumentParser(prog="python -m bench.shakespeare_curve", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--data", required=True, help="the text (tinyshakespeare.txt): file or URL")
+    p.add_argument("--nanogpt", default="", help="a checkout of karpathy/nanoGPT: its train.py too")
+    p.add_argument("--small", action="store_true", help="2 x 64, context 64, batch 8, 60 steps")
+    p.add_argument("--device", default="auto", help="auto (a GPU if there is one) | cpu | cuda")
+    p.add_argument("--compile", choices=("auto", "true", "false"), default="auto",
+                   help="torch.compile both (auto: on a GPU, as nanoGPT does)")
+    p.add_argument("--out", default="bench/results/shakespeare_curve", help="results folder")
+    return p.parse_args(argv)
+
+
+def settings(args):
+    """device, compile, dtype (nanoGPT's name) and the shape's values, as both runs get them."""
+    import torch
+    cuda = args.device == "cuda" or (args.device == "auto" and torch.cuda.is_available())
+    compiled = args.compile == "true" or (args.compile == "auto" and cuda)
+    bf16 = cuda and (torch.version.hip or torch.cuda.get_device_properties(0).major >= 8)
+    shape = [(ours, theirs, small if args.small else full) for ours, theirs, full, small in SHAPE]
+    return {"device": "cuda" if cuda else "cpu", "compile": compiled,
+            "dtype": "bfloat16" if bf16 else "float32", "shape": shape}
+
+
+def run_ours(args, s, workdir):
+    run_dir = os.path.join(workdir, "ours")
+    cmd = [sys.executable, os.path.join(REPO, "main.py"), f"config={os.path.join(REPO, PRESET)}",
+           f"data.path={args.data}", f"trainer.run_dir={run_dir}", f"trainer.device={s['device']}",
+           f"trainer.compile={str(s['compile']).lower()}", "trainer.precision=auto",
+           "trainer.save_every=0", "wandb.mode=disabled", "sample.length=0",
+           *[f"{ours}={value}" for ours, _, value in s["shape"]]]
+    seconds, out = timed(cmd, REPO)
+    with open(os.path.join(run_dir, "metrics.jsonl")) as f:
+        records = [json.loads(line) for line in f if line.strip()]
+    curve = [(r["step"], r["val_loss"]) for r in records if "val_loss" in r]
+    return {"seconds": seconds, "curve": curve, "precision": _resolved(run_dir)}
+
+
+def check_nanogpt(path):
+    """Before anything runs: a folder without nanoGPT's files is refused in one line."""
+    for need in ("train.py", "model.py", "configurator.py", "data/shakespeare_char/prepare.py"):
+        if not os.path.exists(os.path.join(path, need)):
+            raise SystemExit(f"--nanogpt {path}: no {need}; give a checkout of "
+                             "https://github.com/karpathy/nanoGPT")
+
+
+def run_nanogpt(args, s, workdir):
+    """nanoGPT's own train.py with its shakespeare_char config, from a copy of the checkout."""
+    copy = os.path.join(workdir, "nanoGPT")
+    shutil.copytree(args.nanogpt, copy, ignore=shutil.ignore_patterns(".git", "out*"))
+    data_dir = os.path.join(copy, "data", "shakespeare_char")
+    from char_dataset import load_text
+    with open(os.path.join(data_dir, "input.txt"), "w") as f:  # prepare.py downloads it when absent
+        f.write(load_text(args.data))
+    subprocess.run([sys.executable, "prepare.py"], cwd=data_dir, check=True, capture_output=True)
+    cmd = [sys.executable, "train.py", "config/train_shakespeare_char.py",
+           f"--out_dir={os.path.join(workdir, 'nanogpt-out')}", f"--device={s['device']}",
+           f"--compile={s['compile']}", f"--dtype={s['dtype']}",
+           *[f"--{theirs}={value}" for _, theirs, value in s["shape"]],
+           f"--lr_decay_iters={dict((t, v) for _, t, v in s['shape'])['max_iters']}"]
+    seconds, out = timed(cmd, copy)
+    curve = [(int(m[0]), float(m[2])) for m in NANOGPT_STEP.findall(out)]
+    return {"seconds": seconds, "curve": curve, "precision": s["dtype"]}
+
+
+def timed(cmd, cwd):
+    t0 = time.perf_counter()
+    result = subprocess.run(cmd, cwd=cwd, capture_output=True, text=True)
+    if result.returncode != 0:
+        raise SystemExit(f"{' '.join(cmd[:3])} ... failed (exit {result.returncode}):\n"
+                         + (result.stderr or result.stdout)[-3000:])
+    return time.perf_counter() - t0, result.stdout
+
+
+def _resolved(run_dir):
+    from omegaconf import OmegaConf
+    return OmegaConf.load(os.path.join(run_dir, "config.yaml")).trainer.precision
+
+
+def summary(run):
+    losses = [v for _, v in run["curve"]]
+    return {"best": min(losses), "last": losses[-1], "seconds": round(run["seconds"], 1)}
+
+
+def tables(runs, small):
+    names = list(runs)
+    steps = sorted({step for run in runs.values() for step, _ in run["curve"]})
+    at = {name: dict(run["curve"]) for name, run in runs.items()}
+    curve = report.table(["step", *(f"{n} val loss" for n in names)],
+                         [[str(step), *(f"{at[n][step]:.4f}" if step in at[n] else "-" for n in names)]
+                          for step in steps], "r" * (1 + len(names)))
+    goal = "" if small else f" (goal <= {GOAL})"
+    best = report.table(["run", "precision", f"best val loss{goal}", "last val loss", "wall s"],
+                        [[n, runs[n]["precision"], f"{summary(runs[n])['best']:.4f}",
+                          f"{summary(runs[n])['last']:.4f}", f"{summary(runs[n])['seconds']:.1f}"]
+                         for n in names], "llrrr")
+    return curve, best
+
+
+def main(argv=None):
+    argv = sys.argv[1:] if argv is None else argv
+    args = parse_args(argv)
+    command, load_before = report.command_line("-m bench.shakespeare_curve", argv), os.getloadavg()
+    if args.nanogpt:
+        check_nanogpt(args.nanogpt)
+    s = settings(args)
+    with tempfile.TemporaryDirectory() as workdir:
+        runs = {"ours": run_ours(args, s, workdir)}
+        if args.nanogpt:
+            runs["nanoGPT"] = run_nanogpt(args, s, workdir)
+    env = report.environment(load_before)
+    curve, best = tables(runs, args.small)
+    shape = ", ".join(f"{theirs} {value}" for _, theirs, value in s["shape"])
+    text = "\n".join(report.header("Shakespeare, character level: validation loss", command, [
+        f"configs/shakespeare-char.yaml ({'scaled down: ' if args.small else ''}{shape}), "
+        f"device {s['device']}, compile {s['compile']}"], env) + ["", *best, "", *curve])
+    doc = {"command": command, "environment": env, "settings": {**vars(args), **s},
+           "runs": {n: {**r, **summary(r)} for n, r in runs.items()}}
+    report.write_results(args.out, doc, text)
+    print(text, flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,101 @@
+"""configs/shakespeare-char.yaml is nanoGPT's train_shakespeare_char configuration, and
+`python -m bench.shakespeare_curve` reports the validation losses the runs really had:
+ours against the same preset run directly, nanoGPT's against what a stand-in of its
+train.py printed and was given (the suite has no nanoGPT checkout; the real one ran as
+docs/benchmarks.md says)."""
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+
+from char_dataset import embedded_corpus
+from config import load_config
+from harness import REPO, job_env, read_metrics, run_job
+
+PRESET = os.path.join(REPO, "configs", "shakespeare-char.yaml")
+
+
+def test_preset_is_nanogpts_shakespeare_char():
+    cfg = load_config([f"config={PRESET}", "trainer.device=cpu"], 1)
+    m, d, t = cfg.model, cfg.data, cfg.trainer
+    # nanoGPT's config/train_shakespeare_char.py, value by value
+    assert (m.n_layer, m.n_head, m.n_embd, m.dropout, m.bias) == (6, 6, 384, 0.2, False)
+    assert (d.block_size, d.tokenizer, d.val_fraction) == (256, "char", 0.1)
+    assert (t.batch_size, t.grad_accum, t.max_steps, t.lr, t.min_lr) == (64, 1, 5000, 1e-3, 1e-4)
+    assert (t.warmup_steps, t.beta2, t.eval_every, t.eval_batches) == (100, 0.99, 250, 200)
+    assert t.precision == "fp32"  # auto, on a CPU
+
+
+STAND_IN_TRAIN = '''
+import json, os, sys
+args = dict(a[2:].split("=", 1) for a in sys.argv[2:])
+with open(os.environ["STAND_IN_LOG"], "w") as f:
+    json.dump({"argv": sys.argv[1:], "input": open("data/shakespeare_char/input.txt").read(),
+               "prepared": os.path.exists("data/shakespeare_char/train.bin")}, f)
+for step in range(0, int(args["max_iters"]) + 1, int(args["eval_interval"])):
+    print(f"step {step}: train loss 9.0000, val loss {4 - step / 100:.4f}")
+'''
+STAND_IN_PREPARE = 'open("train.bin", "w").write("ids")\n'
+
+
+def stand_in_nanogpt(root):
+    """A checkout with nanoGPT's file names and command lines, not its code."""
+    for path, text in {"train.py": STAND_IN_TRAIN, "model.py": "", "configurator.py": "",
+                       "config/train_shakespeare_char.py": "",
+                       "data/shakespeare_char/prepare.py": STAND_IN_PREPARE}.items():
+        os.makedirs(os.path.dirname(root / path), exist_ok=True)
+        (root / path).write_text(textwrap.dedent(text))
+    return root
+
+
+def test_curve_command_reports_both_runs_as_they_ran(tmp_path):
+    text = tmp_path / "shakespeare.txt"
+    text.write_text(embedded_corpus(60_000, seed=3))
+    nanogpt = stand_in_nanogpt(tmp_path / "nanoGPT")
+    out = tmp_path / "out"
+    env = dict(job_env(forked=False), STAND_IN_LOG=str(tmp_path / "stand_in.json"))
+    result = subprocess.run([sys.executable, "-m", "bench.shakespeare_curve", "--small",
+                             f"--data={text}", f"--nanogpt={nanogpt}", f"--out={out}"],
+                            cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-3000:]
+    runs = json.loads((out / "results.json").read_text())["runs"]
+
+    # ours: exactly the validation losses of the preset run directly, same shape
+    direct = run_job(tmp_path / "direct", 1, [
+        f"config={PRESET}", f"data.path={text}", "trainer.device=cpu", "trainer.compile=false",
+        "trainer.save_every=0", "wandb.mode=disabled", "sample.length=0", "model.n_layer=2",
+        "model.n_head=2", "model.n_embd=64", "data.block_size=64", "trainer.batch_size=8",
+        "trainer.max_steps=60", "trainer.eval_every=20", "trainer.eval_batches=4",
+        "trainer.warmup_steps=10", f"trainer.run_dir={tmp_path / 'direct' / 'run'}"], tiny=False)
+    assert direct.returncode == 0, direct.stderr[-3000:]
+    expected = [[r["step"], r["val_loss"]] for r in read_metrics(tmp_path / "direct" / "run")
+                if "val_loss" in r]
+    assert [s for s, _ in expected] == [20, 40, 60]
+    assert runs["ours"]["curve"] == expected  # one machine, one thread: bitwise
+    assert runs["ours"]["best"] == min(v for _, v in expected)
+    assert runs["ours"]["last"] == expected[-1][1]
+
+    # nanoGPT's: what its train.py printed, given the same shape and its own data files
+    assert runs["nanoGPT"]["curve"] == [[s, 4 - s / 100] for s in (0, 20, 40, 60)]
+    given = json.loads((tmp_path / "stand_in.json").read_text())
+    assert given["argv"][0] == "config/train_shakespeare_char.py" and given["prepared"]
+    for arg in ("--n_layer=2", "--n_embd=64", "--block_size=64", "--batch_size=8",
+                "--max_iters=60", "--lr_decay_iters=60", "--eval_iters=4", "--device=cpu",
+                "--compile=False", "--dtype=float32"):
+        assert arg in given["argv"], (arg, given["argv"])
+    assert given["input"] == text.read_text()
+    assert not (nanogpt / "data" / "shakespeare_char" / "input.txt").exists()  # a copy ran
+    assert "| ours | fp32 |" in result.stdout
+
+
+def test_curve_command_refuses_a_folder_that_is_not_nanogpt(tmp_path):
+    text = tmp_path / "t.txt"
+    text.write_text(embedded_corpus(20_000, seed=3))
+    result = subprocess.run([sys.executable, "-m", "bench.shakespeare_curve", "--small",
+                             f"--data={text}", f"--nanogpt={tmp_path}", f"--out={tmp_path / 'o'}"],
+                            cwd=REPO, env=job_env(forked=False), capture_output=True, text=True,
+                            timeout=300)
+    assert result.returncode != 0
+    assert "no train.py; give a checkout of https://github.com/karpathy/nanoGPT" in result.stderr
