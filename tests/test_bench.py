@@ -354,5 +354,5 @@ def test_committed_shakespeare_curve_results_render_as_committed():
     from bench import shakespeare_curve
     doc = json.loads(open(committed("shakespeare-small", "results.json")).read())
     want = open(committed("shakespeare-small", "results.md")).read().splitlines()
-    best, curve = shakespeare_curve.tables(doc["runs"], doc["settings"]["small"])[::-1]
+    best, curve = shakespeare_curve.tables(doc["runs"], doc["settings"]["size"])[::-1]
     assert best + curve == table_rows(want)

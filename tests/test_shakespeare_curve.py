@@ -56,7 +56,7 @@ def test_curve_command_reports_both_runs_as_they_ran(tmp_path):
     nanogpt = stand_in_nanogpt(tmp_path / "nanoGPT")
     out = tmp_path / "out"
     env = dict(job_env(forked=False), STAND_IN_LOG=str(tmp_path / "stand_in.json"))
-    result = subprocess.run([sys.executable, "-m", "bench.shakespeare_curve", "--small",
+    result = subprocess.run([sys.executable, "-m", "bench.shakespeare_curve", "--size=small",
                              f"--data={text}", f"--nanogpt={nanogpt}", f"--out={out}"],
                             cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-3000:]
@@ -68,7 +68,7 @@ def test_curve_command_reports_both_runs_as_they_ran(tmp_path):
         "trainer.save_every=0", "wandb.mode=disabled", "sample.length=0", "model.n_layer=2",
         "model.n_head=2", "model.n_embd=64", "data.block_size=64", "trainer.batch_size=8",
         "trainer.max_steps=60", "trainer.eval_every=20", "trainer.eval_batches=4",
-        "trainer.warmup_steps=10", f"trainer.run_dir={tmp_path / 'direct' / 'run'}"], tiny=False)
+        "trainer.warmup_steps=10", "model.dropout=0.2", f"trainer.run_dir={tmp_path / 'direct' / 'run'}"], tiny=False)
     assert direct.returncode == 0, direct.stderr[-3000:]
     expected = [[r["step"], r["val_loss"]] for r in read_metrics(tmp_path / "direct" / "run")
                 if "val_loss" in r]
@@ -83,7 +83,7 @@ def test_curve_command_reports_both_runs_as_they_ran(tmp_path):
     assert given["argv"][0] == "config/train_shakespeare_char.py" and given["prepared"]
     for arg in ("--n_layer=2", "--n_embd=64", "--block_size=64", "--batch_size=8",
                 "--max_iters=60", "--lr_decay_iters=60", "--eval_iters=4", "--device=cpu",
-                "--compile=False", "--dtype=float32"):
+                "--compile=False", "--dtype=float32", "--dropout=0.2"):
         assert arg in given["argv"], (arg, given["argv"])
     assert given["input"] == text.read_text()
     assert not (nanogpt / "data" / "shakespeare_char" / "input.txt").exists()  # a copy ran
@@ -93,7 +93,7 @@ def test_curve_command_reports_both_runs_as_they_ran(tmp_path):
 def test_curve_command_refuses_a_folder_that_is_not_nanogpt(tmp_path):
     text = tmp_path / "t.txt"
     text.write_text(embedded_corpus(20_000, seed=3))
-    result = subprocess.run([sys.executable, "-m", "bench.shakespeare_curve", "--small",
+    result = subprocess.run([sys.executable, "-m", "bench.shakespeare_curve", "--size=small",
                              f"--data={text}", f"--nanogpt={tmp_path}", f"--out={tmp_path / 'o'}"],
                             cwd=REPO, env=job_env(forked=False), capture_output=True, text=True,
                             timeout=300)
