@@ -147,7 +147,7 @@ def fmt_mfu(x):
 
 def tables(doc):
     """results.md's tables and summary line from results.json alone (the test re-renders them)."""
-    s, summ, rounds = doc["settings"], doc["summary"], doc["rounds"]
+    summ, rounds = doc["summary"], doc["rounds"]
     rows = [[r["round"], *(fmt(r[side].get(k), 1) if r[side].get("ms_per_iter") else "FAILED"
                            for side in ("nanogpt", "ours") for k in ("ms_per_iter", "tokens_per_s")),
              fmt(r["ratio"], 3)] for r in rounds]
@@ -243,10 +243,13 @@ def main(argv=None):
             shutil.rmtree(runs_dir, ignore_errors=True)
 
     shown = [a.replace(args.nanogpt, PLACEHOLDER) if os.path.isabs(args.nanogpt) else a for a in argv]
-    doc = {"command": report.command_line("-m bench.gpu_vs_nanogpt" if __package__ else "bench/gpu_vs_nanogpt.py", shown),
+    how = "-m bench.gpu_vs_nanogpt" if __package__ else "bench/gpu_vs_nanogpt.py"
+    doc = {"command": report.command_line(how, shown),
            "settings": s, "env": report.environment(load_before),
            "nanogpt_commit": nano.checkout_commit(args.nanogpt), "nanogpt_args": nano_args,
            "our_overrides": overrides, "summary": summarize(rounds), "rounds": rounds}
+    # one folder per device kind, so a GPU's run sits beside the CPU's committed one (and a
+    # docs/bench/<name>/results.json one level up would be read as bench.run's by test_bench)
     out = args.out or os.path.join("docs", "bench", "gpu-vs-nanogpt", s["device"])
     paths = report.write_results(out, doc, markdown(doc))
     print("\n" + open(paths["md"]).read())

@@ -126,17 +126,19 @@ def test_figures_are_the_runs_own(bench_run):
     fpt = {side: cmd_module.flops_per_token(s, s[f"{side}_shape"]) for side in ("nanogpt", "ours")}
     for r in doc["rounds"]:
         theirs, ours = r["nanogpt"], r["ours"]
-        assert theirs["ms_per_iter"] == float(re.findall(r"iteration: ([0-9.]+)ms", theirs_lines[r["round"] - 1])[0])
+        printed = theirs_lines[r["round"] - 1]   # bench.py's last line of this round
+        assert theirs["ms_per_iter"] == float(re.findall(r"iteration: ([0-9.]+)ms", printed)[0])
         assert theirs["tokens_per_s"] == pytest.approx(tokens * 1000 / theirs["ms_per_iter"], rel=1e-4)
         # bench.py's own MFU is kept as printed; both sides' are the one formula's (each its shape)
-        assert theirs["mfu_pct"] == float(re.findall(r"MFU: ([0-9.]+)%", theirs_lines[r["round"] - 1])[0])
+        assert theirs["mfu_pct"] == float(re.findall(r"MFU: ([0-9.]+)%", printed)[0])
         assert theirs["mfu_a100_pct"] == pytest.approx(100 * fpt["nanogpt"] * theirs["tokens_per_s"] / 312e12,
                                                        rel=1e-6)
         timed = [rec["step_ms"] for rec in ours["records"][10:]]
         assert len(ours["records"]) == 30 and len(timed) == 20
         assert ours["ms_per_iter"] == pytest.approx(sum(timed) / 20, rel=1e-4)
         assert ours["tokens_per_s"] == pytest.approx(tokens * 1000 / ours["ms_per_iter"], rel=1e-4)
-        assert ours["mfu_a100_pct"] == pytest.approx(100 * fpt["ours"] * ours["tokens_per_s"] / 312e12, rel=1e-6)
+        assert ours["mfu_a100_pct"] == pytest.approx(100 * fpt["ours"] * ours["tokens_per_s"] / 312e12,
+                                                     rel=1e-6)
         assert r["ratio"] == pytest.approx(ours["tokens_per_s"] / theirs["tokens_per_s"], rel=1e-3)
         assert theirs["mfu_device_pct"] is None and ours["mfu_device_pct"] is None  # a CPU has no peak
     summ = doc["summary"]
