@@ -352,7 +352,8 @@ def test_committed_shakespeare_curve_results_render_as_committed():
     """bench.shakespeare_curve's two tables, rendered from its committed results.json, are
     those of its committed results.md."""
     from bench import shakespeare_curve
-    doc = json.loads(open(committed("shakespeare-small", "results.json")).read())
-    want = open(committed("shakespeare-small", "results.md")).read().splitlines()
-    best, curve = shakespeare_curve.tables(doc["runs"], doc["settings"]["size"])[::-1]
-    assert best + curve == table_rows(want)
+    for name in ("shakespeare-small", "shakespeare-laptop"):
+        doc = json.loads(open(committed(name, "results.json")).read())
+        want = open(committed(name, "results.md")).read().splitlines()
+        best, curve = shakespeare_curve.tables(doc["runs"], doc["settings"]["size"])[::-1]
+        assert best + curve == table_rows(want), name
