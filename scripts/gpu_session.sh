@@ -20,6 +20,8 @@ PYTHON="${PYTHON:-python}"
 NANOGPT="${NANOGPT:-peers/nanoGPT}"
 TEXT="${TEXT:-peers/tinyshakespeare.txt}"
 OUT="${OUT:-bench/results/gpu-session}"
+case "${1:-}" in side|curve|smoke|suite) ;; *)
+  echo "usage: bash scripts/gpu_session.sh side|curve|smoke|suite" >&2; exit 2 ;; esac
 mkdir -p "$OUT"
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv > "$OUT/gpu.csv" 2>&1 || true
 "$PYTHON" -c "import torch; print('torch', torch.__version__, 'cuda', torch.version.cuda)" \
@@ -34,6 +36,4 @@ case "${1:-}" in
     PYTHON="$PYTHON" bash scripts/gpu_smoke.sh --gpus 1 2>&1 | tee "$OUT/smoke.txt" ;;
   suite)
     "$PYTHON" -m pytest -q -p no:cacheprovider 2>&1 | tee "$OUT/suite.txt" ;;
-  *)
-    echo "usage: bash scripts/gpu_session.sh side|curve|smoke|suite" >&2; exit 2 ;;
 esac
