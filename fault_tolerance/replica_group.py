@@ -4,6 +4,7 @@ Per step the trainer calls (as it calls one_group.OneGroup, the plain run's)
 
     step, shares = group.begin_step(step) # quorum (torchft Manager.start_quorum): who is
                                           # live; a group behind the others heals here
+                                          # (started early: next_shares, as a step ends)
     ... this group's shares of the global batch, reduced inside it by its strategy ...
     loss = group.sum_across(loss, strategy.grads())   # weighted sum over torchft's group
     if group.commit(): optimizer step     # torchft's vote: not if any group failed
@@ -19,6 +20,7 @@ who took part, and tells a restarted group from the one it replaces).
 import logging
 import os
 import random
+import threading
 import time
 from datetime import timedelta
 
@@ -26,6 +28,7 @@ import torch
 
 from errors import UserError
 from fault_tolerance import lighthouse, logs
+from fault_tolerance.buckets import buckets, in_place, part
 from fault_tolerance.one_group import OneGroup
 from fault_tolerance.shares import shares_of
 from fault_tolerance.state_transfer import (differences, held_state, load_held_state,
@@ -49,6 +52,8 @@ class ReplicaGroup:
         self.log = logs.to_file(run_dir, grid.rank)
         self.store = None
         self.healed_from = None
+        self.sent = None            # a live group's state, received at the quorum (_load)
+        self.quorum = None          # the next step's quorum, started early (next_shares)
         self.quorum_rank = None  # this group's place in the last quorum (begin_step)
         self.numbers, self.refused = numbers, None  # numbers_of(cfg); a refusal (_load)
         self.manager = (manager or self._torchft_manager)(self._load, self._state)
@@ -98,17 +103,23 @@ class ReplicaGroup:
     replicas = property(lambda self: self.ft.replicas)  # the shares of a step's global batch
 
     def begin_step(self, step=None):
-        """The quorum of the next step. Returns (step, shares): the step to compute (the
-        quorum's, not the trainer's `step`: a group that healed jumps to the live groups')
-        and the shares this group computes."""
+        """The quorum of the next step (started by next_shares, or now). Returns (step,
+        shares): the step to compute (the quorum's, not the trainer's `step`: a group that
+        healed jumps to the live groups') and the shares this group computes."""
         self.started = time.perf_counter()
+        quorum, self.quorum = self.quorum or self._start_quorum(), None
+        quorum.join()
         try:
-            self.manager.start_quorum()
+            if quorum.error is not None:
+                raise quorum.error
         except Exception as e:  # the lighthouse gone, or no quorum within ft.timeout_s
             first = str(e).strip().splitlines()[0][:200] if str(e).strip() else type(e).__name__
             raise QuorumLost(f"no quorum of replica groups from the lighthouse at ft.lighthouse="
                             f"{self.ft.lighthouse} within ft.timeout_s={self.ft.timeout_s:g} s "
                             f"({first}): is it running, with ft.min_replicas groups up?") from None
+        if self.sent is not None:  # healing: the live state, taken here, before the forward
+            sent, self.sent = self.sent, None
+            self._take(sent)
         if self.refused:  # healing found another config: leave (the live groups redo the step)
             raise UserError(self.refused)
         if self.manager.errored():  # the quorum could not reconfigure the group: the step is
@@ -117,7 +128,7 @@ class ReplicaGroup:
         rank, live = self.manager.participating_rank(), self.manager.num_participants()
         self.quorum_rank = rank  # kept: a lost quorum's manager raises when asked again
         if self.healed_from is not None:
-            seconds = time.perf_counter() - self.started
+            seconds = time.perf_counter() - quorum.started
             self._say(f"ft: group {self.ft.replica_id} healed from group {self.healed_from} at "
                       f"step {self.manager.current_step()} in {seconds:.2f} s (weights, optimizer "
                       "state, step; the data position and random state follow from the step)")
@@ -127,7 +138,27 @@ class ReplicaGroup:
         return self.manager.current_step(), self.shares
 
     def next_shares(self):
-        return None  # this group's shares of the next step: dealt at its quorum only
+        """Called once this step is committed and the optimizer has stepped: starts the next
+        step's quorum in the background, so that its round trips (to the group's torchft
+        server, to the lighthouse) overlap the end of this step (the read ahead, the stop
+        signal's all-reduce) instead of starting the next. Returns this step's shares: the
+        next step's unless the quorum changes the groups, and then begin_step deals others
+        (training/batches.py uses a read ahead only for the shares it was read for)."""
+        self.quorum = self._start_quorum()
+        return self.shares
+
+    def _start_quorum(self):
+        """torchft's start_quorum (it waits for the quorum and, healing, the live state) on a
+        thread; the thread's .error: what it raised, .started: when."""
+        def run():
+            try:
+                self.manager.start_quorum()
+            except Exception as e:
+                thread.error = e
+        thread = threading.Thread(target=run, name="ft-quorum", daemon=True)
+        thread.error, thread.started = None, time.perf_counter()
+        thread.start()
+        return thread
 
     def sum_across(self, loss, grads):
         """The global batch's loss and gradients from this group's (each the mean over its
@@ -239,8 +270,13 @@ class ReplicaGroup:
                           self.numbers)
 
     def _load(self, sent):
-        """A live group's state (on torchft's thread): taken only if its settings are this
-        group's; else noted, and begin_step ends this group with one line."""
+        """A live group's state, as the quorum receives it (on the quorum's thread, maybe
+        while this group's step before is still ending): kept for begin_step's _take."""
+        self.sent = sent
+
+    def _take(self, sent):
+        """The live state: taken only if its settings are this group's; else noted, and
+        begin_step ends this group with one line."""
         theirs = sent.get("numbers")
         differ = differences(self.numbers, theirs) if self.numbers and theirs else []
         if differ:
@@ -254,57 +290,6 @@ class ReplicaGroup:
 
 # the most the sum across groups holds beyond the gradients (the bucket they cross in)
 BUCKET_MB = 32
-
-
-def buckets(grads, cap, device):
-    """The gradients' elements in order, as buckets (lists of pieces (gradient, start, end)
-    of its flattened elements) of at most `cap` elements: a contiguous gradient on the
-    device of `cap` elements or more alone (it is reduced in place), the others packed,
-    split across buckets where they do not fit (a non-contiguous one goes whole)."""
-    bucket, room = [], cap
-    for g in grads:
-        n = g.numel()
-        if n == 0:
-            continue
-        if in_place((g, 0, n), cap, device):
-            if bucket:
-                yield bucket
-                bucket, room = [], cap
-            yield [(g, 0, n)]
-            continue
-        if not g.is_contiguous():
-            if n > room and bucket:
-                yield bucket
-                bucket, room = [], cap
-            bucket.append((g, 0, n))
-            room -= n
-        else:
-            at = 0
-            while at < n:
-                take = min(room, n - at)
-                bucket.append((g, at, at + take))
-                at, room = at + take, room - take
-                if room == 0:
-                    yield bucket
-                    bucket, room = [], cap
-        if room <= 0:
-            yield bucket
-            bucket, room = [], cap
-    if bucket:
-        yield bucket
-
-
-def in_place(piece, cap, device):
-    """Whether a bucket's one piece is reduced where it lies: a whole contiguous gradient of
-    at least `cap` elements on the device (an offloaded one is in host memory)."""
-    g, start, end = piece
-    return start == 0 and end == g.numel() >= cap and g.is_contiguous() and g.device == device
-
-
-def part(piece):
-    """A piece's elements as a tensor that views the gradient."""
-    g, start, end = piece
-    return g.view(-1)[start:end] if g.is_contiguous() else g
 
 
 def start(cfg, grid, strategy, step):

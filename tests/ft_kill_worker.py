@@ -3,8 +3,9 @@
     python tests/ft_kill_worker.py --die-at-step=3 ft.enabled=true ft.replica_id=0 ...
 
 Before the quorum of the first step numbered 3 or later that the group would compute
-(it has committed and snapshotted the step before), the process prints `DYING at step
-<n>` and sends itself SIGKILL: a group lost at a step the test chooses, so that the
+(it has committed and snapshotted the step before; the quorum starts at the end of that
+step, ReplicaGroup.next_shares, or at the step's start), the process prints `DYING at
+step <n>` and sends itself SIGKILL: a group lost at a step the test chooses, so that the
 others' quorum of that step goes on without it once its heartbeat stops
 (tests/test_fault_tolerance.py). (Killed inside the step instead, one survivor of three
 would wait ft.timeout_s in its ring all-reduce for a peer that gave up on it.) Everything
@@ -23,18 +24,18 @@ import main  # noqa: E402
 
 FLAG = "--die-at-step="
 die_at = int(next(a for a in sys.argv[1:] if a.startswith(FLAG))[len(FLAG):])
-begin_step = ReplicaGroup.begin_step
+start_quorum = ReplicaGroup._start_quorum
 
 
-def dying_begin_step(self, *args):
-    step = self.manager.current_step() + 1
+def dying_start_quorum(self):
+    step = self.manager.current_step() + 1  # the quorum's step: after the last committed
     if step >= die_at:
         print(f"DYING at step {step}", flush=True)
         os.kill(os.getpid(), signal.SIGKILL)
-    return begin_step(self, *args)
+    return start_quorum(self)
 
 
-ReplicaGroup.begin_step = dying_begin_step
+ReplicaGroup._start_quorum = dying_start_quorum
 
 if __name__ == "__main__":
     sys.argv = [os.path.join(REPO, "main.py")] + [a for a in sys.argv[1:] if not a.startswith(FLAG)]

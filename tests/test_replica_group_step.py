@@ -6,7 +6,10 @@ path through main.train, with a stand-in for torchft's Manager (no lighthouse, n
   the uninterrupted run's, to the bit (Strategy.drop_step, Trainer.compute_step);
 - a redo on trainer.profile_from opens the profiler once (Trainer.train);
 - the sum across groups holds at most one bucket beyond the gradients (sum_across);
-- the healing state is read only after the device has run what was queued (_state).
+- the healing state is read only after the device has run what was queued (_state);
+- the next step's quorum, started as a step ends (next_shares), hands a healing group the
+  live state on its own thread, and begin_step takes it on the trainer's; a batch read
+  ahead for the shares a group held serves the next step only if its quorum dealt them.
 
 The stand-in is one group alone of ft.replicas=1: its all-reduce is the identity, its vote
 says no on the tries the test names. The real launches (a lighthouse, groups killed) are
@@ -309,3 +312,68 @@ def test_waiting_for_the_device_synchronizes_it_and_not_the_cpu(monkeypatch):
     assert calls == []
     state_transfer.wait_for_device(torch.device("cuda", 1))
     assert calls == [torch.device("cuda", 1)]
+
+
+class Windows:
+    """A dataset whose batch is the window starts it is asked for."""
+
+    def batch(self, starts):
+        return starts.clone()
+
+
+def test_a_read_ahead_serves_a_step_only_for_the_shares_its_quorum_dealt():
+    """StepBatches (training/batches.py) of ft.replicas=2: a replica group reads the next
+    step's batches ahead for the shares it held (ReplicaGroup.next_shares); its quorum
+    dealing others (group 1 left: group 0 holds both shares; a group joined: it holds one
+    again, or another one), the step reads the shares it was dealt, and the read ahead is
+    used only when they are the same. Red when take matches the step alone (before
+    ft-overlap: the read ahead of the wrong shares trained the step)."""
+    from types import SimpleNamespace
+    from char_dataset import GlobalBatches
+    from training.batches import StepBatches
+    grid = SimpleNamespace(data_rank=0, data_size=1, all_ok=lambda ok: ok)
+    batches = StepBatches(GlobalBatches(1000, 8, seed=1), Windows(), grid, grad_accum=2)
+    fresh = lambda step, shares: batches._read(step, shares, 2)[0]  # noqa: E731
+    for held, dealt in (([0], [0, 1]), ([0, 1], [0]), ([1], [0]), ([0], [0]), ([0, 1], [0, 1])):
+        assert batches.read_ahead(5, held, 2) is None
+        ahead = batches.ahead
+        micro, _ = batches.take(5, dealt, 2)
+        want = fresh(5, dealt)
+        assert len(micro) == len(want) and all(torch.equal(a, b) for a, b in zip(micro, want)), \
+            (held, dealt)
+        assert (micro is ahead[2]) == (held == dealt) and batches.ahead is None
+
+
+class HealingManager(StandInManager):
+    """torchft's Manager as a healing group's quorum meets it: start_quorum hands the live
+    state over through load_state_dict, on the thread that runs it."""
+
+    def __init__(self, load_state_dict, state_dict):
+        super().__init__(load_state_dict, state_dict)
+        self.load, self.step = load_state_dict, 7
+
+    def start_quorum(self):
+        self.load({"numbers": None, "replica_id": 1})
+
+    def num_participants(self):
+        return 2
+
+
+def test_the_live_state_is_taken_by_begin_step_on_the_trainers_thread(monkeypatch):
+    """The next step's quorum, started early (next_shares) on its own thread while the
+    step before ends, brings a healing group the live state: it is kept, and taken by
+    begin_step on the trainer's thread (the weights change only between two steps), then
+    the quorum's step and shares are dealt. Red when _load takes it at once, on the
+    quorum's thread."""
+    import threading
+    taken = []
+    monkeypatch.setattr(replica_group, "load_held_state",
+                        lambda strategy, sent: taken.append(threading.current_thread()))
+    group = group_over_grads([])
+    group.strategy, group.events, group.healed_from, group.sent = None, {}, None, None
+    group.manager = HealingManager(group._load, group._state)
+    assert group.next_shares() == [0]  # the shares held: read ahead for the next step
+    group.quorum.join()  # the state arrived on the quorum's thread ...
+    assert taken == [] and group.quorum.name == "ft-quorum"
+    assert group.begin_step() == (7, [0])  # ... and is taken here
+    assert taken == [threading.current_thread()] and "ft_heal_s" in group.events
