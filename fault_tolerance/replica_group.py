@@ -54,6 +54,7 @@ class ReplicaGroup:
         self.healed_from = None
         self.sent = None            # a live group's state, received at the quorum (_load)
         self.quorum = None          # the next step's quorum, started early (next_shares)
+        self.vote = None            # the step's commit vote, started by sum_across
         self.quorum_rank = None  # this group's place in the last quorum (begin_step)
         self.numbers, self.refused = numbers, None  # numbers_of(cfg); a refusal (_load)
         self.manager = (manager or self._torchft_manager)(self._load, self._state)
@@ -108,10 +109,8 @@ class ReplicaGroup:
         healed jumps to the live groups') and the shares this group computes."""
         self.started = time.perf_counter()
         quorum, self.quorum = self.quorum or self._start_quorum(), None
-        quorum.join()
         try:
-            if quorum.error is not None:
-                raise quorum.error
+            self._result(quorum)
         except Exception as e:  # the lighthouse gone, or no quorum within ft.timeout_s
             first = str(e).strip().splitlines()[0][:200] if str(e).strip() else type(e).__name__
             raise QuorumLost(f"no quorum of replica groups from the lighthouse at ft.lighthouse="
@@ -148,35 +147,58 @@ class ReplicaGroup:
         return self.shares
 
     def _start_quorum(self):
-        """torchft's start_quorum (it waits for the quorum and, healing, the live state) on a
-        thread; the thread's .error: what it raised, .started: when."""
+        """torchft's start_quorum (it waits for the quorum and, healing, the live state), on
+        a thread (begin_step waits for it)."""
+        return self._background(self.manager.start_quorum, "ft-quorum")
+
+    @staticmethod
+    def _background(fn, name):
+        """fn() on a thread, started now: its .started, and _result(thread) waits for it."""
+        # the caller's accelerator: torchft's quorum and vote take the thread's current one
+        device = torch.accelerator.current_device_index() if torch.accelerator.is_available() \
+            else None
+
         def run():
+            if device is not None:
+                torch.accelerator.set_device_index(device)
             try:
-                self.manager.start_quorum()
+                thread.result = fn()
             except Exception as e:
                 thread.error = e
-        thread = threading.Thread(target=run, name="ft-quorum", daemon=True)
-        thread.error, thread.started = None, time.perf_counter()
+        thread = threading.Thread(target=run, name=name, daemon=True)
+        thread.result, thread.error, thread.started = None, None, time.perf_counter()
         thread.start()
         return thread
+
+    @staticmethod
+    def _result(thread):
+        """What the thread's fn returned, once it ended; what it raised is raised here."""
+        thread.join()
+        if thread.error is not None:
+            raise thread.error
+        return thread.result
 
     def sum_across(self, loss, grads):
         """The global batch's loss and gradients from this group's (each the mean over its
         shares): scaled by shares/R, summed over the live groups, in place. The gradients
         cross in buckets of at most BUCKET_MB (one buffer, reused; a bucket that is one
         whole gradient on the device is reduced where it lies), the loss and the start
-        tokens apart: beyond the gradients this holds at most one bucket, never a copy of
-        them all."""
+        tokens in the last fp32 bucket (else apart): beyond the gradients this holds at
+        most one bucket, never a copy of them all. Then torchft's vote starts (commit)."""
         from torch.distributed import ReduceOp
         device = self.grid.device
         weight = len(self.shares) / self.ft.replicas
         figures = torch.zeros(1 + self.ft.replicas, device=device)  # the loss, who took part
         figures[0] = loss.detach().to(device) * weight
         figures[1 + self.ft.replica_id] = self.token
-        self.manager.allreduce(figures, reduce_op=ReduceOp.SUM).wait()
         cap = max(1, min(int(BUCKET_MB * 2**20) // 4, sum(g.numel() for g in grads)))
+        cut = list(buckets(grads, cap, device))
+        # the figures ride with the last bucket that is copied anyway (one all-reduce fewer:
+        # each is a round trip across groups), if it is fp32 (a token is exact below 2**24)
+        rides = max((i for i, pieces in enumerate(cut) if not in_place(pieces[0], cap, device)
+                     and pieces[0][0].dtype == torch.float32), default=None)
         bucket = None
-        for pieces in buckets(grads, cap, device):
+        for i, pieces in enumerate(cut):
             if len(pieces) == 1 and in_place(pieces[0], cap, device):
                 g = pieces[0][0]
                 g.mul_(weight)
@@ -184,24 +206,36 @@ class ReplicaGroup:
                 continue
             parts = [part(p) for p in pieces]
             size = sum(t.numel() for t in parts)
-            if bucket is None or bucket.numel() < size:  # larger than cap: a non-contiguous gradient
-                bucket = torch.empty(max(cap, size), dtype=parts[0].dtype, device=device)
+            if bucket is None or bucket.numel() < size + figures.numel():  # > cap: non-contiguous
+                bucket = torch.empty(max(cap, size) + figures.numel(), dtype=parts[0].dtype,
+                                     device=device)
             at = 0
             for t in parts:
                 bucket[at:at + t.numel()].view(t.shape).copy_(t)
                 at += t.numel()
-            self.manager.allreduce(bucket[:at].mul_(weight), reduce_op=ReduceOp.SUM).wait()
+            bucket[:at].mul_(weight)
+            if i == rides:
+                bucket[at:at + figures.numel()].copy_(figures)
+            self.manager.allreduce(bucket[:at + (figures.numel() if i == rides else 0)],
+                                   reduce_op=ReduceOp.SUM).wait()
+            if i == rides:
+                figures.copy_(bucket[at:at + figures.numel()])
             at = 0
             for t in parts:
                 t.copy_(bucket[at:at + t.numel()].view(t.shape))
                 at += t.numel()
+        if rides is None:
+            self.manager.allreduce(figures, reduce_op=ReduceOp.SUM).wait()
         self._who = figures[1:]
+        # the vote needs only the all-reduces done: its round trip to the group's torchft
+        # server overlaps the gradient clip (its norm's own all-reduce) until commit()
+        self.vote = self._background(self.manager.should_commit, "ft-vote")
         return figures[0]
 
     def commit(self):
         """torchft's vote: True if every rank of every live group finished the step (then
         step the optimizer); False: a group failed during it, the step is redone."""
-        if self.manager.should_commit():
+        if self._result(self.vote):
             self._membership({i: int(n) for i, n in enumerate(self._who.round().tolist()) if n > 0})
             if self.failed_at is not None:
                 self.events["ft_recovery_s"] = time.perf_counter() - self.failed_at

@@ -200,6 +200,9 @@ class Recorder:
         tensor.mul_(2)
         return Done()
 
+    def should_commit(self):
+        return True
+
 
 def new_bytes(fn):
     """(fn(), bytes of the storages that the operators run inside fn allocated): every
@@ -243,9 +246,10 @@ def test_the_sum_across_groups_holds_at_most_one_bucket_beyond_the_gradients(mon
     under a dispatch mode counting the bytes of every tensor it allocates: at most the
     gradients' bytes once (they fit one bucket), or one bucket (BUCKET_MB=0.01: 10 KB;
     tensors split across buckets, the larger ones reduced in place), plus the figures; and the sum is right, every
-    element where it was (the stand-in doubles, the weight of share 0 of 2 halves). Red
-    for a flat copy of all the gradients, scaled out of place and concatenated with the
-    figures (3x the gradient bytes) or anything over one bucket."""
+    element where it was (the stand-in doubles, the weight of share 0 of 2 halves), the
+    loss and tokens in the same all-reduce as the (last fp32) bucket. Red for a flat copy
+    of all the gradients, scaled out of place and concatenated with the figures (3x the
+    gradient bytes) or anything over one bucket."""
     from model import GPT, GPTConfig
     monkeypatch.setattr(replica_group, "BUCKET_MB", bucket_mb)
     torch.manual_seed(0)
@@ -262,7 +266,22 @@ def test_the_sum_across_groups_holds_at_most_one_bucket_beyond_the_gradients(mon
     assert loss.item() == 3.25 and group._who.tolist() == [14.0, 0.0]
     for g, b in zip(grads, before):
         assert torch.equal(g, b)
-    assert len(group.manager.reduced) >= (2 if bucket_mb == 32 else 3)
+    # every element crosses once, the figures (loss, 2 tokens) with a bucket: one
+    # all-reduce for all when they fit one
+    assert sum(group.manager.reduced) == sum(g.numel() for g in grads) + 3
+    assert len(group.manager.reduced) == 1 if bucket_mb == 32 else len(group.manager.reduced) >= 3
+
+
+def test_the_loss_and_tokens_never_cross_in_a_bf16_bucket():
+    """bf16 gradients: the loss and the start tokens (up to 2**20, exact in fp32 only) take
+    an all-reduce of their own, in fp32, after the gradients'. Red when they ride with
+    the bf16 bucket (the token comes back rounded)."""
+    grads = [torch.randn(40, dtype=torch.bfloat16), torch.randn(9, dtype=torch.bfloat16)]
+    group = group_over_grads(grads)
+    group.token = 2**20 - 1
+    loss = group.sum_across(torch.tensor(3.25), grads)
+    assert group.manager.reduced == [49, 3]
+    assert loss.item() == 3.25 and group._who.tolist() == [2.0 * (2**20 - 1), 0.0]
 
 
 def test_buckets_cover_every_element_once_in_order():
