@@ -4,7 +4,7 @@ Per step the trainer calls (as it calls one_group.OneGroup, the plain run's)
 
     step, shares = group.begin_step(step) # quorum (torchft Manager.start_quorum): who is
                                           # live; a group behind the others heals here
-                                          # (started early: next_shares, as a step ends)
+                                          # (started early: stepped, as a step ends)
     ... this group's shares of the global batch, reduced inside it by its strategy ...
     loss = group.sum_across(loss, strategy.grads())   # weighted sum over torchft's group
     if group.commit(): optimizer step     # torchft's vote: not if any group failed
@@ -53,7 +53,7 @@ class ReplicaGroup:
         self.store = None
         self.healed_from = None
         self.sent = None            # a live group's state, received at the quorum (_load)
-        self.quorum = None          # the next step's quorum, started early (next_shares)
+        self.quorum = None          # the next step's quorum, started early (stepped)
         self.vote = None            # the step's commit vote, started by sum_across
         self.quorum_rank = None  # this group's place in the last quorum (begin_step)
         self.numbers, self.refused = numbers, None  # numbers_of(cfg); a refusal (_load)
@@ -104,7 +104,7 @@ class ReplicaGroup:
     replicas = property(lambda self: self.ft.replicas)  # the shares of a step's global batch
 
     def begin_step(self, step=None):
-        """The quorum of the next step (started by next_shares, or now). Returns (step,
+        """The quorum of the next step (started by stepped, or now). Returns (step,
         shares): the step to compute (the quorum's, not the trainer's `step`: a group that
         healed jumps to the live groups') and the shares this group computes."""
         self.started = time.perf_counter()
@@ -136,14 +136,20 @@ class ReplicaGroup:
         self.shares = shares_of(self.ft.replicas, rank, live)
         return self.manager.current_step(), self.shares
 
+    def stepped(self, more):
+        """This step is committed and the optimizer has stepped (compute_step): if `more`
+        steps follow, the next step's quorum starts now, in the background, so that its
+        round trips (to the group's torchft server, to the lighthouse) overlap the end of
+        this step (the metrics record, evaluation, snapshot, read ahead, the stop signal's
+        all-reduce) instead of starting the next; begin_step waits for it. A group that
+        heals from this one is sent these weights, final now."""
+        if more:
+            self.quorum = self._start_quorum()
+
     def next_shares(self):
-        """Called once this step is committed and the optimizer has stepped: starts the next
-        step's quorum in the background, so that its round trips (to the group's torchft
-        server, to the lighthouse) overlap the end of this step (the read ahead, the stop
-        signal's all-reduce) instead of starting the next. Returns this step's shares: the
-        next step's unless the quorum changes the groups, and then begin_step deals others
-        (training/batches.py uses a read ahead only for the shares it was read for)."""
-        self.quorum = self._start_quorum()
+        """This step's shares: the next step's unless its quorum changes the groups, and
+        then begin_step deals others (training/batches.py uses a read ahead only for the
+        shares it was read for)."""
         return self.shares
 
     def _start_quorum(self):

@@ -7,7 +7,7 @@ path through main.train, with a stand-in for torchft's Manager (no lighthouse, n
 - a redo on trainer.profile_from opens the profiler once (Trainer.train);
 - the sum across groups holds at most one bucket beyond the gradients (sum_across);
 - the healing state is read only after the device has run what was queued (_state);
-- the next step's quorum, started as a step ends (next_shares), hands a healing group the
+- the next step's quorum, started as a step ends (stepped), hands a healing group the
   live state on its own thread, and begin_step takes it on the trainer's; a batch read
   ahead for the shares a group held serves the next step only if its quorum dealt them.
 
@@ -122,7 +122,9 @@ def test_a_rejected_step_changes_nothing_and_its_redo_is_the_uninterrupted_step(
     redo ran at the same learning rate; every record of the run equals the uninterrupted
     run's to the bit. Red when the rejected step updates the model (drop_step without
     skip_step), keeps its gradients (drop_step calling step_optimizer, not
-    optimizer_step), or keeps its scaler change (compute_step's load_state dropped)."""
+    optimizer_step), or keeps its scaler change (compute_step's load_state dropped); and
+    when the rejected try's quorum, started as step 2 ends (group.stepped), starts before
+    step 2's optimizer step (a healing peer would be sent weights without it)."""
     plain, _, plain_lrs = train(tmp_path, "plain", one_rank_grid, monkeypatch, layout)
     redone, manager, lrs = train(tmp_path, "redone", one_rank_grid, monkeypatch, layout,
                                  reject=[REJECTED])
@@ -379,8 +381,8 @@ class HealingManager(StandInManager):
 
 
 def test_the_live_state_is_taken_by_begin_step_on_the_trainers_thread(monkeypatch):
-    """The next step's quorum, started early (next_shares) on its own thread while the
-    step before ends, brings a healing group the live state: it is kept, and taken by
+    """The next step's quorum, started early (stepped) on its own thread while the step
+    before ends, brings a healing group the live state: it is kept, and taken by
     begin_step on the trainer's thread (the weights change only between two steps), then
     the quorum's step and shares are dealt. Red when _load takes it at once, on the
     quorum's thread."""
@@ -391,6 +393,7 @@ def test_the_live_state_is_taken_by_begin_step_on_the_trainers_thread(monkeypatc
     group = group_over_grads([])
     group.strategy, group.events, group.healed_from, group.sent = None, {}, None, None
     group.manager = HealingManager(group._load, group._state)
+    group.stepped(True)
     assert group.next_shares() == [0]  # the shares held: read ahead for the next step
     group.quorum.join()  # the state arrived on the quorum's thread ...
     assert taken == [] and group.quorum.name == "ft-quorum"
