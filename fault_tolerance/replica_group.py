@@ -108,9 +108,19 @@ class ReplicaGroup:
         shares): the step to compute (the quorum's, not the trainer's `step`: a group that
         healed jumps to the live groups') and the shares this group computes."""
         self.started = time.perf_counter()
-        quorum, self.quorum = self.quorum or self._start_quorum(), None
+        early, self.quorum = self.quorum, None
+        quorum = early or self._start_quorum()
         try:
-            self._result(quorum)
+            try:
+                self._result(quorum)
+            except Exception:
+                if early is None:
+                    raise
+                # asked as the step before ended, by a group stopped since (SIGSTOP, a paused
+                # VM): timed out. Once more now (torchft would re-raise the failed one)
+                self.manager._quorum_future = None
+                quorum = self._start_quorum()
+                self._result(quorum)
         except Exception as e:  # the lighthouse gone, or no quorum within ft.timeout_s
             first = str(e).strip().splitlines()[0][:200] if str(e).strip() else type(e).__name__
             raise QuorumLost(f"no quorum of replica groups from the lighthouse at ft.lighthouse="
@@ -160,9 +170,9 @@ class ReplicaGroup:
     @staticmethod
     def _background(fn, name):
         """fn() on a thread, started now: its .started, and _result(thread) waits for it."""
-        # the caller's accelerator: torchft's quorum and vote take the thread's current one
-        device = torch.accelerator.current_device_index() if torch.accelerator.is_available() \
-            else None
+        # the caller's accelerator: torchft's quorum and vote use the thread's current one
+        on = torch.accelerator.is_available()
+        device = torch.accelerator.current_device_index() if on else None
 
         def run():
             if device is not None:

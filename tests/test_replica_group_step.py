@@ -399,3 +399,37 @@ def test_the_live_state_is_taken_by_begin_step_on_the_trainers_thread(monkeypatc
     assert taken == [] and group.quorum.name == "ft-quorum"
     assert group.begin_step() == (7, [0])  # ... and is taken here
     assert taken == [threading.current_thread()] and "ft_heal_s" in group.events
+
+
+class TimedOutOnce(StandInManager):
+    """A quorum request that times out once (its group was stopped while it waited), as
+    torchft's Manager does it: the failed quorum's error is raised again by the next
+    start_quorum unless _quorum_future is cleared."""
+
+    def __init__(self, load_state_dict, state_dict):
+        super().__init__(load_state_dict, state_dict)
+        self._quorum_future, self.asked = None, 0
+
+    def start_quorum(self):
+        self.asked += 1
+        if self._quorum_future is not None or self.asked == 1:
+            self._quorum_future = "failed"
+            raise TimeoutError("Timeout expired")
+
+
+def test_an_early_quorum_that_timed_out_is_asked_again_and_a_late_one_is_not():
+    """A quorum started as the step before ended (stepped) that fails (a group stopped
+    meanwhile, SIGSTOP: its request timed out) is asked once more in begin_step, and the
+    step goes on; a quorum asked in begin_step that fails ends the run (QuorumLost: the
+    lighthouse gone). Red without the second request (the stopped group ended with "no
+    quorum", tests/test_fault_tolerance.py's hung group), or without forgetting the
+    failed one (torchft raises it again)."""
+    group = group_over_grads([])
+    group.ft.lighthouse, group.events, group.healed_from, group.sent = "localhost:1", {}, None, None
+    group.manager = TimedOutOnce(group._load, group._state)
+    group.stepped(True)
+    assert group.begin_step() == (0, [0, 1]) and group.manager.asked == 2  # alone: both shares
+    group.manager.asked = 0  # the next one fails once too, asked in begin_step: not again
+    with pytest.raises(replica_group.QuorumLost, match="Timeout expired"):
+        group.begin_step()
+    assert group.manager.asked == 1
