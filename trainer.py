@@ -16,11 +16,14 @@ the run with every rank's report of where it was and who is behind, launch/hang_
  0. hangs.at              the step, for a hang report (and the phases of 8 and 11)
  1. profiler.before_step  its range in the trace; a redone try stays in it (telemetry/)
  2. record.before_step    its start on the device's clock (telemetry/step_record.py)
- 3. group.begin_step      the quorum: the step to compute, this group's shares of its batch
- 4. batches.take          this rank's micro-batches: read ahead at 11, else now and agreed
+ 3. group.begin_step      the quorum (a replica group's, started at the end of 5): the step
+                          to compute, this group's shares of its batch
+ 4. batches.take          this rank's micro-batches: read ahead at 11 for these shares, else
+                          now and agreed
  5. compute_step          reseed, forward and backward under the activation meter, the sum
-                          across replica groups, the clip, their vote, the optimizer step
-                          (training/step.py); voted down: dropped, and redone from 1
+                          across replica groups, the clip, their vote, the optimizer step,
+                          then the next step's quorum started in the background (a replica
+                          group's; training/step.py); voted down: dropped, and redone from 1
  6. record.after_step     the loss watch; the figures of the strategy, the group, the meter,
                           compilation; the record if the step logs, evaluates, compiled or
                           changed the groups (the loss read then: raises on inf or NaN)
@@ -29,9 +32,9 @@ the run with every rank's report of where it was and who is behind, launch/hang_
                           the background (checkpoint/sync_snapshot.py, async_snapshot.py)
  9. record.write          metrics.jsonl, the console, wandb
 10. profiler.after_step
-11. end_of_step           (not after the last) the next step's batches where its shares are
-                          known, then one all-reduce agrees on a stop signal (snapshot, exit
-                          75), a damaged read, a background snapshot's progress
+11. end_of_step           (not after the last) the next step's batches read for the shares
+                          this step held, then one all-reduce agrees on a stop signal
+                          (snapshot, exit 75), a damaged read, a background snapshot's progress
                           (launch/preemption.py)
 """
 

@@ -14,6 +14,7 @@ groups' weighted gradients are summed across through torchft's group.
     state_transfer.py  the training state a live group sends to a joining one
     logs.py            torchft's own log lines into a file of the run directory
     replica_group.py   the step's quorum, the sum across groups, the commit, membership lines
+    buckets.py         the gradients cut into the buckets that the sum across groups sends
     one_group.py       the plain run's group (ft.enabled off): the whole batch, always committed
 
 May import: errors, parallel/placement.py (the state a rank holds), and torchft (only

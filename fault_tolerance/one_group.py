@@ -18,6 +18,9 @@ class OneGroup:
     def commit(self):
         return True
 
+    def stepped(self, more):
+        pass  # no quorum to start
+
     def figures(self):
         return {}, False  # no field for the record, nothing that makes it written
 

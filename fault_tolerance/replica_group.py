@@ -4,6 +4,7 @@ Per step the trainer calls (as it calls one_group.OneGroup, the plain run's)
 
     step, shares = group.begin_step(step) # quorum (torchft Manager.start_quorum): who is
                                           # live; a group behind the others heals here
+                                          # (started early: stepped, as a step ends)
     ... this group's shares of the global batch, reduced inside it by its strategy ...
     loss = group.sum_across(loss, strategy.grads())   # weighted sum over torchft's group
     if group.commit(): optimizer step     # torchft's vote: not if any group failed
@@ -19,6 +20,7 @@ who took part, and tells a restarted group from the one it replaces).
 import logging
 import os
 import random
+import threading
 import time
 from datetime import timedelta
 
@@ -26,6 +28,7 @@ import torch
 
 from errors import UserError
 from fault_tolerance import lighthouse, logs
+from fault_tolerance.buckets import buckets, in_place, part
 from fault_tolerance.one_group import OneGroup
 from fault_tolerance.shares import shares_of
 from fault_tolerance.state_transfer import (differences, held_state, load_held_state,
@@ -49,6 +52,9 @@ class ReplicaGroup:
         self.log = logs.to_file(run_dir, grid.rank)
         self.store = None
         self.healed_from = None
+        self.sent = None            # a live group's state, received at the quorum (_load)
+        self.quorum = None          # the next step's quorum, started early (stepped)
+        self.vote = None            # the step's commit vote, started by sum_across
         self.quorum_rank = None  # this group's place in the last quorum (begin_step)
         self.numbers, self.refused = numbers, None  # numbers_of(cfg); a refusal (_load)
         self.manager = (manager or self._torchft_manager)(self._load, self._state)
@@ -98,17 +104,31 @@ class ReplicaGroup:
     replicas = property(lambda self: self.ft.replicas)  # the shares of a step's global batch
 
     def begin_step(self, step=None):
-        """The quorum of the next step. Returns (step, shares): the step to compute (the
-        quorum's, not the trainer's `step`: a group that healed jumps to the live groups')
-        and the shares this group computes."""
+        """The quorum of the next step (started by stepped, or now). Returns (step,
+        shares): the step to compute (the quorum's, not the trainer's `step`: a group that
+        healed jumps to the live groups') and the shares this group computes."""
         self.started = time.perf_counter()
+        early, self.quorum = self.quorum, None
+        quorum = early or self._start_quorum()
         try:
-            self.manager.start_quorum()
+            try:
+                self._result(quorum)
+            except Exception:
+                if early is None:
+                    raise
+                # asked as the step before ended, by a group stopped since (SIGSTOP, a paused
+                # VM): timed out. Once more now (torchft would re-raise the failed one)
+                self.manager._quorum_future = None
+                quorum = self._start_quorum()
+                self._result(quorum)
         except Exception as e:  # the lighthouse gone, or no quorum within ft.timeout_s
             first = str(e).strip().splitlines()[0][:200] if str(e).strip() else type(e).__name__
             raise QuorumLost(f"no quorum of replica groups from the lighthouse at ft.lighthouse="
                             f"{self.ft.lighthouse} within ft.timeout_s={self.ft.timeout_s:g} s "
                             f"({first}): is it running, with ft.min_replicas groups up?") from None
+        if self.sent is not None:  # healing: the live state, taken here, before the forward
+            sent, self.sent = self.sent, None
+            self._take(sent)
         if self.refused:  # healing found another config: leave (the live groups redo the step)
             raise UserError(self.refused)
         if self.manager.errored():  # the quorum could not reconfigure the group: the step is
@@ -117,7 +137,7 @@ class ReplicaGroup:
         rank, live = self.manager.participating_rank(), self.manager.num_participants()
         self.quorum_rank = rank  # kept: a lost quorum's manager raises when asked again
         if self.healed_from is not None:
-            seconds = time.perf_counter() - self.started
+            seconds = time.perf_counter() - quorum.started
             self._say(f"ft: group {self.ft.replica_id} healed from group {self.healed_from} at "
                       f"step {self.manager.current_step()} in {seconds:.2f} s (weights, optimizer "
                       "state, step; the data position and random state follow from the step)")
@@ -126,26 +146,75 @@ class ReplicaGroup:
         self.shares = shares_of(self.ft.replicas, rank, live)
         return self.manager.current_step(), self.shares
 
+    def stepped(self, more):
+        """This step is committed and the optimizer has stepped (compute_step): if `more`
+        steps follow, the next step's quorum starts now, in the background, so that its
+        round trips (to the group's torchft server, to the lighthouse) overlap the end of
+        this step (the metrics record, evaluation, snapshot, read ahead, the stop signal's
+        all-reduce) instead of starting the next; begin_step waits for it. A group that
+        heals from this one is sent these weights, final now."""
+        if more:
+            self.quorum = self._start_quorum()
+
     def next_shares(self):
-        return None  # this group's shares of the next step: dealt at its quorum only
+        """This step's shares: the next step's unless its quorum changes the groups, and
+        then begin_step deals others (training/batches.py uses a read ahead only for the
+        shares it was read for)."""
+        return self.shares
+
+    def _start_quorum(self):
+        """torchft's start_quorum (it waits for the quorum and, healing, the live state), on
+        a thread (begin_step waits for it)."""
+        return self._background(self.manager.start_quorum, "ft-quorum")
+
+    @staticmethod
+    def _background(fn, name):
+        """fn() on a thread, started now: its .started, and _result(thread) waits for it."""
+        # the caller's accelerator: torchft's quorum and vote use the thread's current one
+        on = torch.accelerator.is_available()
+        device = torch.accelerator.current_device_index() if on else None
+
+        def run():
+            if device is not None:
+                torch.accelerator.set_device_index(device)
+            try:
+                thread.result = fn()
+            except Exception as e:
+                thread.error = e
+        thread = threading.Thread(target=run, name=name, daemon=True)
+        thread.result, thread.error, thread.started = None, None, time.perf_counter()
+        thread.start()
+        return thread
+
+    @staticmethod
+    def _result(thread):
+        """What the thread's fn returned, once it ended; what it raised is raised here."""
+        thread.join()
+        if thread.error is not None:
+            raise thread.error
+        return thread.result
 
     def sum_across(self, loss, grads):
         """The global batch's loss and gradients from this group's (each the mean over its
         shares): scaled by shares/R, summed over the live groups, in place. The gradients
         cross in buckets of at most BUCKET_MB (one buffer, reused; a bucket that is one
         whole gradient on the device is reduced where it lies), the loss and the start
-        tokens apart: beyond the gradients this holds at most one bucket, never a copy of
-        them all."""
+        tokens in the last fp32 bucket (else apart): beyond the gradients this holds at
+        most one bucket, never a copy of them all. Then torchft's vote starts (commit)."""
         from torch.distributed import ReduceOp
         device = self.grid.device
         weight = len(self.shares) / self.ft.replicas
         figures = torch.zeros(1 + self.ft.replicas, device=device)  # the loss, who took part
         figures[0] = loss.detach().to(device) * weight
         figures[1 + self.ft.replica_id] = self.token
-        self.manager.allreduce(figures, reduce_op=ReduceOp.SUM).wait()
         cap = max(1, min(int(BUCKET_MB * 2**20) // 4, sum(g.numel() for g in grads)))
+        cut = list(buckets(grads, cap, device))
+        # the figures ride with the last bucket that is copied anyway (one all-reduce fewer:
+        # each is a round trip across groups), if it is fp32 (a token is exact below 2**24)
+        rides = max((i for i, pieces in enumerate(cut) if not in_place(pieces[0], cap, device)
+                     and pieces[0][0].dtype == torch.float32), default=None)
         bucket = None
-        for pieces in buckets(grads, cap, device):
+        for i, pieces in enumerate(cut):
             if len(pieces) == 1 and in_place(pieces[0], cap, device):
                 g = pieces[0][0]
                 g.mul_(weight)
@@ -153,24 +222,36 @@ class ReplicaGroup:
                 continue
             parts = [part(p) for p in pieces]
             size = sum(t.numel() for t in parts)
-            if bucket is None or bucket.numel() < size:  # larger than cap: a non-contiguous gradient
-                bucket = torch.empty(max(cap, size), dtype=parts[0].dtype, device=device)
+            if bucket is None or bucket.numel() < size + figures.numel():  # > cap: non-contiguous
+                bucket = torch.empty(max(cap, size) + figures.numel(), dtype=parts[0].dtype,
+                                     device=device)
             at = 0
             for t in parts:
                 bucket[at:at + t.numel()].view(t.shape).copy_(t)
                 at += t.numel()
-            self.manager.allreduce(bucket[:at].mul_(weight), reduce_op=ReduceOp.SUM).wait()
+            bucket[:at].mul_(weight)
+            if i == rides:
+                bucket[at:at + figures.numel()].copy_(figures)
+            self.manager.allreduce(bucket[:at + (figures.numel() if i == rides else 0)],
+                                   reduce_op=ReduceOp.SUM).wait()
+            if i == rides:
+                figures.copy_(bucket[at:at + figures.numel()])
             at = 0
             for t in parts:
                 t.copy_(bucket[at:at + t.numel()].view(t.shape))
                 at += t.numel()
+        if rides is None:
+            self.manager.allreduce(figures, reduce_op=ReduceOp.SUM).wait()
         self._who = figures[1:]
+        # the vote needs only the all-reduces done: its round trip to the group's torchft
+        # server overlaps the gradient clip (its norm's own all-reduce) until commit()
+        self.vote = self._background(self.manager.should_commit, "ft-vote")
         return figures[0]
 
     def commit(self):
         """torchft's vote: True if every rank of every live group finished the step (then
         step the optimizer); False: a group failed during it, the step is redone."""
-        if self.manager.should_commit():
+        if self._result(self.vote):
             self._membership({i: int(n) for i, n in enumerate(self._who.round().tolist()) if n > 0})
             if self.failed_at is not None:
                 self.events["ft_recovery_s"] = time.perf_counter() - self.failed_at
@@ -239,8 +320,13 @@ class ReplicaGroup:
                           self.numbers)
 
     def _load(self, sent):
-        """A live group's state (on torchft's thread): taken only if its settings are this
-        group's; else noted, and begin_step ends this group with one line."""
+        """A live group's state, as the quorum receives it (on the quorum's thread, maybe
+        while this group's step before is still ending): kept for begin_step's _take."""
+        self.sent = sent
+
+    def _take(self, sent):
+        """The live state: taken only if its settings are this group's; else noted, and
+        begin_step ends this group with one line."""
         theirs = sent.get("numbers")
         differ = differences(self.numbers, theirs) if self.numbers and theirs else []
         if differ:
@@ -254,57 +340,6 @@ class ReplicaGroup:
 
 # the most the sum across groups holds beyond the gradients (the bucket they cross in)
 BUCKET_MB = 32
-
-
-def buckets(grads, cap, device):
-    """The gradients' elements in order, as buckets (lists of pieces (gradient, start, end)
-    of its flattened elements) of at most `cap` elements: a contiguous gradient on the
-    device of `cap` elements or more alone (it is reduced in place), the others packed,
-    split across buckets where they do not fit (a non-contiguous one goes whole)."""
-    bucket, room = [], cap
-    for g in grads:
-        n = g.numel()
-        if n == 0:
-            continue
-        if in_place((g, 0, n), cap, device):
-            if bucket:
-                yield bucket
-                bucket, room = [], cap
-            yield [(g, 0, n)]
-            continue
-        if not g.is_contiguous():
-            if n > room and bucket:
-                yield bucket
-                bucket, room = [], cap
-            bucket.append((g, 0, n))
-            room -= n
-        else:
-            at = 0
-            while at < n:
-                take = min(room, n - at)
-                bucket.append((g, at, at + take))
-                at, room = at + take, room - take
-                if room == 0:
-                    yield bucket
-                    bucket, room = [], cap
-        if room <= 0:
-            yield bucket
-            bucket, room = [], cap
-    if bucket:
-        yield bucket
-
-
-def in_place(piece, cap, device):
-    """Whether a bucket's one piece is reduced where it lies: a whole contiguous gradient of
-    at least `cap` elements on the device (an offloaded one is in host memory)."""
-    g, start, end = piece
-    return start == 0 and end == g.numel() >= cap and g.is_contiguous() and g.device == device
-
-
-def part(piece):
-    """A piece's elements as a tensor that views the gradient."""
-    g, start, end = piece
-    return g.view(-1)[start:end] if g.is_contiguous() else g
 
 
 def start(cfg, grid, strategy, step):

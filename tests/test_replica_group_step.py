@@ -6,7 +6,10 @@ path through main.train, with a stand-in for torchft's Manager (no lighthouse, n
   the uninterrupted run's, to the bit (Strategy.drop_step, Trainer.compute_step);
 - a redo on trainer.profile_from opens the profiler once (Trainer.train);
 - the sum across groups holds at most one bucket beyond the gradients (sum_across);
-- the healing state is read only after the device has run what was queued (_state).
+- the healing state is read only after the device has run what was queued (_state);
+- the next step's quorum, started as a step ends (stepped), hands a healing group the
+  live state on its own thread, and begin_step takes it on the trainer's; a batch read
+  ahead for the shares a group held serves the next step only if its quorum dealt them.
 
 The stand-in is one group alone of ft.replicas=1: its all-reduce is the identity, its vote
 says no on the tries the test names. The real launches (a lighthouse, groups killed) are
@@ -119,7 +122,9 @@ def test_a_rejected_step_changes_nothing_and_its_redo_is_the_uninterrupted_step(
     redo ran at the same learning rate; every record of the run equals the uninterrupted
     run's to the bit. Red when the rejected step updates the model (drop_step without
     skip_step), keeps its gradients (drop_step calling step_optimizer, not
-    optimizer_step), or keeps its scaler change (compute_step's load_state dropped)."""
+    optimizer_step), or keeps its scaler change (compute_step's load_state dropped); and
+    when the rejected try's quorum, started as step 2 ends (group.stepped), starts before
+    step 2's optimizer step (a healing peer would be sent weights without it)."""
     plain, _, plain_lrs = train(tmp_path, "plain", one_rank_grid, monkeypatch, layout)
     redone, manager, lrs = train(tmp_path, "redone", one_rank_grid, monkeypatch, layout,
                                  reject=[REJECTED])
@@ -197,6 +202,9 @@ class Recorder:
         tensor.mul_(2)
         return Done()
 
+    def should_commit(self):
+        return True
+
 
 def new_bytes(fn):
     """(fn(), bytes of the storages that the operators run inside fn allocated): every
@@ -240,9 +248,10 @@ def test_the_sum_across_groups_holds_at_most_one_bucket_beyond_the_gradients(mon
     under a dispatch mode counting the bytes of every tensor it allocates: at most the
     gradients' bytes once (they fit one bucket), or one bucket (BUCKET_MB=0.01: 10 KB;
     tensors split across buckets, the larger ones reduced in place), plus the figures; and the sum is right, every
-    element where it was (the stand-in doubles, the weight of share 0 of 2 halves). Red
-    for a flat copy of all the gradients, scaled out of place and concatenated with the
-    figures (3x the gradient bytes) or anything over one bucket."""
+    element where it was (the stand-in doubles, the weight of share 0 of 2 halves), the
+    loss and tokens in the same all-reduce as the (last fp32) bucket. Red for a flat copy
+    of all the gradients, scaled out of place and concatenated with the figures (3x the
+    gradient bytes) or anything over one bucket."""
     from model import GPT, GPTConfig
     monkeypatch.setattr(replica_group, "BUCKET_MB", bucket_mb)
     torch.manual_seed(0)
@@ -259,7 +268,22 @@ def test_the_sum_across_groups_holds_at_most_one_bucket_beyond_the_gradients(mon
     assert loss.item() == 3.25 and group._who.tolist() == [14.0, 0.0]
     for g, b in zip(grads, before):
         assert torch.equal(g, b)
-    assert len(group.manager.reduced) >= (2 if bucket_mb == 32 else 3)
+    # every element crosses once, the figures (loss, 2 tokens) with a bucket: one
+    # all-reduce for all when they fit one
+    assert sum(group.manager.reduced) == sum(g.numel() for g in grads) + 3
+    assert len(group.manager.reduced) == 1 if bucket_mb == 32 else len(group.manager.reduced) >= 3
+
+
+def test_the_loss_and_tokens_never_cross_in_a_bf16_bucket():
+    """bf16 gradients: the loss and the start tokens (up to 2**20, exact in fp32 only) take
+    an all-reduce of their own, in fp32, after the gradients'. Red when they ride with
+    the bf16 bucket (the token comes back rounded)."""
+    grads = [torch.randn(40, dtype=torch.bfloat16), torch.randn(9, dtype=torch.bfloat16)]
+    group = group_over_grads(grads)
+    group.token = 2**20 - 1
+    loss = group.sum_across(torch.tensor(3.25), grads)
+    assert group.manager.reduced == [49, 3]
+    assert loss.item() == 3.25 and group._who.tolist() == [2.0 * (2**20 - 1), 0.0]
 
 
 def test_buckets_cover_every_element_once_in_order():
@@ -309,3 +333,103 @@ def test_waiting_for_the_device_synchronizes_it_and_not_the_cpu(monkeypatch):
     assert calls == []
     state_transfer.wait_for_device(torch.device("cuda", 1))
     assert calls == [torch.device("cuda", 1)]
+
+
+class Windows:
+    """A dataset whose batch is the window starts it is asked for."""
+
+    def batch(self, starts):
+        return starts.clone()
+
+
+def test_a_read_ahead_serves_a_step_only_for_the_shares_its_quorum_dealt():
+    """StepBatches (training/batches.py) of ft.replicas=2: a replica group reads the next
+    step's batches ahead for the shares it held (ReplicaGroup.next_shares); its quorum
+    dealing others (group 1 left: group 0 holds both shares; a group joined: it holds one
+    again, or another one), the step reads the shares it was dealt, and the read ahead is
+    used only when they are the same. Red when take matches the step alone (before
+    ft-overlap: the read ahead of the wrong shares trained the step)."""
+    from types import SimpleNamespace
+    from char_dataset import GlobalBatches
+    from training.batches import StepBatches
+    grid = SimpleNamespace(data_rank=0, data_size=1, all_ok=lambda ok: ok)
+    batches = StepBatches(GlobalBatches(1000, 8, seed=1), Windows(), grid, grad_accum=2)
+    fresh = lambda step, shares: batches._read(step, shares, 2)[0]  # noqa: E731
+    for held, dealt in (([0], [0, 1]), ([0, 1], [0]), ([1], [0]), ([0], [0]), ([0, 1], [0, 1])):
+        assert batches.read_ahead(5, held, 2) is None
+        ahead = batches.ahead
+        micro, _ = batches.take(5, dealt, 2)
+        want = fresh(5, dealt)
+        assert len(micro) == len(want) and all(torch.equal(a, b) for a, b in zip(micro, want)), \
+            (held, dealt)
+        assert (micro is ahead[2]) == (held == dealt) and batches.ahead is None
+
+
+class HealingManager(StandInManager):
+    """torchft's Manager as a healing group's quorum meets it: start_quorum hands the live
+    state over through load_state_dict, on the thread that runs it."""
+
+    def __init__(self, load_state_dict, state_dict):
+        super().__init__(load_state_dict, state_dict)
+        self.load, self.step = load_state_dict, 7
+
+    def start_quorum(self):
+        self.load({"numbers": None, "replica_id": 1})
+
+    def num_participants(self):
+        return 2
+
+
+def test_the_live_state_is_taken_by_begin_step_on_the_trainers_thread(monkeypatch):
+    """The next step's quorum, started early (stepped) on its own thread while the step
+    before ends, brings a healing group the live state: it is kept, and taken by
+    begin_step on the trainer's thread (the weights change only between two steps), then
+    the quorum's step and shares are dealt. Red when _load takes it at once, on the
+    quorum's thread."""
+    import threading
+    taken = []
+    monkeypatch.setattr(replica_group, "load_held_state",
+                        lambda strategy, sent: taken.append(threading.current_thread()))
+    group = group_over_grads([])
+    group.strategy, group.events, group.healed_from, group.sent = None, {}, None, None
+    group.manager = HealingManager(group._load, group._state)
+    group.stepped(True)
+    assert group.next_shares() == [0]  # the shares held: read ahead for the next step
+    group.quorum.join()  # the state arrived on the quorum's thread ...
+    assert taken == [] and group.quorum.name == "ft-quorum"
+    assert group.begin_step() == (7, [0])  # ... and is taken here
+    assert taken == [threading.current_thread()] and "ft_heal_s" in group.events
+
+
+class TimedOutOnce(StandInManager):
+    """A quorum request that times out once (its group was stopped while it waited), as
+    torchft's Manager does it: the failed quorum's error is raised again by the next
+    start_quorum unless _quorum_future is cleared."""
+
+    def __init__(self, load_state_dict, state_dict):
+        super().__init__(load_state_dict, state_dict)
+        self._quorum_future, self.asked = None, 0
+
+    def start_quorum(self):
+        self.asked += 1
+        if self._quorum_future is not None or self.asked == 1:
+            self._quorum_future = "failed"
+            raise TimeoutError("Timeout expired")
+
+
+def test_an_early_quorum_that_timed_out_is_asked_again_and_a_late_one_is_not():
+    """A quorum started as the step before ended (stepped) that fails (a group stopped
+    meanwhile, SIGSTOP: its request timed out) is asked once more in begin_step, and the
+    step goes on; a quorum asked in begin_step that fails ends the run (QuorumLost: the
+    lighthouse gone). Red without the second request (the stopped group ended with "no
+    quorum", tests/test_fault_tolerance.py's hung group), or without forgetting the
+    failed one (torchft raises it again)."""
+    group = group_over_grads([])
+    group.ft.lighthouse, group.events, group.healed_from, group.sent = "localhost:1", {}, None, None
+    group.manager = TimedOutOnce(group._load, group._state)
+    group.stepped(True)
+    assert group.begin_step() == (0, [0, 1]) and group.manager.asked == 2  # alone: both shares
+    group.manager.asked = 0  # the next one fails once too, asked in begin_step: not again
+    with pytest.raises(replica_group.QuorumLost, match="Timeout expired"):
+        group.begin_step()
+    assert group.manager.asked == 1

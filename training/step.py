@@ -27,7 +27,8 @@ def compute_step(strategy, micro, step, t, group, meter):
     """Step `step` (from 0) on this rank's micro-batches: forward and backward under the
     activation meter `meter`; the sum of replica group `group`'s shares over the live
     groups (fault_tolerance/: the plain run's group is alone); the clip; the optimizer step
-    if the groups' vote commits it. Returns (loss, pre-clip gradient norm, lr), on the
+    if the groups' vote commits it, then the group told (a replica group starts the next
+    step's quorum while this one ends). Returns (loss, pre-clip gradient norm, lr), on the
     device, unread; None when voted down: the step is dropped, to be redone."""
     reseed(strategy, t, step)
     with meter:
@@ -44,4 +45,5 @@ def compute_step(strategy, micro, step, t, group, meter):
         strategy.comm_stats()  # the dropped step's traffic is not the next one's
         return None
     strategy.optimizer_step(lr)
+    group.stepped(step + 1 < t.max_steps)  # the weights are final: the next quorum may start
     return loss, grad_norm, lr
