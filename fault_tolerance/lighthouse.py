@@ -50,6 +50,16 @@ def serve(ft):
     print("lighthouse: stopped", flush=True)
 
 
+def answers(address, timeout_s=2.0):
+    """Whether something accepts connections at ft.lighthouse now: after a failed quorum,
+    it tells a group that was away (stopped, a paused VM) from a lighthouse that is gone."""
+    try:
+        with socket.create_connection(host_port(address), timeout=timeout_s):
+            return True
+    except OSError:
+        return False
+
+
 def wait_for(address, timeout_s, say=None):
     """Return once something accepts connections at ft.lighthouse, or raise the one error
     a user needs after timeout_s (torchft itself would retry for its own timeouts, then fail

@@ -114,10 +114,10 @@ class ReplicaGroup:
             try:
                 self._result(quorum)
             except Exception:
-                if early is None:
+                if early is None or not lighthouse.answers(self.ft.lighthouse):
                     raise
                 # asked as the step before ended, by a group stopped since (SIGSTOP, a paused
-                # VM): timed out. Once more now (torchft would re-raise the failed one)
+                # VM), the lighthouse still there: once more now (torchft re-raises a failed one)
                 self.manager._quorum_future = None
                 quorum = self._start_quorum()
                 self._result(quorum)

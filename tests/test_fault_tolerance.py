@@ -413,7 +413,9 @@ def test_the_lighthouse_lost_ends_every_group_with_its_last_step_kept(tmp_path):
         for job in jobs:
             job.stop()
     print(f"groups ended {ended:.1f} s after the lighthouse was killed: {statuses}")
-    assert statuses == [2, 2] and ended <= timeout_s + 30
+    # 10.1 s here; 20 s when a quorum started early was asked once more with the
+    # lighthouse gone (two timeouts): the margin is for the exit and a busy machine
+    assert statuses == [2, 2] and ended <= timeout_s + 7
     for g in groups:
         errors = [ln for ln in g.console().splitlines() if ln.startswith("error")]
         assert len(errors) == 1 and "no quorum of replica groups" in errors[0], g.console()[-2000:]

@@ -424,12 +424,24 @@ def test_an_early_quorum_that_timed_out_is_asked_again_and_a_late_one_is_not():
     lighthouse gone). Red without the second request (the stopped group ended with "no
     quorum", tests/test_fault_tolerance.py's hung group), or without forgetting the
     failed one (torchft raises it again)."""
+    import socket
     group = group_over_grads([])
-    group.ft.lighthouse, group.events, group.healed_from, group.sent = "localhost:1", {}, None, None
-    group.manager = TimedOutOnce(group._load, group._state)
+    with socket.socket() as standing:  # the lighthouse, still accepting connections
+        standing.bind(("localhost", 0))
+        standing.listen()
+        group.ft.lighthouse = f"localhost:{standing.getsockname()[1]}"
+        group.events, group.healed_from, group.sent = {}, None, None
+        group.manager = TimedOutOnce(group._load, group._state)
+        group.stepped(True)
+        assert group.begin_step() == (0, [0, 1]) and group.manager.asked == 2  # alone: both shares
+        group.manager.asked = 0  # the next one fails once too, asked in begin_step: not again
+        with pytest.raises(replica_group.QuorumLost, match="Timeout expired"):
+            group.begin_step()
+        assert group.manager.asked == 1
+    # the lighthouse gone: an early quorum that failed is not asked again (the groups end
+    # within ft.timeout_s, not twice that; red without the lighthouse.answers check)
+    group.ft.lighthouse, group.manager.asked = "localhost:1", 0
     group.stepped(True)
-    assert group.begin_step() == (0, [0, 1]) and group.manager.asked == 2  # alone: both shares
-    group.manager.asked = 0  # the next one fails once too, asked in begin_step: not again
     with pytest.raises(replica_group.QuorumLost, match="Timeout expired"):
         group.begin_step()
     assert group.manager.asked == 1
