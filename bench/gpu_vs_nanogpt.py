@@ -64,7 +64,8 @@ def parse_args(argv):
 
 def plan(args, cuda):
     """What both sides run on this device: a dict the report keeps as settings."""
-    precision = args.precision if args.precision != "auto" else ("bf16" if cuda else "fp32")
+    from launch.devices import precision_for  # trainer.precision=auto's choice
+    precision = args.precision if args.precision != "auto" else precision_for("cuda" if cuda else "cpu")
     compiled = args.compile == "true" if args.compile != "auto" else cuda
     return {"device": "cuda" if cuda else "cpu", "block": args.block or (1024 if cuda else 64),
             "batch": args.batch or (12 if cuda else 1), "precision": precision, "compile": compiled,

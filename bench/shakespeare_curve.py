@@ -62,10 +62,11 @@ def parse_args(argv):
 
 def settings(args):
     """device, compile, dtype (nanoGPT's name) and the shape's values, as both runs get them."""
-    import torch
-    cuda = args.device == "cuda" or (args.device == "auto" and torch.cuda.is_available())
+    from launch.devices import precision_for
+    from parallel.grid import uses_cuda
+    cuda = uses_cuda(args.device)
     compiled = args.compile == "true" or (args.compile == "auto" and cuda)
-    bf16 = cuda and (torch.version.hip or torch.cuda.get_device_properties(0).major >= 8)
+    bf16 = precision_for(args.device) == "bf16"  # trainer.precision=auto's choice, ours' too
     shape = [(ours, theirs, value) for (ours, theirs), value in zip(SHAPE_KEYS, SIZES[args.size])]
     return {"device": "cuda" if cuda else "cpu", "compile": compiled,
             "dtype": "bfloat16" if bf16 else "float32", "shape": shape}

@@ -353,6 +353,16 @@ def steps_after(group, resumed_at, end, reference):
     return records
 
 
+def groups_past_step_3(tmp_path, common, jobs):
+    """Two groups and their lighthouse (added to jobs: the caller stops them), open-ended,
+    once both are past step 3; returns (groups, lighthouse)."""
+    groups, beacon = launch_groups(tmp_path, "first", common + ["trainer.max_steps=100000"],
+                                   free_port())
+    jobs += groups + [beacon]
+    wait_until("step 3 in both groups", lambda: min(g.last_step() for g in groups) >= 3, jobs)
+    return groups, beacon
+
+
 def test_every_group_killed_then_restarted_from_the_shared_snapshot_continues_exactly(tmp_path):
     """Two replica groups sharing trainer.snapshot_path (a snapshot every step) are both
     SIGKILLed, with their lighthouse, once they are past step 3. Started again (a new
@@ -365,11 +375,7 @@ def test_every_group_killed_then_restarted_from_the_shared_snapshot_continues_ex
                            f"trainer.snapshot_path={snapshots}"]
     jobs = []
     try:
-        groups, beacon = launch_groups(tmp_path, "first", common + ["trainer.max_steps=100000"],
-                                       free_port())
-        jobs += groups + [beacon]
-        wait_until("step 3 in both groups", lambda: min(g.last_step() for g in groups) >= 3,
-                   jobs)
+        groups, beacon = groups_past_step_3(tmp_path, common, jobs)
     finally:
         for job in jobs:
             job.stop()  # SIGKILL: every group, and the lighthouse
@@ -400,11 +406,7 @@ def test_the_lighthouse_lost_ends_every_group_with_its_last_step_kept(tmp_path):
                            f"trainer.snapshot_path={snapshots}"]
     jobs = []
     try:
-        groups, beacon = launch_groups(tmp_path, "first", common + ["trainer.max_steps=100000"],
-                                       free_port())
-        jobs += groups + [beacon]
-        wait_until("step 3 in both groups", lambda: min(g.last_step() for g in groups) >= 3,
-                   jobs)
+        groups, beacon = groups_past_step_3(tmp_path, common, jobs)
         beacon.stop()  # SIGKILL
         lost = time.time()
         statuses = [g.proc.wait(timeout=timeout_s + 60) for g in groups]
