@@ -5,10 +5,12 @@ matrix product over all experts (`torch._grouped_mm`) where this device and dtyp
 else one product per expert -- never one per token."""
 
 import math
+from contextlib import contextmanager
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+from torch.utils._python_dispatch import _disable_current_modes
 
 _GROUPED_OK = {}  # (device type, dtype) -> whether torch._grouped_mm runs there (probed once)
 
@@ -70,12 +72,23 @@ def grouped_runs(x, w):
         return False
     key = (x.device.type, x.dtype)
     if key not in _GROUPED_OK:
-        try:  # its own graph, apart from a recompute's (checkpoint counts what a forward saves)
-            with torch.autograd.graph.saved_tensors_hooks(lambda t: t, lambda t: t):
+        try:  # apart from the step it runs in: see _outside_the_step
+            with _outside_the_step():
                 _GROUPED_OK[key] = _probe(x.device, x.dtype)
         except (RuntimeError, NotImplementedError):
             _GROUPED_OK[key] = False
     return _GROUPED_OK[key]
+
+
+@contextmanager
+def _outside_the_step():
+    """The probe runs once, inside whatever forward first needs it, and must leave no trace
+    there: its own autograd graph (full recompute's checkpoint counts what a forward
+    saves) and no dispatch mode of the step's (selective recompute's caching mode would
+    store the probe's output and hand it to the block's first product in the recompute,
+    which does not probe again)."""
+    with _disable_current_modes(), torch.autograd.graph.saved_tensors_hooks(lambda t: t, lambda t: t):
+        yield
 
 
 def _probe(device, dtype):
