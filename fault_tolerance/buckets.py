@@ -6,7 +6,9 @@ def buckets(grads, cap, device):
     """The gradients' elements in order, as buckets (lists of pieces (gradient, start, end)
     of its flattened elements) of at most `cap` elements: a contiguous gradient on the
     device of `cap` elements or more alone (it is reduced in place), the others packed,
-    split across buckets where they do not fit (a non-contiguous one goes whole)."""
+    split across buckets where they do not fit (a non-contiguous one goes whole). A bucket
+    holds one dtype: a gradient of another starts a new one (a bucket crosses in its
+    dtype, and bf16 would round an fp32 gradient)."""
     bucket, room = [], cap
     for g in grads:
         n = g.numel()
@@ -18,6 +20,9 @@ def buckets(grads, cap, device):
                 bucket, room = [], cap
             yield [(g, 0, n)]
             continue
+        if bucket and bucket[-1][0].dtype != g.dtype:
+            yield bucket
+            bucket, room = [], cap
         if not g.is_contiguous():
             if n > room and bucket:
                 yield bucket

@@ -197,14 +197,16 @@ class ReplicaGroup:
     def sum_across(self, loss, grads):
         """The global batch's loss and gradients from this group's (each the mean over its
         shares): scaled by shares/R, summed over the live groups, in place. The gradients
-        cross in buckets of at most BUCKET_MB (one buffer, reused; a bucket that is one
-        whole gradient on the device is reduced where it lies), the loss and the start
-        tokens in the last fp32 bucket (else apart): beyond the gradients this holds at
-        most one bucket, never a copy of them all. Then torchft's vote starts (commit)."""
+        cross in buckets of at most BUCKET_MB, each of one dtype (one buffer, reused, taken
+        anew in the dtype of a bucket of another; a bucket that is one whole gradient on
+        the device is reduced where it lies), the loss and the start tokens in fp32 only:
+        in the last fp32 bucket, else apart. Beyond the gradients this holds at most one
+        bucket, never a copy of them all. Then torchft's vote starts (commit)."""
         from torch.distributed import ReduceOp
         device = self.grid.device
         weight = len(self.shares) / self.ft.replicas
-        figures = torch.zeros(1 + self.ft.replicas, device=device)  # the loss, who took part
+        # the loss and who took part, in fp32 (a token is exact below 2**24)
+        figures = torch.zeros(1 + self.ft.replicas, dtype=torch.float32, device=device)
         figures[0] = loss.detach().to(device) * weight
         figures[1 + self.ft.replica_id] = self.token
         cap = max(1, min(int(BUCKET_MB * 2**20) // 4, sum(g.numel() for g in grads)))
@@ -222,9 +224,10 @@ class ReplicaGroup:
                 continue
             parts = [part(p) for p in pieces]
             size = sum(t.numel() for t in parts)
-            if bucket is None or bucket.numel() < size + figures.numel():  # > cap: non-contiguous
-                bucket = torch.empty(max(cap, size) + figures.numel(), dtype=parts[0].dtype,
-                                     device=device)
+            dtype = parts[0].dtype  # the bucket's every piece's (buckets())
+            if bucket is None or bucket.dtype != dtype or bucket.numel() < size + figures.numel():
+                bucket = None  # freed before the next is taken (> cap: non-contiguous)
+                bucket = torch.empty(max(cap, size) + figures.numel(), dtype=dtype, device=device)
             at = 0
             for t in parts:
                 bucket[at:at + t.numel()].view(t.shape).copy_(t)

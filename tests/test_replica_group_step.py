@@ -286,6 +286,41 @@ def test_the_loss_and_tokens_never_cross_in_a_bf16_bucket():
     assert loss.item() == 3.25 and group._who.tolist() == [2.0 * (2**20 - 1), 0.0]
 
 
+@pytest.mark.parametrize("bucket_mb", [32, 64 / 2**20], ids=["one-bucket", "16-element-buckets"])
+@pytest.mark.parametrize("first", ["bf16", "fp32"])
+def test_mixed_bf16_and_fp32_gradients_cross_in_buckets_of_their_own_dtype(monkeypatch, bucket_mb,
+                                                                           first):
+    """bf16 and fp32 gradients interleaved (bf16 or fp32 first), in one bucket or buckets
+    of 16 elements, and a start token of 2097150 (exact in fp32, 2097152 in bf16): no
+    bucket mixes dtypes, every gradient comes back exactly (the stand-in doubles, share 0
+    of 2 halves: x / 2 * 2 is exact in either dtype), the token sum is 2 x 2097150 and the
+    loss 3.25, exactly. Red when a bucket's buffer takes the dtype of the first bucket that
+    needs one and is reused (fp32 gradients rounded to bf16, the loss and tokens riding in
+    a bf16 buffer), or when buckets() packs both dtypes together."""
+    monkeypatch.setattr(replica_group, "BUCKET_MB", bucket_mb)
+    other = "fp32" if first == "bf16" else "bf16"
+    dtype = {"bf16": torch.bfloat16, "fp32": torch.float32}
+    torch.manual_seed(0)
+    grads = [torch.randn(n, dtype=dtype[d]) for n, d in
+             ((10, first), (4, first), (9, other), (3, other), (6, first), (12, other))]
+    before = [g.clone() for g in grads]
+    cap = max(1, min(int(bucket_mb * 2**20) // 4, sum(g.numel() for g in grads)))
+    cut = list(replica_group.buckets(grads, cap, torch.device("cpu")))
+    print(f"cap {cap}: buckets " + ", ".join(
+        "+".join(f"{e - s}{str(g.dtype)[6:]}" for g, s, e in b) for b in cut))
+    group = group_over_grads(grads)
+    group.token = 2097150
+    loss = group.sum_across(torch.tensor(3.25), grads)
+    print(f"loss {loss.item()}, tokens {group._who.tolist()}; largest change of a gradient: " +
+          ", ".join(f"{str(g.dtype)[6:]} {float((g.float() - b.float()).abs().max()):.3g}"
+                    for g, b in zip(grads, before)))
+    assert loss.item() == 3.25 and group._who.tolist() == [2.0 * 2097150, 0.0]
+    for g, b in zip(grads, before):
+        assert g.dtype == b.dtype and torch.equal(g, b), (g.dtype, g, b)
+    assert sum(group.manager.reduced) == sum(g.numel() for g in grads) + 3
+    assert all(len({g.dtype for g, *_ in b}) == 1 for b in cut), "a bucket mixes dtypes"
+
+
 def test_buckets_cover_every_element_once_in_order():
     """buckets() over contiguous, non-contiguous and large gradients: the pieces tile each
     gradient in order, no bucket holds more than cap elements but a non-contiguous
