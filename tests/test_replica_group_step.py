@@ -82,16 +82,24 @@ class StandInManager:
         pass
 
 
-def train(tmp_path, name, grid, monkeypatch, overrides, reject=()):
+def train(tmp_path, name, grid, monkeypatch, overrides, reject=(), after_step=None):
     """main.train of a tiny ft.enabled run, its manager the stand-in; returns (records,
-    stand-in, the lr of every optimizer_step/drop_step call)."""
+    stand-in, the lr of every optimizer_step/drop_step call). after_step(group, stand-in):
+    called after each optimizer_step."""
     cfg = load_config(TINY + FT + [f"trainer.run_dir={tmp_path / name}"] + overrides, 1)
     made, lrs = [], []
 
     def manager(group, load_state_dict, state_dict):
         made.append(StandInManager(load_state_dict, state_dict, reject, group.strategy))
         step = group.strategy.optimizer_step
-        group.strategy.optimizer_step = lambda lr: (lrs.append(lr), step(lr))[1]
+
+        def optimizer_step(lr):
+            lrs.append(lr)
+            out = step(lr)
+            if after_step is not None:
+                after_step(group, made[-1])
+            return out
+        group.strategy.optimizer_step = optimizer_step
         return made[-1]
     monkeypatch.setattr(ReplicaGroup, "_torchft_manager", manager)
     main.train(cfg, grid)
@@ -139,6 +147,46 @@ def test_a_rejected_step_changes_nothing_and_its_redo_is_the_uninterrupted_step(
     assert [r["ft_uncommitted_steps"] for r in redone] == [0, 0, 1, 1]
     for a, b in zip(plain, redone, strict=True):
         assert {k: a.get(k) for k in EXACT} == {k: b.get(k) for k in EXACT}, (a, b)
+
+
+class Ran:
+    """ReplicaGroup._background's thread, its fn run at once on the caller's thread: a
+    quorum started by `stepped` reads the state exactly where the trainer started it."""
+
+    def __init__(self, fn, name):
+        self.name, self.started, self.result, self.error = name, 0.0, None, None
+        try:
+            self.result = fn()
+        except Exception as e:
+            self.error = e
+
+    def join(self):
+        pass
+
+
+def test_the_next_quorum_starts_after_the_optimizer_step_and_none_after_the_last(
+        tmp_path, one_rank_grid, monkeypatch):
+    """trainer.max_steps=4, the quorums run where they are started (Ran): the stand-in's
+    start_quorum reads the state a healing peer would be sent (held_state). Quorum k+1,
+    started as step k ends (group.stepped), holds exactly the weights and AdamW state that
+    step k's optimizer step left; step k's optimizer step runs with k quorums started; no
+    quorum starts after the last step (4 in all). Red when the next quorum starts before
+    the optimizer step (a healing peer sent the weights before it), or after the last step
+    (stepped(True): a quorum the run never uses, the other groups held up by it)."""
+    monkeypatch.setattr(ReplicaGroup, "_background", staticmethod(Ran))
+    after = []  # (quorums started, the state) after each optimizer step
+    _, manager, _ = train(tmp_path, "ordered", one_rank_grid, monkeypatch, ["parallel.dp=single"],
+                          after_step=lambda group, m: after.append((m.tries, group._state())))
+    started = [n for n, _ in after]
+    quorums = [state for _, state, _ in manager.seen]
+    off = [max(float((q["tensors"][k] - a["tensors"][k]).abs().max())
+               for k in a["tensors"] if k.startswith("model/"))
+           for (_, a), q in zip(after, quorums[1:])]
+    print(f"quorums started at each optimizer step: {started}, in all {len(quorums)}; the "
+          f"next quorum's weights off the step's by {off}")
+    assert started == [1, 2, 3, 4] and len(quorums) == 4
+    for (_, a), q in zip(after, quorums[1:], strict=False):
+        same_state(a, q)
 
 
 class CountingProfile:
