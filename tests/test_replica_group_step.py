@@ -448,6 +448,34 @@ def test_a_read_ahead_serves_a_step_only_for_the_shares_its_quorum_dealt():
         assert (micro is ahead[2]) == (held == dealt) and batches.ahead is None
 
 
+@pytest.mark.parametrize("shares", [[0], [1], [0, 1]], ids=["share0", "share1", "both"])
+def test_a_read_ahead_serves_only_the_step_it_was_read_for(shares):
+    """StepBatches of ft.replicas=2: a group reads ahead for step 5 with the shares it held,
+    then its quorum jumps it to step 7 (it healed from a group ahead) with the same shares:
+    step 7's micro-batches are read fresh, equal (exactly) to those a StepBatches that never
+    read ahead takes for step 7, and not step 5's; a read ahead for step 7 is served as
+    read. Red when take matches the shares alone (the read ahead of step 5 trains step 7)."""
+    from types import SimpleNamespace
+    from char_dataset import GlobalBatches
+    from training.batches import StepBatches
+    grid = SimpleNamespace(data_rank=0, data_size=1, all_ok=lambda ok: ok)
+    new = lambda: StepBatches(GlobalBatches(1000, 8, seed=1), Windows(), grid, grad_accum=2)  # noqa: E731
+    batches, never = new(), new()
+    assert batches.read_ahead(5, shares, 2) is None
+    ahead = batches.ahead[2]
+    micro, _ = batches.take(7, shares, 2)
+    want, _ = never.take(7, shares, 2)
+    five, _ = never.take(5, shares, 2)
+    same = lambda a, b: len(a) == len(b) and all(torch.equal(x, y) for x, y in zip(a, b))  # noqa: E731
+    print(f"step 7 took {[m.tolist() for m in micro]}; read fresh: {[m.tolist() for m in want]}; "
+          f"step 5's: {[m.tolist() for m in five]}")
+    assert not same(want, five), "steps 5 and 7 read the same windows: the test sees nothing"
+    assert micro is not ahead and same(micro, want) and batches.ahead is None
+    assert batches.read_ahead(7, shares, 2) is None  # read ahead for the step it serves
+    ahead = batches.ahead[2]
+    assert batches.take(7, shares, 2)[0] is ahead and same(ahead, want)
+
+
 class HealingManager(StandInManager):
     """torchft's Manager as a healing group's quorum meets it: start_quorum hands the live
     state over through load_state_dict, on the thread that runs it."""
