@@ -5,11 +5,14 @@ path through main.train, with a stand-in for torchft's Manager (no lighthouse, n
   learning rate's position) as they were before it, and the redone run's every record is
   the uninterrupted run's, to the bit (Strategy.drop_step, Trainer.compute_step);
 - a redo on trainer.profile_from opens the profiler once (Trainer.train);
-- the sum across groups holds at most one bucket beyond the gradients (sum_across);
+- the next quorum starts after the optimizer step, and none after the last step;
+- the sum across groups holds at most one bucket beyond the gradients (sum_across), each
+  bucket of one dtype, the loss and tokens in fp32 only;
 - the healing state is read only after the device has run what was queued (_state);
 - the next step's quorum, started as a step ends (stepped), hands a healing group the
   live state on its own thread, and begin_step takes it on the trainer's; a batch read
-  ahead for the shares a group held serves the next step only if its quorum dealt them.
+  ahead for the shares a group held serves the next step only if its quorum dealt them,
+  and only the step it was read for.
 
 The stand-in is one group alone of ft.replicas=1: its all-reduce is the identity, its vote
 says no on the tries the test names. The real launches (a lighthouse, groups killed) are
