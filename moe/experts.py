@@ -23,6 +23,18 @@ class Experts(nn.Module):
         self.fc_bias = nn.Parameter(torch.empty(num_experts, hidden)) if bias else None
         self.proj_bias = nn.Parameter(torch.empty(num_experts, n_embd)) if bias else None
 
+    def before_compile(self):
+        """Called by parallel/compile.py before this module's block is compiled: probe the
+        grouped product in bf16 now, eagerly, since a traced forward can only read the
+        probe's answer (see grouped_runs); and make the per-expert loop run eagerly between
+        the compiled pieces (per_expert_mm). Here, not at import: torch.compiler.disable
+        imports dynamo, which a run without compilation never needs."""
+        global per_expert_mm
+        if self.fc_weight.device.type != "meta":
+            grouped_probe(self.fc_weight.device, torch.bfloat16)
+        if not getattr(per_expert_mm, "_torchdynamo_disable", False):
+            per_expert_mm = torch.compiler.disable(per_expert_mm)
+
     @staticmethod
     def init_rule(kind, n_layer):
         """GPT-2's init, as for the dense MLP: weights N(0, 0.02), the output projection's
@@ -53,6 +65,14 @@ def grouped_mm(x, w, counts):
         if y.requires_grad:  # its backward refuses a gradient with zero strides (an expand)
             y.register_hook(lambda g: g.contiguous())
         return y
+    return per_expert_mm(x, w, counts)  # a global, looked up now: the eager one under compile
+
+
+def per_expert_mm(x, w, counts):
+    """The grouped product without torch._grouped_mm: one product per expert. Eager under
+    trainer.compile (Experts.before_compile): traced, each step's counts (host-side sizes)
+    would be new constants of the graph, a recompilation a step until dynamo's limit stops
+    the run."""
     sizes = counts.tolist()
     return torch.cat([part @ w[e] for e, part in enumerate(x.split(sizes))]) if sizes else x
 
@@ -70,11 +90,21 @@ def grouped_runs(x, w):
     or a GPU older than the kernel's, raises)."""
     if not hasattr(torch, "_grouped_mm") or any((s * x.element_size()) % 16 for s in w.shape[1:]):
         return False
-    key = (x.device.type, x.dtype)
+    if torch.compiler.is_compiling():
+        # traced on fake tensors, whose rule for the grouped product takes bf16 only (torch
+        # 2.13): another dtype would fail the trace, print a long error and leave the block
+        # eager. And no probe can run while tracing: Experts.before_compile ran it
+        return x.dtype == torch.bfloat16 and _GROUPED_OK.get((x.device.type, x.dtype), False)
+    return grouped_probe(x.device, x.dtype)
+
+
+def grouped_probe(device, dtype):
+    """Whether torch._grouped_mm runs on this device type and dtype (probed once)."""
+    key = (device.type, dtype)
     if key not in _GROUPED_OK:
         try:  # apart from the step it runs in: see _outside_the_step
             with _outside_the_step():
-                _GROUPED_OK[key] = _probe(x.device, x.dtype)
+                _GROUPED_OK[key] = _probe(device, dtype)
         except (RuntimeError, NotImplementedError):
             _GROUPED_OK[key] = False
     return _GROUPED_OK[key]

@@ -76,6 +76,9 @@ def compile_model(gpt, backend, scope="block"):
     events = compile_events()
     torch._dynamo.config.fail_on_recompile_limit_hit = True  # a storm fails, never runs eager
     targets = [gpt] if scope == "model" else [block for _, block in plan.blocks(gpt)]
+    for module in gpt.modules():  # what must run eagerly once before tracing (moe/experts.py)
+        if hasattr(module, "before_compile"):
+            module.before_compile()
     for module in targets:
         if not getattr(module, "compiled", False):
             module.forward = torch.compile(module.forward, backend=backend, dynamic=False)

@@ -20,6 +20,7 @@ import torch
 import torch.nn as nn
 
 from parallel import model_plan as plan
+from parallel.compile import eager_under_compile
 from parallel.placement import Placement
 from parallel.registry import EP_IMPLEMENTATIONS, load
 from parallel.tensor_parallel import ops
@@ -59,6 +60,8 @@ def apply_experts(model, grid, comm, placements, tp, ep_impl="alltoall"):
     return placements
 
 
+@eager_under_compile  # a collective: eager under trainer.compile (parallel/compile.py), or
+# dynamo traces the counted comm's bookkeeping and recompiles at every new byte count
 def summed(counts, group, comm):
     """counts summed over `group` (a copy; no gradient flows through counts)."""
     counts = counts.clone()
