@@ -160,29 +160,33 @@ def run_tree(cmd, timeout, what, **popen_kw):
     return subprocess.CompletedProcess(cmd, proc.returncode, out, err)
 
 
-def run_job(workdir, nproc, overrides, timeout=240, tiny=True, fresh=False, forked=True):
+def run_job(workdir, nproc, overrides, timeout=240, tiny=True, fresh=False, forked=True,
+            compile_in_server=False):
     """Run main.py in `workdir`; returns the CompletedProcess (never raises on exit code).
 
     By default the job runs in this session's job server for `nproc` ranks (JobServer:
     main.py's own code in long-lived torchrun workers, a fraction of a fresh job's CPU);
     `fresh=True` starts torchrun (or python) for this job alone: for jobs whose exit through
     a real launch (its status, its console) is what the test checks; `forked=False`, with
-    interpreters that start and leave for real (not forked by the fork server)."""
+    interpreters that start and leave for real (not forked by the fork server).
+    `compile_in_server`: a compiling job runs in the server too, after dynamo's caches are
+    reset there (tests/job_server.py), for tests of its numbers, not of its compilations."""
     os.makedirs(workdir, exist_ok=True)
     args = (TINY if tiny else []) + list(overrides)
-    if not fresh and not needs_own_process(args):
+    if not fresh and not needs_own_process(args, compile_in_server):
         return job_server(nproc).run(args, str(workdir), timeout)
     return run_tree(command(nproc, args), timeout, f"job {args}", cwd=workdir,
                     env=job_env(forked=forked))
 
 
-def needs_own_process(args):
+def needs_own_process(args, compile_in_server=False):
     """Jobs whose process-wide state would outlive them in a job server: compilation
-    (dynamo's caches: a later compiled job would compile nothing) and wandb (its run and
-    service belong to the process)."""
+    (dynamo's caches: a later compiled job would compile nothing, unless the server resets
+    them first) and wandb (its run and service belong to the process)."""
     value = lambda key, default: next((a.split("=", 1)[1] for a in reversed(args)
                                        if a.startswith(key + "=")), default)
-    return value("trainer.compile", "false") == "true" or value("wandb.mode", "offline") != "disabled"
+    compiles = value("trainer.compile", "false") == "true" and not compile_in_server
+    return compiles or value("wandb.mode", "offline") != "disabled"
 
 
 # launcher variables: the server's own, never a job's

@@ -51,6 +51,9 @@ def run_one(job, rank, world_size, local_rank):
         os.dup2(out.fileno(), 1)
         os.dup2(err.fileno(), 2)
         try:
+            if "trainer.compile=true" in job["argv"]:  # harness.run_job(compile_in_server=True)
+                import torch._dynamo
+                torch._dynamo.reset()  # compiles its blocks anew, within dynamo's limits
             return entry.run(job["argv"], rank, world_size, local_rank)
         finally:
             sys.stdout.flush()
