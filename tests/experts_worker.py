@@ -1,5 +1,8 @@
 """Test-only: mixture-of-experts layouts against one process, run inside tests/layout_worker.py's
-launches (2, 4 and 8 ranks; `compute()` there calls `compute()` here).
+launches (2, 4 and 8 ranks; `compute()` there calls `compute()` here) and, for the
+layouts that need 6 or 12 ranks, launched on its own (harness.EXPERTS_SESSIONS):
+
+    python -m torch.distributed.run --standalone --nproc_per_node=6 tests/experts_worker.py
 
 For each case of CASES[world] every rank builds a GPT with experts, parallelizes it by
 hand (expert parallelism carved out of dp x cp, composed with the case's other
@@ -15,6 +18,10 @@ single-process replica of the same run (same initial weights, same global batch)
 `collapse`: a choice bias that sends every token to expert 0 (top-1): the most uneven
 all-to-all there is, every rank's tokens to one rank. `bias`: DeepSeek-V3's choice biases
 moving every step (model.moe_bias_rate), from the step's counts over the whole world.
+`distinct`: the ep group, the expert-data-parallel group and the data-parallel (gradient)
+group of three sizes, all above 1 (6 experts, top-2), so that a divisor or a group taken
+for another passes none of them (with dp x cp == ep, or an expert-data-parallel group of
+one rank, dividing by ep or keying the expert group without tp changes nothing).
 """
 
 import os
@@ -26,7 +33,7 @@ import torch.distributed as dist
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from dp_worker import OneRank  # noqa: E402
+from dp_worker import OneRank, serve  # noqa: E402
 from layout_worker import Case, hsdp, pp, replicated_equal, on_every_rank  # noqa: E402
 from model import GPT, GPTConfig  # noqa: E402
 from parallel.config import ParallelConfig  # noqa: E402
@@ -49,6 +56,16 @@ def global_batch(step, vocab):
 
 def ep(n, **more):
     return {"ep": n, **more}
+
+
+DISTINCT = set()  # names of the `distinct` cases: 6 experts; sizes checked by test_experts.py
+
+
+def distinct(case):
+    """A case whose ep, expert-data-parallel and data-parallel sizes all differ (and
+    exceed 1): its model has 6 experts (divisible by ep 2 and 3)."""
+    DISTINCT.add(case.name)
+    return case
 
 
 def moe(**more):
@@ -95,6 +112,29 @@ CASES = {  # each Case's `parallel` holds ep; its `moe`-like keys travel in MOE_
     8: [
         Case("ep4-dp2cp2tp2-sp-ddp_bucket", "ddp_bucket", dp=2, cp=2, tp=2,
              parallel=ep(4, sequence_parallel=True)),
+        # HSDP: ep 2, expert-DP 4 (2 per replica group, x 2 groups), data-parallel 8 (the
+        # fewest ranks where a replica group's shard size, 4, is not ep)
+        distinct(Case("ep2-hsdp2x4-fsdp2", "fsdp", dp=4, parallel=ep(2, **hsdp(2)))),
+        distinct(Case("ep2-hsdp2x4-fsdp3-offload-accum3", "fsdp", dp=4,
+                      parallel=ep(2, **hsdp(3, offload=True)), accum=3)),
+    ],
+    # the launches of this worker alone (harness.EXPERTS_SESSIONS): ep 2 / expert-DP 3 or
+    # ep 3 / expert-DP 2, out of 6 data-parallel ranks
+    6: [
+        distinct(Case("ep2-dp6-ddp_naive", "ddp_naive", dp=6, parallel=ep(2))),
+        distinct(Case("ep3-dp6-ddp_naive-accum2", "ddp_naive", dp=6, parallel=ep(3), accum=2)),
+        distinct(Case("ep3-dp6-ddp_bucket", "ddp_bucket", dp=6, parallel=ep(3))),
+        distinct(Case("ep2-dp6-ddp_bucket-accum2", "ddp_bucket", dp=6, parallel=ep(2), accum=2)),
+        distinct(Case("ep2-dp6-fsdp1", "fsdp", dp=6, parallel=ep(2, zero_stage=1))),
+        distinct(Case("ep3-dp6-fsdp2-accum2", "fsdp", dp=6, parallel=ep(3, zero_stage=2), accum=2)),
+        distinct(Case("ep2-dp6-fsdp3", "fsdp", dp=6, parallel=ep(2, zero_stage=3))),
+        distinct(Case("ep3-dp6-fsdp3-offload", "fsdp", dp=6,
+                      parallel=ep(3, zero_stage=3, offload=True))),
+    ],
+    12: [  # tp 2 beside them: 12 ranks (dp x cp must hold 6 for three distinct sizes)
+        distinct(Case("ep3-dp6tp2-ddp_naive", "ddp_naive", dp=6, tp=2, parallel=ep(3))),
+        distinct(Case("ep2-dp6tp2-sp-fsdp2", "fsdp", dp=6, tp=2,
+                      parallel=ep(2, zero_stage=2, sequence_parallel=True))),
     ],
 }
 
@@ -117,6 +157,8 @@ def moe_keys(case):
     """The model's mixture-of-experts keys for a case (every other block in the
     `every2` cases: a pipeline stage without experts)."""
     keys = moe(moe_every=2) if "every2" in case.name else moe()
+    if case.name in DISTINCT:
+        keys = moe(**{**keys, "moe_experts": 6})
     if "bias" in case.name:  # large enough to change choices within STEPS steps
         keys = moe(**{**keys, "moe_bias_rate": 0.05})
     return moe(**{**keys, "moe_top_k": 1}) if "collapse" in case.name else keys
@@ -209,7 +251,9 @@ def check_case(case):
                                         for n, t in ref_state.items())
     out["moe_blocks"] = sum(GPTConfig(**moe_keys(case)).has_experts(i) for i in range(case.n_layer))
     out.update(world=grid.world_size, accum=case.accum, top_k=moe_keys(case)["moe_top_k"],
-               tokens=BATCH * BLOCK, n_embd=N_EMBD)
+               tokens=BATCH * BLOCK, n_embd=N_EMBD, experts=moe_keys(case)["moe_experts"],
+               sizes={"ep": grid.ep_size, "expert_dp": grid.expert_grad_size,
+                      "dp": grid.grad_size})
     return out
 
 
@@ -218,3 +262,7 @@ def compute():
     only = os.environ.get("LAYOUT_ONLY")
     return {case.name: check_case(case) for case in CASES.get(world, [])
             if not only or only in case.name}
+
+
+if __name__ == "__main__":  # the 6- and 12-rank sessions (harness.EXPERTS_SESSIONS)
+    serve(compute)

@@ -517,6 +517,18 @@ def layout_worker_result(world):
     return worker_result(*layout_session(world))
 
 
+# tests/experts_worker.py launched alone: the mixture-of-experts layouts of 6 and 12 ranks
+# (experts_worker.CASES' worlds that no layout session has)
+EXPERTS_SESSIONS = [("experts_worker.py", world, 600) for world in (6, 12)]
+
+
+def experts_worker_result(world):
+    """{case name: measurements} of experts_worker.CASES[world]: from the layout session
+    of `world` ranks, or from the experts' own (EXPERTS_SESSIONS)."""
+    own = [s for s in EXPERTS_SESSIONS if s[1] == world]
+    return worker_result(*own[0]) if own else layout_worker_result(world)["experts"]
+
+
 def save_then_resume(tmp_path, saved, resumed, common=()):
     """Train 3 steps under one layout, (nproc, overrides); resume a copy of that snapshot
     under another to step 6. Returns the resumed job's records (steps 4-6)."""

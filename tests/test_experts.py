@@ -1,6 +1,7 @@
 """Mixture-of-experts blocks (moe/) and expert parallelism (parallel.ep, parallel/expert_parallel/).
 
-- tests/experts_worker.py (inside tests/layout_worker.py's 2-, 4- and 8-rank launches):
+- tests/experts_worker.py (inside tests/layout_worker.py's 2-, 4- and 8-rank launches, and
+  launched alone on 6 and 12 ranks):
   ep 2 and 4 with ddp_naive, ddp_bucket and fsdp stages 1-3, accumulation 2 and 3, ep
   carved from cp, ep x tp with and without sequence parallelism, ep x pp (every schedule:
   1f1b with a stage without experts, gpipe, interleaved, zb1p, zbv), ep x cp, ep x HSDP
@@ -9,7 +10,10 @@
   exchange, and a router that sends every token to one expert, each against a
   single-process replica: per-step loss, pre-clip gradient norm, balance loss, z-loss and
   busiest expert's load, validation loss and final parameters; the all-to-all bytes
-  equal their textbook count, 4 x tokens x k x C x 4 bytes a block and step;
+  equal their textbook count, 4 x tokens x k x C x 4 bytes a block and step; and
+  layouts whose ep, expert-data-parallel and data-parallel sizes all differ and exceed 1
+  (ddp_naive, ddp_bucket, fsdp 1-3, offload, HSDP; one with tp 2), where dividing the
+  experts' gradients by the wrong one, or an expert group keyed without tp, shows;
 - in process: the grouped experts against one product per token, the router's weights
   and balance loss against their definitions, a block's losses reaching the backward;
 - through main.py (tests/test_experts_runs.py): resume across ep degrees, the bad layouts'
@@ -22,21 +26,24 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from experts_worker import CASES
-from harness import LAYOUT_SESSIONS, layout_worker_result
+from experts_worker import CASES, DISTINCT
+from harness import EXPERTS_SESSIONS, LAYOUT_SESSIONS, experts_worker_result
 from model import GPT, GPTConfig
 from moe.experts import Experts, grouped_mm
 from moe.router import route
 
-pytestmark = pytest.mark.worker_sessions(*LAYOUT_SESSIONS)  # prefetch.py
+pytestmark = pytest.mark.worker_sessions(*LAYOUT_SESSIONS, *EXPERTS_SESSIONS)  # prefetch.py
 
 EXPERT_CASES = [(world, case.name) for world in CASES for case in CASES[world]]
 
 
 @pytest.mark.parametrize("world,name", EXPERT_CASES, ids=[n for _, n in EXPERT_CASES])
 def test_expert_layout_matches_single_process(world, name):
-    r = layout_worker_result(world)["experts"][name]
-    print({k: v for k, v in r.items() if k.endswith("diff")})
+    r = experts_worker_result(world)[name]
+    print({k: v for k, v in r.items() if k.endswith("diff")}, r["sizes"])
+    if name in DISTINCT:  # the case measures what it is there for
+        sizes = r["sizes"]
+        assert len(set(sizes.values())) == 3 and min(sizes.values()) > 1, sizes
     # bf16 / fp16 against one process in the same precision: test_precision.py's rtol
     low = r["precision"] != "fp32"
     for figure in ("loss", "norm", "aux", "z", "load", "eval"):
