@@ -9,12 +9,13 @@ import json
 import math
 
 import torch
+from fsspec.implementations.local import LocalFileSystem
 
 from checkpoint.boxes import (box_numel, box_shape, first_and_end, flat_range_boxes, from_jsonable,
                               intersect, shift, strides, whole)
 from checkpoint.snapshot_dirs import (PART_FILE, STEP_DIR, checked_name, fs_and_root, join,
                                       kept_steps, snapshot_exists, step_dir_name)
-from checkpoint.checksums import ALGORITHM, MANIFEST_KEY, STEP_BYTES, crc, sealed_intact
+from checkpoint.checksums import ALGORITHM, CHUNK_BYTES, MANIFEST_KEY, crc, sealed_intact
 from checkpoint.snapshot_format import (CHECKSUMMED_FROM, DTYPES, HEADER_BYTES, MAGIC,
                                         READABLE_VERSIONS)
 from errors import UserError
@@ -65,7 +66,8 @@ class SnapshotReader:
             self.chunk_bytes = self._chunk_bytes()
             self.index, sizes = self._index(self.meta["parts"])
         except (KeyError, TypeError, ValueError) as e:
-            raise UserError(f"snapshot {path}: {manifest} is damaged ({type(e).__name__}: {e})") from None
+            raise UserError(f"snapshot {path}: {manifest} is damaged ({type(e).__name__}: {e}); "
+                            f"{self.recovery()}") from None
         for name, size in sizes.items():
             self._check_part(name, size)
 
@@ -199,36 +201,43 @@ class SnapshotReader:
         finally:
             self.defer = False
 
-    def _damaged(self, key, file, start, end):
+    def _damaged(self, key, file, start, end, why="does not match its crc32c checksum"):
         line = (f"snapshot {self.path}: part {join(self.dir, file)} is damaged: tensor {key!r} "
-                f"(bytes {start}-{end} of the part) does not match its crc32c checksum; "
-                f"{self.recovery()}")
+                f"(bytes {start}-{end} of the part) {why}; {self.recovery()}")
         if not self.defer:
             raise UserError(line)
         self.found = self.found or line
 
     def _read_piece(self, key, file, offset, nbytes, sums, start, end):
         """Bytes [start, end) of a stored piece (offset: its first byte in `file`, nbytes
-        its size), as (a buffer, where they begin in it). Checked: the read widens to
-        the checksummed chunks it touches, each checked and copied a cached step at a
-        time."""
-        if sums is None or not self.verify:
-            return bytearray(self._bytes(file, offset + start, offset + end)), 0
-        size = self.chunk_bytes
-        lo, hi = start // size * size, min(-(-end // size) * size, nbytes)
-        data = memoryview(self._bytes(file, offset + lo, offset + hi))
-        if len(data) != hi - lo:  # the part shrank since it was opened
-            self._damaged(key, file, offset + lo, offset + hi)
-            return bytearray(end - start), 0
-        out = bytearray(len(data))
-        for at in range(0, len(data), size):
-            stop, value = min(at + size, len(data)), 0
-            for s in range(at, stop, STEP_BYTES):
-                e = min(s + STEP_BYTES, stop)
-                value = crc(data[s:e], value)
-                out[s:e] = data[s:e]
-            if value != sums[(lo + at) // size]:
-                self._damaged(key, file, offset + lo + at, offset + lo + stop)
+        its size), as (a buffer, where they begin in it). Checked (a checksummed piece,
+        verify): the read widens to the chunks it touches, and each chunk's checksum is
+        taken right after it was read, while it is in the cache. A local part is read
+        straight into the buffer, a chunk at a time; others in one ranged read."""
+        size = self.chunk_bytes or CHUNK_BYTES
+        check = sums is not None and self.verify
+        lo, hi = (start // size * size, min(-(-end // size) * size, nbytes)) if check else (start, end)
+        out = bytearray(hi - lo)
+        view = memoryview(out)
+        if isinstance(self.fs, LocalFileSystem):
+            with self.fs.open(join(self.dir, file), "rb") as f:
+                f.seek(offset + lo)
+                got = 0
+                for at in range(0, hi - lo, size):
+                    stop = min(at + size, hi - lo)
+                    got += f.readinto(view[at:stop])
+                    if check and crc(view[at:stop]) != sums[(lo + at) // size]:
+                        self._damaged(key, file, offset + lo + at, offset + lo + stop)
+        else:
+            data = self._bytes(file, offset + lo, offset + hi)
+            got = len(data)
+            view[:got] = data
+            for at in range(0, got if check else 0, size):
+                stop = min(at + size, hi - lo)
+                if crc(view[at:stop]) != sums[(lo + at) // size]:
+                    self._damaged(key, file, offset + lo + at, offset + lo + stop)
+        if got != hi - lo:  # the part shrank since it was opened
+            self._damaged(key, file, offset + lo, offset + hi, "is cut short")
         return out, start - lo
 
     def keys(self):

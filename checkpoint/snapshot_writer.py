@@ -10,7 +10,7 @@ import torch
 import torch.distributed as dist
 
 from checkpoint.boxes import as_jsonable, box_numel, flat_range_boxes
-from checkpoint.checksums import ALGORITHM, CHUNK_BYTES, seal, write_summed
+from checkpoint.checksums import ALGORITHM, CHUNK_BYTES, seal, write_chunks
 from checkpoint.snapshot_dirs import fs_and_root, join, kept_steps, remove_stale, step_dir_name
 from checkpoint.snapshot_format import DTYPES, FORMAT_VERSION, HEADER_BYTES, MAGIC
 from data.fs_json import read_json, write_json
@@ -126,15 +126,13 @@ def _write_part(fs, step_dir, rank, snapshot_id, pieces, checksums=True):
             assert dtype in DTYPES, f"{key}: dtype {dtype} has no snapshot encoding"
             nbytes = raw.numel() * raw.element_size()
             # the tensor's own bytes (buffer protocol), not a bytes copy: a copy doubled the
-            # write's memory traffic and CPU time (bench.snapshot_async), paid by every rank;
-            # each chunk's checksum is taken just before it is written, still in the cache
+            # write's memory traffic and CPU time (bench.snapshot_async), paid by every rank
             data = memoryview(raw.view(torch.uint8).numpy())
             entry = {"key": key, "shape": list(shape), "box": as_jsonable(box),
                      "dtype": dtype, "file": name, "offset": offset}
-            if checksums:
-                entry["crc32c"] = write_summed(f, data)
-            else:
-                f.write(data)
+            sums = write_chunks(f, data, summed=checksums)
+            if sums is not None:
+                entry["crc32c"] = sums
             index.append(entry)
             offset += nbytes
     return index
