@@ -129,11 +129,12 @@ def main(argv=None):
     p.add_argument("--vocab", type=int, default=50257)
     p.add_argument("--block", type=int, default=1024)
     p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--mib", type=int, default=256, help="MiB each checksum's throughput is measured on")
     p.add_argument("--dir", default=None, help="where the snapshots go (default: the temporary directory)")
     p.add_argument("--out", default=None, help="a folder for results.json and results.md")
     args = p.parse_args(argv)
     command, load_before = report.command_line("-m bench.snapshot_checksum", argv), os.getloadavg()
-    speeds = throughput()
+    speeds = throughput(args.mib)
     times, nbytes, params = measure(args)
     share, rows = {}, []
     for what in ("write", "read"):
@@ -151,7 +152,7 @@ def main(argv=None):
         f"moments, fp32), one process, 1 thread, {args.rounds} rounds; local disk (page cache)"], env)
         + ["", *report.table(["", "unchecked s", "checked s", "checksums' share",
                               "unchecked, each round", "checked, each round"], rows, "lrrrll"),
-           "", "One core, 256 MiB, best of 3:", "",
+           "", f"One core, {args.mib} MiB, best of 3:", "",
            *report.table(["checksum", "GB/s"], [[k, v] for k, v in speeds.items()], "lr"), ""])
     if args.out:
         report.write_results(args.out, {"command": command, "environment": env, "settings": vars(args),

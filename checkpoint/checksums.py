@@ -3,12 +3,12 @@ and the manifest itself, so that damage that keeps a file's size (flipped bits o
 disk, a bad copy) is one clear error at the read, not NaNs later.
 
 The checksum is CRC-32C (the `crc32c` package: the CPU's CRC instruction, SSE4.2 on
-x86, ARMv8's on ARM, and a software fallback elsewhere). It finds every error of up to
-3 flipped bits in a chunk of this size and every burst of up to 32 bits, and runs at
-5 GB/s and more on one core; zlib.crc32 ran at 1.0-1.2 GB/s here, which would have
-cost about a fifth of a 124M snapshot's write (docs/checkpointing.md has the numbers:
-`python -m bench.snapshot_checksum`). The package releases the GIL on large buffers, so
-an async snapshot's writer thread checks its part beside the training.
+x86, ARMv8's on ARM, and a software fallback elsewhere): 4-11 GB/s on one core here,
+18 on cached data, against 0.9-3.1 for zlib.crc32. It finds every error of up to 3
+flipped bits in a chunk of this size and every burst of up to 32 bits. The package
+releases the GIL on large buffers, so an async snapshot's writer thread checksums its
+part beside the training. Why this one, and what it costs a 124M snapshot's write and
+read: docs/checkpointing.md#checksums (`python -m bench.snapshot_checksum`).
 
 - A piece (one box of one tensor in a part file) gets one checksum per CHUNK_BYTES of
   its bytes, counted from the piece's first byte (the index entry's "crc32c" list):

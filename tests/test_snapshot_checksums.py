@@ -199,3 +199,13 @@ def test_a_damaged_exported_folder_is_refused_by_init_from(written, tmp_path):
         hf_gpt2.read_folder(str(out))
     assert f"{weights} is damaged: tensor {name!r}" in str(refused.value)
     assert "\n" not in str(refused.value)
+
+
+def test_the_benchmark_command_runs_at_a_tiny_size(capsys):
+    """`python -m bench.snapshot_checksum` (docs/checkpointing.md's numbers) at a tiny size:
+    its table has the write and the read, wall and CPU."""
+    from bench import snapshot_checksum
+    assert snapshot_checksum.main(["--layers", "1", "--width", "64", "--vocab", "100", "--block",
+                                   "32", "--rounds", "1", "--mib", "4"]) == 0
+    table = capsys.readouterr().out
+    assert all(f"| {row} |" in table for row in ("write, wall", "write, CPU", "read, wall", "read, CPU"))
