@@ -85,7 +85,10 @@ def test_flipped_bits_in_a_part_are_refused_on_resume_and_the_older_snapshot_res
     under pp=2 (only rank 0, stage 0, reads layer 0), stops both ranks with one line
     naming the part, the tensor and trainer.resume_step=2 (rank 1 prints rank 0's line),
     nothing written; then that command resumes step 2 (written in the background, its
-    checksums checked) and trains steps 3-4 with the losses of the uninterrupted run."""
+    checksums checked) and trains steps 3-4 with the losses of the uninterrupted run. Red
+    without the check: the job trains on, every step skipped (gradients not finite);
+    with the damage raised at the read instead of agreed after the load: rank 1 says only
+    that another rank failed."""
     snap = copy_of(written, tmp_path)
     part = damage_tensor(snap)
     before = tree_bytes(snap)
@@ -126,7 +129,8 @@ def test_a_damaged_manifest_is_refused_in_one_line(written, tmp_path):
     """One flipped bit in step 4's manifest that leaves it valid JSON and the parts' sizes
     right (the first piece's offset 256 becomes 257: every value of it read one byte off):
     the resume stops both ranks with one line naming the manifest and trainer.resume_step=2.
-    Red without the manifest's own checksum: the job trains on from shifted weights."""
+    Red without the manifest's own checksum: the line blames part-00000.bin (its chunk
+    read one byte off); without any check, the job trains on from shifted weights."""
     snap = copy_of(written, tmp_path)
     manifest = snap / "step-00000004" / "manifest.json"
     text = manifest.read_bytes()
