@@ -155,24 +155,32 @@ def test_the_background_write_checksums_every_piece_and_its_manifest(written):
         snap.read_full(key)
 
 
-def test_a_ranged_read_checks_the_chunks_it_touches(tmp_path, one_rank_grid):
+@pytest.mark.parametrize("where", ["local", "memory"])
+def test_a_ranged_read_checks_the_chunks_it_touches(tmp_path, one_rank_grid, where):
     """A piece of 3 MiB + 4 bytes has 4 checksums; a bit flipped in its third MiB: reads of
     the first two MiB (a box across the chunk boundary included) give the written values,
-    a read touching the third is refused naming the tensor and the bytes."""
+    a read touching the third is refused naming the tensor and the bytes. On a local disk
+    (read into the buffer a chunk at a time) and through another fsspec filesystem
+    (memory://, as an object store: one ranged read)."""
+    import fsspec
     n = 3 * CHUNK_BYTES // 4 + 1
     w = torch.arange(n, dtype=torch.float32)
-    save_sharded(str(tmp_path / "s"), one_rank_grid, 1, [("model/w", (n,), 0, w)], {"gpt_config": {}})
-    part = tmp_path / "s" / "step-00000001" / "part-00000.bin"
-    assert len(open_snapshot(str(tmp_path / "s")).meta["parts"][0]["crc32c"]) == 4
-    flip_bit(part, 256 + 2 * CHUNK_BYTES + 100, 0)
-    snap = open_snapshot(str(tmp_path / "s"))
+    path = str(tmp_path / "s") if where == "local" else f"memory://{tmp_path.name}/s"
+    save_sharded(path, one_rank_grid, 1, [("model/w", (n,), 0, w)], {"gpt_config": {}})
+    part = f"{path}/step-00000001/part-00000.bin"
+    assert len(open_snapshot(path).meta["parts"][0]["crc32c"]) == 4
+    data = bytearray(fsspec.open(part, "rb").open().read())
+    data[256 + 2 * CHUNK_BYTES + 100] ^= 1
+    with fsspec.open(part, "wb") as f:
+        f.write(bytes(data))
+    snap = open_snapshot(path)
     edge = CHUNK_BYTES // 4
     assert torch.equal(snap.read_box("model/w", [(edge - 3, edge + 5)]), w[edge - 3:edge + 5])
     assert torch.equal(snap.read_box("model/w", [(0, 2 * edge)]), w[:2 * edge])
     with pytest.raises(UserError) as refused:
         snap.read_box("model/w", [(2 * edge - 1, 2 * edge + 1)])
-    assert f"part {part} is damaged: tensor 'model/w' (bytes {256 + 2 * CHUNK_BYTES}-" \
-           f"{256 + 3 * CHUNK_BYTES} of the part)" in str(refused.value)
+    assert f"part {snap.dir}/part-00000.bin is damaged: tensor 'model/w' (bytes " \
+           f"{256 + 2 * CHUNK_BYTES}-{256 + 3 * CHUNK_BYTES} of the part)" in str(refused.value)
     assert "no older snapshot is kept" in str(refused.value)
     assert torch.equal(snap.read_box("model/w", [(3 * edge, n)]), w[3 * edge:])
 
