@@ -47,6 +47,7 @@ from char_dataset import GlobalBatches, data_identity, data_order, eval_starts
 from checkpoint.async_snapshot import AsyncSnapshots
 from checkpoint.resume import snapshot_location
 from checkpoint.sync_snapshot import SyncSnapshots
+from errors import UserError
 from fault_tolerance.one_group import OneGroup
 from fault_tolerance.replica_group import QuorumLost
 from launch.hang_report import HangReport
@@ -103,8 +104,14 @@ class Trainer:
                                      self.snapshot_path)
 
     def restore(self, reader):
-        """Take model, optimizer and step from a snapshot (checked by check_resumable)."""
-        self.strategy.load_shards(reader)
+        """Take model, optimizer and step from a snapshot (checked by check_resumable).
+        Damage a rank's reads find (a checksum) stops every rank with that rank's line,
+        after the load's collectives ran alike on every rank."""
+        with reader.damage_found_later():
+            self.strategy.load_shards(reader)
+        damage = self.grid.first_line(reader.found)
+        if damage is not None:
+            raise UserError(damage)
         self.strategy.precision.load_state(reader.meta.get("precision"))  # the fp16 loss scale
         if self.strategy.balancer is not None:  # mixture of experts: the choice biases
             self.strategy.balancer.load_state(reader.meta.get("moe_bias"))

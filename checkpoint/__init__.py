@@ -6,6 +6,7 @@
     async_snapshot.py   the writer's steps in the background (trainer.snapshot_async)
     sync_snapshot.py    the same interface without it: every rank waits for its write
     snapshot_dirs.py    the step directories' names, retention, and the checks on them
+    checksums.py        CRC-32C of every MiB of a part and of the manifest, written and checked
     boxes.py            boxes of canonical tensors, the unit of sharded state
     canonical.py        the single-device names and shapes every layout reads and writes
     resume.py           where snapshots live, and whether one may be resumed by this run

@@ -4,7 +4,7 @@ Reads the snapshot at trainer.snapshot_path (the newest, or trainer.resume_step)
 through snapshot_reader.SnapshotReader, which gives canonical names and full shapes
 whatever layout wrote it (fsdp shards, TP slices, pipeline stages), and writes
 
-    config.json          GPT-2's config (hf_gpt2.hf_config)
+    config.json          GPT-2's config (hf_gpt2.hf_config), with each tensor's CRC-32C
     model.safetensors    the weights, HF's layout (hf_gpt2.to_hf)
     vocab.json, merges.txt, tokenizer_config.json
                          data.tokenizer=gpt2, when tiktoken's cached encoder.json and
@@ -74,10 +74,11 @@ def export(cfg):
 def write_folder(out, state, gpt, tokenizer_saved):
     """Our canonical state + its gpt_config and tokenizer state -> the folder at `out`."""
     kind = tokenizer_saved["kind"]
-    with fsspec.open(_join(out, hf_gpt2.CONFIG), "w") as f:
-        json.dump(hf_gpt2.hf_config(gpt, tokenizer_saved), f, indent=2)
+    tensors = hf_gpt2.to_hf(state, gpt)
+    with fsspec.open(_join(out, hf_gpt2.CONFIG), "w") as f:  # with the tensors' checksums
+        json.dump(hf_gpt2.hf_config(gpt, tokenizer_saved, tensors), f, indent=2)
         f.write("\n")
-    hf_gpt2.write_safetensors(_join(out, hf_gpt2.WEIGHTS), hf_gpt2.to_hf(state, gpt))
+    hf_gpt2.write_safetensors(_join(out, hf_gpt2.WEIGHTS), tensors)
     if kind == "char":
         with fsspec.open(_join(out, hf_gpt2.CHAR_VOCAB), "w") as f:
             json.dump({"chars": list(tokenizer_saved["chars"])}, f, ensure_ascii=False)

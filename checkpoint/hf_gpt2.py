@@ -15,7 +15,8 @@ config.json says `activation_function: "gelu"` (exact GELU, ours; GPT-2's
 original `gelu_new` is the tanh approximation), `n_positions` = block_size,
 `layer_norm_epsilon` 1e-5, tied LM head (`lm_head.weight` is not stored:
 `tie_word_embeddings`), and under `mingpt_parallel` our own facts (bias,
-tokenizer). model.safetensors is written and read with the safetensors library
+tokenizer, and each tensor's CRC-32C, `tensor_crc32c`, which model.init_from checks
+when a folder has them: checkpoint/checksums.py). model.safetensors is written and read with the safetensors library
 (the format's own implementation, which transformers reads: no pickle, and
 its header checks are the library's, not a copy of them). Paths may be any
 fsspec URL.
@@ -27,6 +28,7 @@ import fsspec
 import safetensors.torch
 import torch
 
+from checkpoint.checksums import tensor_crc
 from errors import UserError
 
 CONFIG, WEIGHTS = "config.json", "model.safetensors"
@@ -104,15 +106,19 @@ def from_hf(tensors, gpt, where):
 
 # ---------------------------------------------------------------- config.json
 
-def hf_config(gpt, tokenizer_saved):
+def hf_config(gpt, tokenizer_saved, tensors=None):
     """config.json for a model of shape `gpt` trained with the tokenizer `tokenizer_saved`
     (our saved state: its kind, and for gpt2 the sha256 of its BPE files, so that
-    model.init_from reads the data with the same BPE)."""
+    model.init_from reads the data with the same BPE); tensors: model.safetensors' (HF
+    names), whose checksums it records. (Not in the safetensors file's metadata: the
+    library writes metadata in no fixed order, and an export is the same bytes each time.)"""
     gpt2_bpe = tokenizer_saved["kind"] == "gpt2"
     eot = gpt["vocab_size"] - 1 if gpt2_bpe else None  # <|endoftext|>: the id after the merges
     ours = {"bias": bool(gpt.get("bias", True)), "tokenizer": tokenizer_saved["kind"]}
     if gpt2_bpe and tokenizer_saved.get("sha256"):
         ours["tokenizer_sha256"] = tokenizer_saved["sha256"]
+    if tensors is not None:
+        ours["tensor_crc32c"] = {n: tensor_crc(t) for n, t in sorted(tensors.items())}
     return {
         "architectures": ["GPT2LMHeadModel"], "model_type": "gpt2",
         "vocab_size": gpt["vocab_size"], "n_positions": gpt["block_size"], "n_ctx": gpt["block_size"],
@@ -211,7 +217,25 @@ def read_folder(where):
         except (ValueError, KeyError, TypeError, AssertionError):
             raise UserError(f"model.init_from={where}: {CHAR_VOCAB} is damaged (expected "
                             '{"chars": [one character per token id]})') from None
-    return hf, read_safetensors(_join(where, WEIGHTS)), chars
+    tensors = read_safetensors(_join(where, WEIGHTS))
+    check_sums(where, hf, tensors)
+    return hf, tensors, chars
+
+
+def check_sums(where, hf, tensors):
+    """model.safetensors' tensors against the CRC-32C our export recorded in config.json
+    (a folder from elsewhere has none: taken as it is)."""
+    sums = (hf.get("mingpt_parallel") or {}).get("tensor_crc32c")
+    if sums is None:
+        return
+    again = "export its snapshot again (mode=export)"
+    if not isinstance(sums, dict):
+        raise UserError(f"model.init_from={where}: {CONFIG} is damaged (tensor_crc32c); {again}")
+    bad = next((n for n in sorted(set(tensors) | set(sums))
+                if n not in tensors or sums.get(n) != tensor_crc(tensors[n])), None)
+    if bad is not None:
+        raise UserError(f"model.init_from={where}: {_join(where, WEIGHTS)} is damaged: tensor "
+                        f"{bad!r} does not match its crc32c checksum ({CONFIG}); {again}")
 
 
 def tokenizer_state(hf, chars, where):

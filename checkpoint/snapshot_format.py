@@ -7,7 +7,8 @@ Layout under `trainer.snapshot_path` (a directory; any fsspec URL):
     latest.json                  -> {"step_dir": "step-00000120", "snapshot_id": ...}
     step-00000120/manifest.json  step, layout, config, GPT shape, tokenizer, wandb id,
                                  and an index: which bytes of which part hold which
-                                 range of which canonical tensor
+                                 range of which canonical tensor, with their checksums;
+                                 last, the checksum of the manifest itself
     step-00000120/part-00000.bin one per rank: a 256-byte JSON header, then raw tensors
 
 A canonical tensor is a model parameter or an AdamW state in single-device
@@ -18,6 +19,13 @@ rows or columns of a tensor-parallel shard, the pieces of an fsdp flat
 shard. Every element is written by exactly one rank, so replicated state is
 written once. Format 2 stored flat ranges; it still loads, each range read
 as the boxes it covers.
+
+Checksummed (format 4; checkpoint/checksums.py): each piece's index entry
+holds the CRC-32C of every MiB of its bytes, and the manifest the CRC-32C of
+its own contents. Every read checks what it reads (a ranged read widens to
+the MiB chunks it touches), so damage that keeps a file's size is one error
+naming the file and the tensor. Formats 2 and 3 have no checksums: they load
+unchecked.
 
 Reading is by box: `SnapshotReader.read_box(key, box)` fetches only the byte
 spans it needs (ranged reads also work on object stores), so a rank
@@ -36,8 +44,9 @@ the reader outside its directory.
 
 import torch
 
-FORMAT_VERSION = 3
-READABLE_VERSIONS = (2, 3)  # 2: flat ranges instead of boxes
+FORMAT_VERSION = 4
+READABLE_VERSIONS = (2, 3, 4)  # 2: flat ranges instead of boxes; 2 and 3: no checksums
+CHECKSUMMED_FROM = 4
 HEADER_BYTES = 256
 MAGIC = "mingpt-parallel-part"
 DTYPES = {"float32": torch.float32, "float64": torch.float64, "float16": torch.float16,

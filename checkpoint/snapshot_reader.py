@@ -1,18 +1,23 @@
 """Reading a sharded snapshot (the format: checkpoint/snapshot_format.py): opening checks
 everything that can be checked without reading a tensor, then ranged reads by box, so a
 rank resuming under another layout reads only its own shard; which snapshot a run
-resumes from, and whether it fits the model."""
+resumes from, and whether it fits the model. Every read is checked against the checksums
+the writer recorded (checkpoint/checksums.py)."""
 
+import contextlib
 import json
 import math
 
 import torch
+from fsspec.implementations.local import LocalFileSystem
 
 from checkpoint.boxes import (box_numel, box_shape, first_and_end, flat_range_boxes, from_jsonable,
                               intersect, shift, strides, whole)
 from checkpoint.snapshot_dirs import (PART_FILE, STEP_DIR, checked_name, fs_and_root, join,
                                       kept_steps, snapshot_exists, step_dir_name)
-from checkpoint.snapshot_format import DTYPES, HEADER_BYTES, MAGIC, READABLE_VERSIONS
+from checkpoint.checksums import ALGORITHM, CHUNK_BYTES, MANIFEST_KEY, crc, sealed_intact
+from checkpoint.snapshot_format import (CHECKSUMMED_FROM, DTYPES, HEADER_BYTES, MAGIC,
+                                        READABLE_VERSIONS)
 from errors import UserError
 
 
@@ -20,14 +25,22 @@ class SnapshotReader:
     """A checked snapshot: `meta` (the manifest) and ranged reads of canonical tensors.
 
     Opening it checks everything that can be checked without reading the tensors:
-    format versions, that every part exists with its header and exact size, and
-    that each key's boxes tile the whole tensor once. So a damaged snapshot fails
-    on every rank, before any training state is touched."""
+    the manifest's own checksum, format versions, that every part exists with its
+    header and exact size, and that each key's boxes tile the whole tensor once.
+    So a damaged snapshot fails on every rank, before any training state is
+    touched. Damage inside a tensor's bytes (the size unchanged) is found by the
+    read of those bytes: each checksummed chunk a read touches is checked, and a
+    mismatch is one UserError naming the part, the tensor and an older kept snapshot
+    to go back to (`damage_found_later` collects it instead, for a load whose
+    collectives must run on every rank)."""
 
-    def __init__(self, path, step=-1):
-        """step=-1: the snapshot latest.json names; else the kept one of that step."""
-        self.path = path
-        self.fs, root = fs_and_root(path)
+    def __init__(self, path, step=-1, verify=True):
+        """step=-1: the snapshot latest.json names; else the kept one of that step.
+        verify=False: no checksum checked (the benchmark's baseline only)."""
+        self.path, self.verify = path, verify
+        self.defer, self.found = False, None  # damage_found_later
+        self.fs, self.root = fs_and_root(path)
+        root = self.root
         if step == -1:
             latest_path = join(root, "latest.json")
             latest = self._json(latest_path)
@@ -35,8 +48,11 @@ class SnapshotReader:
         else:
             latest, name = None, step_dir_name(step)
         self.dir = join(root, name)
+        self.dir_step = int(STEP_DIR.fullmatch(name).group(1))
         manifest = join(self.dir, "manifest.json")
-        self.meta = self._json(manifest)
+        self.meta = self._json(manifest, damaged=True)
+        if verify:
+            self._check_sealed(manifest)
         self.version = self.meta.get("format_version")
         if self.version not in READABLE_VERSIONS:
             raise UserError(f"snapshot {path} has format version {self.version!r}; "
@@ -47,14 +63,38 @@ class SnapshotReader:
             raise UserError(f"snapshot {path}: {manifest} is of step {self.meta.get('step')!r}, "
                             f"not the step its directory {name} names")
         try:
+            self.chunk_bytes = self._chunk_bytes()
             self.index, sizes = self._index(self.meta["parts"])
         except (KeyError, TypeError, ValueError) as e:
-            raise UserError(f"snapshot {path}: {manifest} is damaged ({type(e).__name__}: {e})") from None
+            raise UserError(f"snapshot {path}: {manifest} is damaged ({type(e).__name__}: {e}); "
+                            f"{self.recovery()}") from None
         for name, size in sizes.items():
             self._check_part(name, size)
 
+    def _check_sealed(self, manifest):
+        """The manifest's own checksum (format 4 on); formats 2 and 3 have none."""
+        sealed, version = MANIFEST_KEY in self.meta, self.meta.get("format_version")
+        if not sealed and not (isinstance(version, int) and version >= CHECKSUMMED_FROM):
+            return  # an older format (or an unknown one: the version check says so)
+        if sealed and sealed_intact(self.meta):
+            return
+        why = "its contents do not match its crc32c checksum" if sealed else "it has no checksum"
+        raise UserError(f"snapshot {self.path}: manifest {manifest} is damaged ({why}); "
+                        f"{self.recovery()}")
+
+    def _chunk_bytes(self):
+        """Bytes per checksum in the parts (format 4 on), or None: nothing to check."""
+        if self.version < CHECKSUMMED_FROM or not self.verify:
+            return None
+        sums = self.meta["checksums"]
+        if sums["algorithm"] != ALGORITHM or not isinstance(sums["chunk_bytes"], int) \
+                or sums["chunk_bytes"] <= 0 or sums["chunk_bytes"] % 8:
+            raise ValueError(f"checksums {sums!r}: this code checks {ALGORITHM} chunks")
+        return sums["chunk_bytes"]
+
     def _entries(self, e):
-        """A manifest entry as boxes: (key, shape, box, dtype, file, byte offset)."""
+        """A manifest entry as boxes: (key, shape, box, dtype, file, byte offset, its
+        chunks' checksums or None)."""
         shape, dtype = tuple(int(n) for n in e["shape"]), e["dtype"]
         if dtype not in DTYPES:
             raise ValueError(f"{e['key']} has unknown dtype {dtype!r}")
@@ -62,12 +102,18 @@ class SnapshotReader:
             box = from_jsonable(e["box"])
             if len(box) != len(shape) or any(not 0 <= a < b <= n for (a, b), n in zip(box, shape)):
                 raise ValueError(f"box {box} of {e['key']} is not inside its shape {shape}")
-            return [(e["key"], shape, box, dtype, e["file"], e["offset"])]
+            sums = None
+            if self.chunk_bytes is not None:
+                sums = e["crc32c"]
+                nbytes = box_numel(box) * DTYPES[dtype].itemsize
+                if not isinstance(sums, list) or len(sums) != -(-nbytes // self.chunk_bytes):
+                    raise ValueError(f"the checksums of {e['key']} do not cover its {nbytes} bytes")
+            return [(e["key"], shape, box, dtype, e["file"], e["offset"], sums)]
         out, offset, item = [], e["offset"], DTYPES[dtype].itemsize  # version 2: a flat range
         if not 0 <= e["start"] < e["start"] + e["length"] <= math.prod(shape):
             raise ValueError(f"range of {e['key']} is not inside its shape {shape}")
         for box in flat_range_boxes(shape, e["start"], e["start"] + e["length"]):
-            out.append((e["key"], shape, box, dtype, e["file"], offset))
+            out.append((e["key"], shape, box, dtype, e["file"], offset, None))
             offset += box_numel(box) * item
         return out
 
@@ -75,12 +121,12 @@ class SnapshotReader:
         """key -> its entries, checked to tile the whole tensor exactly once."""
         index, sizes = {}, {}
         for part in parts:
-            for key, shape, box, dtype, file, offset in self._entries(part):
-                index.setdefault(key, []).append((shape, box, dtype, file, offset))
+            for key, shape, box, dtype, file, offset, sums in self._entries(part):
+                index.setdefault(key, []).append((shape, box, dtype, file, offset, sums))
                 end = offset + box_numel(box) * DTYPES[dtype].itemsize
                 sizes[file] = max(sizes.get(file, HEADER_BYTES), end)
         for key, entries in index.items():
-            shape, _, dtype, _, _ = entries[0]
+            shape, _, dtype = entries[0][:3]
             if any(e[0] != shape or e[2] != dtype for e in entries):
                 raise ValueError(f"the pieces of {key} disagree on shape or dtype")
             for i, a in enumerate(entries):
@@ -92,14 +138,17 @@ class SnapshotReader:
                 raise ValueError(f"the pieces of {key} cover {covered} of {math.prod(shape)} elements")
         return index, sizes
 
-    def _json(self, path):
+    def _json(self, path, damaged=False):
+        """damaged: a file of this step (the manifest), so unreadable JSON says which older
+        snapshot to go back to."""
         try:
             with self.fs.open(path, "r") as f:
                 obj = json.load(f)
         except FileNotFoundError:
             raise UserError(f"snapshot {self.path}: {path} is missing") from None
         except (ValueError, UnicodeDecodeError) as e:
-            raise UserError(f"snapshot {self.path}: {path} is corrupt or truncated ({e})") from None
+            hint = f"; {self.recovery()}" if damaged else ""
+            raise UserError(f"snapshot {self.path}: {path} is corrupt or truncated ({e}){hint}") from None
         if not isinstance(obj, dict):
             raise UserError(f"snapshot {self.path}: {path} is not a JSON object")
         return obj
@@ -129,12 +178,74 @@ class SnapshotReader:
             raise UserError(f"snapshot {self.path}: part {path} is truncated or padded "
                             f"({actual} bytes, expected {size})")
 
+    def recovery(self):
+        """What to do about damage in this snapshot: the newest kept snapshot before it."""
+        try:
+            older = [s for s in kept_steps(self.fs, self.root) if s < self.dir_step]
+        except Exception:  # listing failed too: say what can be said
+            older = []
+        if older:
+            before = f" (kept before it: steps {', '.join(map(str, older[:-1]))})" if older[:-1] else ""
+            return f"go back to the older kept snapshot with trainer.resume_step={older[-1]}{before}"
+        return ("no older snapshot is kept to go back to (trainer.keep_snapshots keeps more): "
+                "restore this one from a copy, or start afresh with a new trainer.snapshot_path")
+
+    @contextlib.contextmanager
+    def damage_found_later(self):
+        """Inside it, damage a read finds goes to `found` (the first line) and the read
+        returns the damaged values, so a load whose strategy runs collectives between its
+        reads (fsdp's gathers) runs them on every rank; the caller agrees and raises."""
+        self.defer, self.found = True, None
+        try:
+            yield self
+        finally:
+            self.defer = False
+
+    def _damaged(self, key, file, start, end, why="does not match its crc32c checksum"):
+        line = (f"snapshot {self.path}: part {join(self.dir, file)} is damaged: tensor {key!r} "
+                f"(bytes {start}-{end} of the part) {why}; {self.recovery()}")
+        if not self.defer:
+            raise UserError(line)
+        self.found = self.found or line
+
+    def _read_piece(self, key, file, offset, nbytes, sums, start, end):
+        """Bytes [start, end) of a stored piece (offset: its first byte in `file`, nbytes
+        its size), as (a buffer, where they begin in it). Checked (a checksummed piece,
+        verify): the read widens to the chunks it touches, and each chunk's checksum is
+        taken right after it was read, while it is in the cache. A local part is read
+        straight into the buffer, a chunk at a time; others in one ranged read."""
+        size = self.chunk_bytes or CHUNK_BYTES
+        check = sums is not None and self.verify
+        lo, hi = (start // size * size, min(-(-end // size) * size, nbytes)) if check else (start, end)
+        out = bytearray(hi - lo)
+        view = memoryview(out)
+        if isinstance(self.fs, LocalFileSystem):
+            with self.fs.open(join(self.dir, file), "rb") as f:
+                f.seek(offset + lo)
+                got = 0
+                for at in range(0, hi - lo, size):
+                    stop = min(at + size, hi - lo)
+                    got += f.readinto(view[at:stop])
+                    if check and crc(view[at:stop]) != sums[(lo + at) // size]:
+                        self._damaged(key, file, offset + lo + at, offset + lo + stop)
+        else:
+            data = self._bytes(file, offset + lo, offset + hi)
+            got = len(data)
+            view[:got] = data
+            for at in range(0, got if check else 0, size):
+                stop = min(at + size, hi - lo)
+                if crc(view[at:stop]) != sums[(lo + at) // size]:
+                    self._damaged(key, file, offset + lo + at, offset + lo + stop)
+        if got != hi - lo:  # the part shrank since it was opened
+            self._damaged(key, file, offset + lo, offset + hi, "is cut short")
+        return out, start - lo
+
     def keys(self):
         return self.index.keys()
 
     def part_files(self):
         """Names of the part files that hold tensor data."""
-        return {file for entries in self.index.values() for _, _, _, file, _ in entries}
+        return {e[3] for entries in self.index.values() for e in entries}
 
     def shape(self, key):
         return self.index[key][0][0]
@@ -152,14 +263,15 @@ class SnapshotReader:
             raise UserError(f"snapshot {self.path}: {key!r} has shape {shape}, no box {box}")
         out = torch.empty(box_shape(box), dtype=dtype)
         item = out.element_size()
-        for _, piece, _, file, offset in entries:  # they tile the tensor (checked on opening)
+        for _, piece, _, file, offset, sums in entries:  # they tile the tensor (checked on opening)
             common = intersect(box, piece)
             if common is None:
                 continue
             piece_shape = box_shape(piece)
             first, end = first_and_end(piece_shape, shift(common, piece))
-            raw = self._bytes(file, offset + first * item, offset + end * item)
-            flat = torch.frombuffer(bytearray(raw), dtype=dtype)
+            raw, skip = self._read_piece(key, file, offset, box_numel(piece) * item, sums,
+                                         first * item, end * item)
+            flat = torch.frombuffer(raw, dtype=dtype, offset=skip, count=end - first)
             where = tuple(slice(a, b) for a, b in shift(common, box))
             out[where] = flat.as_strided(box_shape(common), strides(piece_shape))
         return out

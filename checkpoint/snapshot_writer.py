@@ -10,6 +10,7 @@ import torch
 import torch.distributed as dist
 
 from checkpoint.boxes import as_jsonable, box_numel, flat_range_boxes
+from checkpoint.checksums import ALGORITHM, CHUNK_BYTES, seal, write_chunks
 from checkpoint.snapshot_dirs import fs_and_root, join, kept_steps, remove_stale, step_dir_name
 from checkpoint.snapshot_format import DTYPES, FORMAT_VERSION, HEADER_BYTES, MAGIC
 from data.fs_json import read_json, write_json
@@ -72,10 +73,12 @@ def prepare_step_dir(path, step):
     fs.makedirs(step_dir, exist_ok=True)
 
 
-def write_part(path, step, rank, snapshot_id, pieces):
-    """This rank's part file of `step`; returns its index entries (for the manifest)."""
+def write_part(path, step, rank, snapshot_id, pieces, checksums=True):
+    """This rank's part file of `step`; returns its index entries (for the manifest), each
+    with its bytes' checksums (checkpoint/checksums.py; checksums=False: none, the
+    benchmark's baseline, bench.snapshot_checksum)."""
     fs, root = fs_and_root(path)
-    return _write_part(fs, join(root, step_dir_name(step)), rank, snapshot_id, pieces)
+    return _write_part(fs, join(root, step_dir_name(step)), rank, snapshot_id, pieces, checksums)
 
 
 def commit(path, step, snapshot_id, meta, indexes):
@@ -84,8 +87,10 @@ def commit(path, step, snapshot_id, meta, indexes):
     fs, root = fs_and_root(path)
     step_name = step_dir_name(step)
     manifest = {"format_version": FORMAT_VERSION, "snapshot_id": snapshot_id, "step": step,
-                **meta, "parts": [e for part in indexes for e in part]}
-    write_json(fs, join(join(root, step_name), "manifest.json"), manifest)
+                **meta, "checksums": {"algorithm": ALGORITHM, "chunk_bytes": CHUNK_BYTES},
+                "parts": [e for part in indexes for e in part]}
+    # sealed: the manifest carries the checksum of its own contents
+    write_json(fs, join(join(root, step_name), "manifest.json"), seal(manifest))
     write_json(fs, join(root, "latest.json"), {"step_dir": step_name, "snapshot_id": snapshot_id},
                atomic=True)
 
@@ -106,7 +111,7 @@ def _step_back_from(fs, root, step_name):
                     atomic=True)
 
 
-def _write_part(fs, step_dir, rank, snapshot_id, pieces):
+def _write_part(fs, step_dir, rank, snapshot_id, pieces, checksums=True):
     name = f"part-{rank:05d}.bin"
     header = json.dumps({"magic": MAGIC, "format_version": FORMAT_VERSION,
                          "snapshot_id": snapshot_id, "rank": rank}).encode()
@@ -122,9 +127,13 @@ def _write_part(fs, step_dir, rank, snapshot_id, pieces):
             nbytes = raw.numel() * raw.element_size()
             # the tensor's own bytes (buffer protocol), not a bytes copy: a copy doubled the
             # write's memory traffic and CPU time (bench.snapshot_async), paid by every rank
-            f.write(raw.view(torch.uint8).numpy())
-            index.append({"key": key, "shape": list(shape), "box": as_jsonable(box),
-                          "dtype": dtype, "file": name, "offset": offset})
+            data = memoryview(raw.view(torch.uint8).numpy())
+            entry = {"key": key, "shape": list(shape), "box": as_jsonable(box),
+                     "dtype": dtype, "file": name, "offset": offset}
+            sums = write_chunks(f, data, summed=checksums)
+            if sums is not None:
+                entry["crc32c"] = sums
+            index.append(entry)
             offset += nbytes
     return index
 

@@ -31,8 +31,8 @@ from fault_tolerance import lighthouse, logs
 from fault_tolerance.buckets import buckets, in_place, part
 from fault_tolerance.one_group import OneGroup
 from fault_tolerance.shares import shares_of
-from fault_tolerance.state_transfer import (differences, held_state, load_held_state,
-                                            numbers_of, wait_for_device)
+from fault_tolerance.state_transfer import (damage_in, differences, held_state,
+                                            load_held_state, numbers_of, wait_for_device)
 
 
 class QuorumLost(UserError):
@@ -329,7 +329,10 @@ class ReplicaGroup:
 
     def _take(self, sent):
         """The live state: taken only if its settings are this group's; else noted, and
-        begin_step ends this group with one line."""
+        begin_step ends this group with one line. Taken only if every tensor every rank of
+        this group received matches its checksum (each rank checks its own, then all
+        agree, before any loads): else every rank stops with the line of one that found
+        damage."""
         theirs = sent.get("numbers")
         differ = differences(self.numbers, theirs) if self.numbers and theirs else []
         if differ:
@@ -337,6 +340,13 @@ class ReplicaGroup:
                             f"(group {sent['replica_id']}'s): {', '.join(differ)} differ, which "
                             "changes the numbers; it is refused: start it with their settings")
             return
+        damage = damage_in(sent)
+        line = self.grid.first_line(None if damage is None else (
+            f"replica group {self.ft.replica_id} could not heal: the state rank {self.grid.rank} "
+            f"received from group {sent.get('replica_id')} is damaged ({damage}); nothing was "
+            "loaded: start this group again to heal from a live group anew"))
+        if line is not None:
+            raise UserError(line)
         load_held_state(self.strategy, sent)
         self.healed_from = sent["replica_id"]
 

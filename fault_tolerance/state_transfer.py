@@ -8,11 +8,13 @@ parts it would write (Region.writes leaves replicated copies to one writer). The
 position and the random state are functions of the step (trainer.py), so the step
 carries them. The receiver loads it through the snapshot path (Strategy.load_shards),
 so whatever a strategy does after a load (ZeRO-1/2's gather, offload's copy to the
-device) happens here too.
+device) happens here too. Each tensor travels with its CRC-32C (checkpoint/checksums.py),
+taken by the sender; the receiver checks every one before it loads any (`damage_in`).
 """
 
 import torch
 
+from checkpoint.checksums import tensor_crc
 from parallel.placement import OPTIM_FIELDS
 
 
@@ -33,8 +35,24 @@ def held_state(strategy, step, replica_id, numbers=None):
                         r.values(state[field])[idx].cpu().clone()
         if "step" in state:
             tensors[f"optim/{name}/step"] = state["step"].reshape(()).cpu().clone()
-    return {"tensors": tensors, "step": step, "replica_id": replica_id,
+    return {"tensors": tensors, "crc32c": {key: tensor_crc(t) for key, t in tensors.items()},
+            "step": step, "replica_id": replica_id,
             "precision": strategy.precision.state(), "numbers": numbers}
+
+
+def damage_in(sent):
+    """None if every tensor of a peer's held_state matches the checksum it was sent with,
+    else what does not (the first tensor, by its canonical name and box)."""
+    sums, tensors = sent.get("crc32c"), sent.get("tensors")
+    if not isinstance(sums, dict) or not isinstance(tensors, dict):
+        return "it holds no checksums"
+    for key, t in tensors.items():
+        if not torch.is_tensor(t) or sums.get(key) != tensor_crc(t.cpu()):
+            name, _, box = key.partition("@")
+            return f"tensor {name!r}{f' (box {box})' if box else ''} does not match its crc32c checksum"
+    if set(sums) != set(tensors):
+        return f"it lacks tensor {sorted(set(sums) - set(tensors))[0]!r}"
+    return None
 
 
 def numbers_of(cfg) -> dict:

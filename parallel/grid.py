@@ -215,6 +215,17 @@ class ProcessGrid:
         checked_all_reduce(flag, self.device, op=dist.ReduceOp.MIN)
         return bool(flag.item())
 
+    def first_line(self, line):
+        """Collective: None on every rank if no rank has a `line`, else the line of the
+        lowest rank that has one, on every rank (so each prints what was found, e.g. the
+        damaged part of a snapshot that only one rank read). One all-reduce; the lines
+        travel (host memory) only when there is one."""
+        if self.all_ok(line is None):
+            return None
+        lines = [None] * self.world_size
+        dist.all_gather_object(lines, line, group=self.host_group)
+        return next(found for found in lines if found is not None)
+
     def __repr__(self):
         shown = [d for d in DIMS if d != "dp_replicate" or self.sizes[d] > 1]  # HSDP only
         sizes = ", ".join(f"{d}={self.sizes[d]}" for d in shown)

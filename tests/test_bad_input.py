@@ -12,6 +12,7 @@ import shutil
 
 import pytest
 
+from checkpoint.checksums import seal
 from checkpoint.snapshot_reader import check_model_shape, open_snapshot
 from errors import UserError
 from harness import our_frames, run_job
@@ -85,7 +86,7 @@ def damage(snap, how):
     if how == "manifest of another shape":
         meta = json.loads(manifest.read_text())
         meta["gpt_config"]["n_embd"] = 48
-        manifest.write_text(json.dumps(meta))
+        manifest.write_text(json.dumps(seal(meta)))  # a sound manifest, of another model
         return snap
     # names are data from elsewhere: a complete, valid copy lies outside the snapshot,
     # so a reader that followed the name would resume from it without complaint
@@ -104,7 +105,7 @@ def damage(snap, how):
         for entry in meta["parts"]:
             if entry["file"] == part.name:
                 entry["file"] = f"../../outside/{part.name}"
-        manifest.write_text(json.dumps(meta))
+        manifest.write_text(json.dumps(seal(meta)))  # sealed anew: a checksum is no defence
         return manifest
     return snap
 

@@ -12,7 +12,9 @@ path through main.train, with a stand-in for torchft's Manager (no lighthouse, n
 - the next step's quorum, started as a step ends (stepped), hands a healing group the
   live state on its own thread, and begin_step takes it on the trainer's; a batch read
   ahead for the shares a group held serves the next step only if its quorum dealt them,
-  and only the step it was read for.
+  and only the step it was read for;
+- a healing state damaged on its way (a flipped bit) is refused in one line naming the
+  tensor, before anything loads (its checksums, state_transfer.damage_in).
 
 The stand-in is one group alone of ft.replicas=1: its all-reduce is the identity, its vote
 says no on the tries the test names. The real launches (a lighthouse, groups killed) are
@@ -285,7 +287,8 @@ def group_over_grads(grads, replica_id=0, replicas=2):
     """A ReplicaGroup (of ft.replicas=2, holding share 0) around the Recorder."""
     from types import SimpleNamespace
     ft = SimpleNamespace(replicas=replicas, replica_id=replica_id, timeout_s=60.0)
-    grid = SimpleNamespace(device=torch.device("cpu"), rank=0, is_main=True)
+    grid = SimpleNamespace(device=torch.device("cpu"), rank=0, is_main=True,
+                           first_line=lambda line: line)  # one rank: its own line
     group = object.__new__(ReplicaGroup)
     group.ft, group.grid, group.token, group.shares = ft, grid, 7, [0]
     group.numbers, group.refused = None, None
@@ -488,7 +491,7 @@ class HealingManager(StandInManager):
         self.load, self.step = load_state_dict, 7
 
     def start_quorum(self):
-        self.load({"numbers": None, "replica_id": 1})
+        self.load({"numbers": None, "replica_id": 1, "tensors": {}, "crc32c": {}})
 
     def num_participants(self):
         return 2
@@ -559,3 +562,34 @@ def test_an_early_quorum_that_timed_out_is_asked_again_and_a_late_one_is_not():
     with pytest.raises(replica_group.QuorumLost, match="Timeout expired"):
         group.begin_step()
     assert group.manager.asked == 1
+
+
+def test_a_damaged_healing_state_is_refused_in_one_line_before_anything_loads(
+        tmp_path, one_rank_grid, monkeypatch):
+    """The state a live group sends (held_state, as its quorum recorded it) carries each
+    tensor's CRC-32C; the same state with one bit flipped in one tensor (its size the
+    same) is refused by the healing group's _take in one line naming the tensor and the
+    sending group, and nothing is loaded; the intact state loads. Red without the check
+    (_take not calling damage_in): DID NOT RAISE, the damaged state loaded."""
+    from errors import UserError
+    _, manager, _ = train(tmp_path, "live", one_rank_grid, monkeypatch, ["parallel.dp=single"])
+    sent = manager.seen[-1][1]
+    assert state_transfer.damage_in(sent) is None
+    key = next(k for k in sent["tensors"] if k.startswith("model/transformer.h.0.attn.c_attn.weight@"))
+    loaded = []
+    monkeypatch.setattr(replica_group, "load_held_state", lambda strategy, got: loaded.append(got))
+    group = group_over_grads([])
+    group.strategy = None  # load_held_state is the recorder
+    group._take(sent)
+    assert loaded == [sent]
+    damaged = dict(sent, tensors=dict(sent["tensors"]))
+    t = damaged["tensors"][key].clone()
+    t.view(-1).view(torch.int32)[5] ^= 1 << 30  # one flipped bit: 0.02 -> about 1e37
+    damaged["tensors"][key] = t
+    with pytest.raises(UserError) as refused:
+        group._take(damaged)
+    line = str(refused.value)
+    name, _, box = key.partition("@")
+    assert f"tensor {name!r} (box {box}) does not match its crc32c checksum" in line, line
+    assert "from group 0 is damaged" in line and "\n" not in line
+    assert loaded == [sent]  # the damaged state was not loaded
