@@ -140,13 +140,13 @@ DATA = [  # data parallelism: hybrid sharding, offload, each strategy (data_para
          "replicas to make; hybrid sharding needs parallel.dp=fsdp on several data-parallel ranks"),
     Rule("parallel.dp_replicate", lambda dp_replicate, can: dp_replicate > 1
          and "hybrid_shards" not in can,
-         "parallel.dp_replicate={dp_replicate} with parallel.dp={p.dp}: parallel.dp={p.dp} holds "
-         "whole replicas, so there is nothing to shard inside a replica group; hybrid sharding "
-         "needs parallel.dp=fsdp (or torch_fsdp, PyTorch's reference)"),
+         "parallel.dp_replicate={dp_replicate} with {what}: {what} holds whole replicas, so "
+         "there is nothing to shard inside a replica group; hybrid sharding needs "
+         "parallel.dp=fsdp (or torch_fsdp, PyTorch's reference)"),
     Rule("parallel.offload", lambda p, can: p.offload and "offloads" not in can,
-         "parallel.offload=true with parallel.dp={p.dp}: offloading moves a shard's master "
-         "weights, gradient and optimizer state to host memory, and only parallel.dp=fsdp (ZeRO "
-         "stages 1-3; or torch_fsdp, PyTorch's reference) shards them"),
+         "parallel.offload=true with {what}: offloading moves a shard's master weights, "
+         "gradient and optimizer state to host memory, and only parallel.dp=fsdp (ZeRO stages "
+         "1-3; or torch_fsdp, PyTorch's reference) shards them"),
     # PyTorch's references measure one dimension alone
     Rule("torch_tp", lambda tp: tp == 1,
          "parallel.tp_impl=torch is PyTorch's tensor parallelism, the reference for parallel.tp: "

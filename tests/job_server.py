@@ -51,9 +51,7 @@ def run_one(job, rank, world_size, local_rank):
         os.dup2(out.fileno(), 1)
         os.dup2(err.fileno(), 2)
         try:
-            if "trainer.compile=true" in job["argv"]:  # harness.run_job(compile_in_server=True)
-                import torch._dynamo
-                torch._dynamo.reset()  # compiles its blocks anew, within dynamo's limits
+            as_a_fresh_process(job)
             return entry.run(job["argv"], rank, world_size, local_rank)
         finally:
             sys.stdout.flush()
@@ -64,6 +62,18 @@ def run_one(job, rank, world_size, local_rank):
             os.close(saved[1])
             os.environ.clear()
             os.environ.update(environ)
+
+
+def as_a_fresh_process(job):
+    """Forget what an earlier job left in this process that a new one would not find: the
+    grouped product's probe (the first MoE forward of a process runs it, inside whatever
+    recompute that forward is in: moe/experts.py), and, for a compiling job
+    (harness.run_job(compile_in_server=True)), dynamo's caches."""
+    import moe.experts
+    moe.experts._GROUPED_OK.clear()
+    if "trainer.compile=true" in job["argv"]:
+        import torch._dynamo
+        torch._dynamo.reset()  # compiles its blocks anew, within dynamo's limits
 
 
 def can_run_another(code):

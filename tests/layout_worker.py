@@ -476,6 +476,9 @@ def compute():
         result["random"]["cp"] = check_cp_streams()
     import experts_worker  # mixture-of-experts layouts (tests/test_experts.py)
     result["experts"] = experts_worker.compute()
+    if not only:  # the combination matrix's cases of this world (tests/test_option_matrix.py)
+        import matrix_worker
+        result["matrix"] = matrix_worker.compute()
     if world == 2 and not only:  # a NaN in one rank's gradient (tests/test_nonfinite_steps.py)
         import nonfinite_worker
         result["nonfinite"] = nonfinite_worker.compute()
