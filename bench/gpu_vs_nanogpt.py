@@ -58,7 +58,7 @@ def parse_args(argv):
     p.add_argument("--timeout", type=float, default=1800, help="seconds before a run counts as hung (%(default)s)")
     p.add_argument("--budget-s", type=float, default=0,
                    help="seconds for the whole command (0: no limit): a round starts only if it "
-                        "fits as the longest one so far did, a run is killed when the budget ends")
+                        "fits as the last one did, a run is killed when the budget ends")
     p.add_argument("--rows", default="", metavar="FILE",
                    help="append each run's figures to FILE as a JSON line as soon as it ends")
     p.add_argument("--out", default="", help="output directory (default docs/bench/gpu-vs-nanogpt/<cuda|cpu>)")
@@ -224,7 +224,9 @@ def main(argv=None):
                              "bfloat16" if s["precision"] == "bf16" else "float32", s["compile"])
     runs_dir = args.runs_dir or tempfile.mkdtemp(prefix="bench-nanogpt-")
     load_before, rounds, begun = os.getloadavg(), [], time.monotonic()
-    shown = [a.replace(args.nanogpt, PLACEHOLDER) if os.path.isabs(args.nanogpt) else a for a in argv]
+    # the checkout named by a placeholder, wherever it was (peers/nanoGPT on a GPU machine)
+    shown = [PLACEHOLDER if a == args.nanogpt else a.replace(args.nanogpt, PLACEHOLDER)
+             if os.path.isabs(args.nanogpt) else a for a in argv]
     how = "-m bench.gpu_vs_nanogpt" if __package__ else "bench/gpu_vs_nanogpt.py"
     # one folder per device kind, so a GPU's run sits beside the CPU's committed one (and a
     # docs/bench/<name>/results.json one level up would be read as bench.run's by test_bench)
@@ -243,10 +245,11 @@ def main(argv=None):
 
     try:
         for rnd in range(1, args.rounds + 1):
-            longest = max((r["seconds"] for r in rounds), default=0)
-            if rounds and args.budget_s and time.monotonic() - begun + longest > args.budget_s:
+            # the last round's time: the first compiles both sides, the next reuse the caches
+            last = rounds[-1]["seconds"] if rounds else 0
+            if rounds and args.budget_s and time.monotonic() - begun + last > args.budget_s:
                 print(f"round {rnd}/{args.rounds}: not started, --budget-s {args.budget_s:g} "
-                      f"would not hold it (the longest round took {longest:.0f} s)", flush=True)
+                      f"would not hold it (the last round took {last:.0f} s)", flush=True)
                 break
             started = time.monotonic()
             # nanoGPT first, ours second in every round; each side keeps one inductor cache
