@@ -5,8 +5,8 @@ is not the first time they run.
 The stand-in: the checkout as a call sends it (the tracked and untracked-not-ignored
 files, no .git; the kit built in it first, from a git work tree, as here), a virtual
 environment whose `python3` sees this Python's torch but not omegaconf, wandb or torchft
-(a sitecustomize hides the system's copies: the image has none), no `python` named
-anywhere (PYTHON unset), and the kit's wheel (omegaconf, repacked from the installed
+(a sitecustomize hides the system's copies: the image has none), a `python` on PATH that
+fails (PYTHON unset), and the kit's wheel (omegaconf, repacked from the installed
 copy: the suite has no network) installed by the device command itself into a folder on
 PYTHONPATH, as there. The smoke part runs for real at one tiny row on the CPU (about 20
 CPU-s: three interpreters); the other parts' commands are printed (GPU_SESSION_DRY=1)
@@ -82,6 +82,11 @@ def machine(tmp_path_factory):
                           capture_output=True, text=True, check=True).stdout.strip()
     with open(os.path.join(site, "sitecustomize.py"), "w") as f:
         f.write(HIDE)
+    (venv / "bin" / "python").unlink()  # python3 alone there; any other `python` fails:
+    decoy = venv / "no-python"
+    decoy.mkdir()
+    (decoy / "python").write_text('#!/bin/sh\necho "python: no such interpreter on the GPU image" >&2; exit 127\n')
+    (decoy / "python").chmod(0o755)
     return copy, venv / "bin", json.loads((copy / "peers" / "kit.json").read_text())
 
 
@@ -90,7 +95,8 @@ def device_env(machine, tmp_path, **extra):
     _, bin_dir, _ = machine
     env = {k: v for k, v in os.environ.items() if k not in (
         "PYTHON", "PYTHONPATH", "FORK_SERVER_SOCKET", "PYTHON_EXEC", "MASTER_ADDR", "MASTER_PORT")}
-    env.update(PATH=f"{bin_dir}{os.pathsep}{env['PATH']}", OUT=str(tmp_path / "out"),
+    env.update(PATH=os.pathsep.join([str(bin_dir), str(bin_dir.parent / "no-python"), env["PATH"]]),
+               OUT=str(tmp_path / "out"),
                KIT_SITE=str(tmp_path / "site"), GPU_PART_S=str(PART_S), OMP_NUM_THREADS="1", **extra)
     return env
 
