@@ -82,7 +82,10 @@ def machine(tmp_path_factory):
                           capture_output=True, text=True, check=True).stdout.strip()
     with open(os.path.join(site, "sitecustomize.py"), "w") as f:
         f.write(HIDE)
-    (venv / "bin" / "python").unlink()  # python3 alone there; any other `python` fails:
+    real = os.path.realpath(venv / "bin" / "python3")  # python3 alone there (a link of its
+    for name in ("python3", "python"):                   # own: the venv's is one to `python`);
+        (venv / "bin" / name).unlink()                   # any other `python` fails:
+    (venv / "bin" / "python3").symlink_to(real)
     decoy = venv / "no-python"
     decoy.mkdir()
     (decoy / "python").write_text('#!/bin/sh\necho "python: no such interpreter on the GPU image" >&2; exit 127\n')
