@@ -190,3 +190,16 @@ def test_the_copys_commit_says_when_its_files_differ_from_the_kits(machine, tmp_
     finally:
         target.write_text(before)
     assert said.stdout.strip() == kit["commit"] + "-changed-since-kit" and "README.md" in said.stderr
+
+
+def test_results_name_the_kits_commits_where_there_is_no_git(tmp_path, monkeypatch):
+    """A copy without .git: git prints nothing, so the results' commit is MINGPT_COMMIT
+    (gpu_session.sh sets it from the kit), and the nanoGPT copy's is its .commit. Red
+    when either records '?' instead."""
+    from bench import nanogpt_runner, report
+    monkeypatch.setattr(report.subprocess, "run",
+                        lambda *a, **k: subprocess.CompletedProcess(a, 128, stdout="", stderr="not a git repository"))
+    monkeypatch.setenv("MINGPT_COMMIT", "abc1234-changed-since-kit")
+    assert report.environment(os.getloadavg())["git"] == "abc1234-changed-since-kit"
+    (tmp_path / ".commit").write_text("3adf61e154c3fe3fca428ad6bc3818b27a3b8291\n")
+    assert nanogpt_runner.checkout_commit(str(tmp_path)) == "3adf61e154c3"
