@@ -127,9 +127,10 @@ class HangReport:
 
     def started(self) -> dict:
         """How many collectives this rank started on each group ("0,1,2,3": n)."""
+        started = getattr(self.comm, "started", {})
         for _ in range(3):  # the training thread may add a group while this one reads
             try:
-                return {",".join(map(str, ranks)): n for ranks, n in list(getattr(self.comm, "started", {}).items())}
+                return {",".join(map(str, ranks)): n for ranks, n in list(started.items())}
             except RuntimeError:
                 continue
         return {}
