@@ -45,7 +45,7 @@ from launch.exit import flush_and_exit
 from model import GPT, GPTConfig, shapes_only
 from parallel.comm import collective_failure
 from parallel.parallelize import parallelize
-from parallel.grid import ProcessGrid, together
+from parallel.grid import ProcessGrid, nccl_timeout_s, together
 from parallel.initial import GivenWeights, InitialWeights
 from planner.dryrun import dryrun
 from planner.report import plan
@@ -89,6 +89,8 @@ def init_process_group(device, timeout_s, rank, world_size, run_dir=None):
         for key, value in nccl_flight_recorder(run_dir).items():
             os.environ.setdefault(key, value)
     timeout = datetime.timedelta(seconds=timeout_s)
+    # NCCL's collectives wait a margin longer: each rank's hang watchdog reports first
+    waits = datetime.timedelta(seconds=nccl_timeout_s(timeout_s)) if backend == "nccl" else timeout
     # NCCL: bind the group to this rank's GPU now (communicators created eagerly; barriers
     # know the device instead of guessing it from the rank)
     bound = {"device_id": device} if device.type == "cuda" else {}
@@ -103,10 +105,10 @@ def init_process_group(device, timeout_s, rank, world_size, run_dir=None):
         _groups_started += 1
         store = dist.PrefixStore(f"attempt-{attempt}/group-{_groups_started}", store)
         dist.init_process_group(backend, store=store, rank=rank, world_size=world_size,
-                                timeout=timeout, **bound)
+                                timeout=waits, **bound)
     else:  # plain `python main.py`: a one-rank group, so the code path is the same
         dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1,
-                                timeout=timeout, **bound)
+                                timeout=waits, **bound)
 
 
 def read_inputs(cfg, is_main):

@@ -131,7 +131,10 @@ class Trainer:
 
     def train(self):
         """The steps up to trainer.max_steps; a collective that gave up waiting ends it with
-        where every rank was and which are behind (launch/hang_report.py)."""
+        where every rank was and which are behind, and a step that runs longer than
+        parallel.timeout_s has the watchdog write the same (launch/hang_report.py)."""
+        # each rank's watchdog: on NCCL no timeout reaches this thread (launch/hang_report.py)
+        watch = self.hangs.watch() if self.grid.world_size > 1 else None
         try:
             return self.steps()
         except Exception as e:
@@ -139,6 +142,9 @@ class Trainer:
             if failure is None:
                 raise
             raise self.hangs.explain(failure, e, timed_out(e)) from e
+        finally:
+            if watch is not None:
+                watch.stop()
 
     def steps(self):
         """The steps up to trainer.max_steps, in the order of the module's docstring."""

@@ -19,10 +19,12 @@ hardcodes its model): for the tests; the report then says the shapes differ.
 """
 
 import argparse
+import json
 import os
 import shutil
 import sys
 import tempfile
+import time
 from statistics import median
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -54,6 +56,11 @@ def parse_args(argv):
     p.add_argument("--threads", type=int, default=os.cpu_count() or 1,
                    help="OMP threads of each side's one process (%(default)s: every CPU)")
     p.add_argument("--timeout", type=float, default=1800, help="seconds before a run counts as hung (%(default)s)")
+    p.add_argument("--budget-s", type=float, default=0,
+                   help="seconds for the whole command (0: no limit): a round starts only if it "
+                        "fits as the last one did, a run is killed when the budget ends")
+    p.add_argument("--rows", default="", metavar="FILE",
+                   help="append each run's figures to FILE as a JSON line as soon as it ends")
     p.add_argument("--out", default="", help="output directory (default docs/bench/gpu-vs-nanogpt/<cuda|cpu>)")
     p.add_argument("--runs-dir", default="", help="keep our jobs' run directories here (default: deleted)")
     args = p.parse_args(argv)
@@ -216,18 +223,45 @@ def main(argv=None):
     nano_args = nano.options(s["batch"], s["block"], s["device"],
                              "bfloat16" if s["precision"] == "bf16" else "float32", s["compile"])
     runs_dir = args.runs_dir or tempfile.mkdtemp(prefix="bench-nanogpt-")
-    load_before, rounds = os.getloadavg(), []
+    load_before, rounds, begun = os.getloadavg(), [], time.monotonic()
+    # the checkout named by a placeholder, wherever it was (peers/nanoGPT on a GPU machine)
+    shown = [PLACEHOLDER if a == args.nanogpt else a.replace(args.nanogpt, PLACEHOLDER)
+             if os.path.isabs(args.nanogpt) else a for a in argv]
+    how = "-m bench.gpu_vs_nanogpt" if __package__ else "bench/gpu_vs_nanogpt.py"
+    # one folder per device kind, so a GPU's run sits beside the CPU's committed one (and a
+    # docs/bench/<name>/results.json one level up would be read as bench.run's by test_bench)
+    out = args.out or os.path.join("docs", "bench", "gpu-vs-nanogpt", s["device"])
+
+    def left():  # seconds of the budget left (the run's own timeout where there is none)
+        return args.timeout if not args.budget_s else max(
+            1.0, min(args.timeout, args.budget_s - (time.monotonic() - begun)))
+
+    def results():  # written after every round: a call cut short keeps the rounds done
+        doc = {"command": report.command_line(how, shown),
+               "settings": s, "env": report.environment(load_before),
+               "nanogpt_commit": nano.checkout_commit(args.nanogpt), "nanogpt_args": nano_args,
+               "our_overrides": overrides, "summary": summarize(rounds), "rounds": rounds}
+        return doc, report.write_results(out, doc, markdown(doc))
+
     try:
         for rnd in range(1, args.rounds + 1):
+            # the last round's time: the first compiles both sides, the next reuse the caches
+            last = rounds[-1]["seconds"] if rounds else 0
+            if rounds and args.budget_s and time.monotonic() - begun + last > args.budget_s:
+                print(f"round {rnd}/{args.rounds}: not started, --budget-s {args.budget_s:g} "
+                      f"would not hold it (the last round took {last:.0f} s)", flush=True)
+                break
+            started = time.monotonic()
             # nanoGPT first, ours second in every round; each side keeps one inductor cache
-            theirs = nano.run(os.path.abspath(args.nanogpt), nano_args, args.threads, args.timeout,
+            theirs = nano.run(os.path.abspath(args.nanogpt), nano_args, args.threads, left(),
                               os.path.join(runs_dir, "inductor-cache-nanogpt"))
             if theirs["ms_per_iter"]:
                 theirs.update(figures(theirs["ms_per_iter"], s, s["nanogpt_shape"], peak))
             print(f"round {rnd}/{args.rounds} nanoGPT " + (
                 f"{theirs['ms_per_iter']:9.1f} ms/iter {theirs['tokens_per_s']:10.1f} tokens/s"
                 if theirs["ms_per_iter"] else f"FAILED ({theirs['returncode']})"), flush=True)
-            job = run_job(1, args.threads, overrides, os.path.join(runs_dir, f"r{rnd}-ours"), args.timeout,
+            append_row(args.rows, rnd, "nanogpt", theirs)
+            job = run_job(1, args.threads, overrides, os.path.join(runs_dir, f"r{rnd}-ours"), left(),
                           os.path.join(runs_dir, "inductor-cache-ours"))
             ok = job["returncode"] == 0 and len(job["records"]) == STEPS
             ours = {"returncode": job["returncode"], "seconds": job["seconds"],
@@ -236,26 +270,31 @@ def main(argv=None):
             print(f"round {rnd}/{args.rounds} ours    " + (
                 f"{ours['ms_per_iter']:9.1f} ms/iter {ours['tokens_per_s']:10.1f} tokens/s"
                 if ok else f"FAILED ({job['returncode']})"), flush=True)
+            append_row(args.rows, rnd, "ours", ours)
             both = ok and theirs["ms_per_iter"]
             rounds.append({"round": rnd, "nanogpt": theirs, "ours": ours,
+                           "seconds": round(time.monotonic() - started, 1),
                            "ratio": ours["tokens_per_s"] / theirs["tokens_per_s"] if both else None})
+            results()
     finally:
         if not args.runs_dir:
             shutil.rmtree(runs_dir, ignore_errors=True)
 
-    shown = [a.replace(args.nanogpt, PLACEHOLDER) if os.path.isabs(args.nanogpt) else a for a in argv]
-    how = "-m bench.gpu_vs_nanogpt" if __package__ else "bench/gpu_vs_nanogpt.py"
-    doc = {"command": report.command_line(how, shown),
-           "settings": s, "env": report.environment(load_before),
-           "nanogpt_commit": nano.checkout_commit(args.nanogpt), "nanogpt_args": nano_args,
-           "our_overrides": overrides, "summary": summarize(rounds), "rounds": rounds}
-    # one folder per device kind, so a GPU's run sits beside the CPU's committed one (and a
-    # docs/bench/<name>/results.json one level up would be read as bench.run's by test_bench)
-    out = args.out or os.path.join("docs", "bench", "gpu-vs-nanogpt", s["device"])
-    paths = report.write_results(out, doc, markdown(doc))
+    doc, paths = results()
     print("\n" + open(paths["md"]).read())
     print("wrote " + ", ".join(paths.values()))
-    return 0 if doc["summary"]["rounds_ok"] == args.rounds else 1
+    # every round it started passed (--budget-s may have left some unstarted: said above)
+    return 0 if rounds and doc["summary"]["rounds_ok"] == len(rounds) else 1
+
+
+def append_row(path, rnd, side, run):
+    """One run's figures as a JSON line of --rows, the moment it ends."""
+    if path:
+        row = {"round": rnd, "side": side, **{k: run.get(k) for k in (
+            "returncode", "seconds", "ms_per_iter", "tokens_per_s", "mfu_a100_pct", "mfu_device_pct")},
+            "error": (run.get("error") or "").strip().splitlines()[-1:]}
+        with open(path, "a") as f:
+            f.write(json.dumps(row) + "\n")
 
 
 if __name__ == "__main__":

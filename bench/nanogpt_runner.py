@@ -43,13 +43,21 @@ def checkout_error(path):
     return None
 
 
+COMMIT_FILE = ".commit"  # a copy without .git (scripts/gpu_kit.py's) names its commit here
+
+
 def checkout_commit(path):
-    """The checkout's git commit (short), or "" (not a git work tree): which bench.py ran."""
+    """The checkout's git commit (short), else the one its COMMIT_FILE names, or "":
+    which bench.py ran."""
     try:
-        return subprocess.run(["git", "-C", path, "rev-parse", "--short=12", "HEAD"],
-                              capture_output=True, text=True, timeout=30).stdout.strip()
+        commit = subprocess.run(["git", "-C", path, "rev-parse", "--short=12", "HEAD"],
+                                capture_output=True, text=True, timeout=30).stdout.strip()
     except (OSError, subprocess.SubprocessError):
-        return ""
+        commit = ""
+    if not commit and os.path.isfile(os.path.join(path, COMMIT_FILE)):
+        with open(os.path.join(path, COMMIT_FILE)) as f:
+            commit = f.read().strip()[:12]
+    return commit
 
 
 def options(batch, block, device, dtype, compile_):

@@ -26,6 +26,9 @@ def environment(load_before):
                                 text=True, cwd=os.path.dirname(__file__)).stdout.strip()
     except OSError:
         commit = ""
+    # a copy without .git (a GPU machine's): the commit the device kit recorded and checked
+    # the files against (scripts/gpu_session.sh sets it)
+    commit = commit or os.environ.get("MINGPT_COMMIT", "")
     return {"date": time.strftime("%Y-%m-%d %H:%M"), "git": commit, "torch": torch.__version__,
             "python": platform.python_version(), "cpus": os.cpu_count(),
             "loadavg_before": [round(x, 2) for x in load_before],

@@ -22,12 +22,14 @@ import json
 import os
 import re
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
 import time
 
 from bench import report
+from bench.nanogpt_runner import checkout_commit
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PRESET = "configs/shakespeare-char.yaml"
@@ -57,6 +59,13 @@ def parse_args(argv):
     p.add_argument("--compile", choices=("auto", "true", "false"), default="auto",
                    help="torch.compile both (auto: on a GPU, as nanoGPT does)")
     p.add_argument("--out", default="bench/results/shakespeare_curve", help="results folder")
+    p.add_argument("--budget-s", type=float, default=0,
+                   help="seconds for both runs (0: no limit): ours gets half of it when nanoGPT "
+                        "runs too, nanoGPT what is left; a run past its share is stopped and its "
+                        "curve so far reported")
+    p.add_argument("--rows", default="", metavar="FILE",
+                   help="append each validation point to FILE (run, step, val loss, seconds) "
+                        "as soon as the run reports it")
     return p.parse_args(argv)
 
 
@@ -72,18 +81,29 @@ def settings(args):
             "dtype": "bfloat16" if bf16 else "float32", "shape": shape}
 
 
-def run_ours(args, s, workdir):
+def run_ours(args, s, workdir, seconds_left=None):
     run_dir = os.path.join(workdir, "ours")
     cmd = [sys.executable, os.path.join(REPO, "main.py"), f"config={os.path.join(REPO, PRESET)}",
            f"data.path={args.data}", f"trainer.run_dir={run_dir}", f"trainer.device={s['device']}",
            f"trainer.compile={str(s['compile']).lower()}", "trainer.precision=auto",
            "trainer.save_every=0", "wandb.mode=disabled", "sample.length=0",
            *[f"{ours}={value}" for ours, _, value in s["shape"]]]
-    seconds, out = timed(cmd, REPO)
-    with open(os.path.join(run_dir, "metrics.jsonl")) as f:
-        records = [json.loads(line) for line in f if line.strip()]
-    curve = [(r["step"], r["val_loss"]) for r in records if "val_loss" in r]
-    return {"seconds": seconds, "curve": curve, "precision": _resolved(run_dir)}
+
+    def curve(_log):  # metrics.jsonl's validation points so far (a line being written: later)
+        points, path = [], os.path.join(run_dir, "metrics.jsonl")
+        if os.path.exists(path):
+            with open(path) as f:
+                for line in f:
+                    try:
+                        r = json.loads(line)
+                    except ValueError:
+                        break
+                    if "val_loss" in r:
+                        points.append((r["step"], r["val_loss"]))
+        return points
+    seconds, out, points, cut = followed(cmd, REPO, os.path.join(workdir, "ours.log"), curve,
+                                         seconds_left, lambda p: row(args.rows, "ours", p))
+    return {"seconds": seconds, "curve": points, "precision": _resolved(run_dir), "cut": cut}
 
 
 def check_nanogpt(path):
@@ -94,7 +114,7 @@ def check_nanogpt(path):
                              "https://github.com/karpathy/nanoGPT")
 
 
-def run_nanogpt(args, s, workdir):
+def run_nanogpt(args, s, workdir, seconds_left=None):
     """nanoGPT's own train.py with its shakespeare_char config, from a copy of the checkout."""
     copy = os.path.join(workdir, "nanoGPT")
     shutil.copytree(args.nanogpt, copy, ignore=shutil.ignore_patterns(".git", "out*"))
@@ -108,28 +128,66 @@ def run_nanogpt(args, s, workdir):
            f"--compile={s['compile']}", f"--dtype={s['dtype']}",
            *[f"--{theirs}={value}" for _, theirs, value in s["shape"]],
            f"--lr_decay_iters={dict((t, v) for _, t, v in s['shape'])['max_iters']}"]
-    seconds, out = timed(cmd, copy)
-    curve = [(int(m[0]), float(m[2])) for m in NANOGPT_STEP.findall(out)]
-    return {"seconds": seconds, "curve": curve, "precision": s["dtype"]}
+    def curve(log):
+        return [(int(m[0]), float(m[2])) for m in NANOGPT_STEP.findall(log)]
+    seconds, out, points, cut = followed(cmd, copy, os.path.join(workdir, "nanogpt.log"), curve,
+                                         seconds_left, lambda p: row(args.rows, "nanoGPT", p))
+    return {"seconds": seconds, "curve": points, "precision": s["dtype"], "cut": cut,
+            "commit": checkout_commit(args.nanogpt)}
 
 
-def timed(cmd, cwd):
-    t0 = time.perf_counter()
-    result = subprocess.run(cmd, cwd=cwd, capture_output=True, text=True)
-    if result.returncode != 0:
-        raise SystemExit(f"{' '.join(cmd[:3])} ... failed (exit {result.returncode}):\n"
-                         + (result.stderr or result.stdout)[-3000:])
-    return time.perf_counter() - t0, result.stdout
+def followed(cmd, cwd, log, curve, seconds_left, on_point, poll_s=1.0):
+    """Run cmd (output to `log`), reporting each new point of curve(log text) to on_point
+    as it comes; stopped (its process group killed) after seconds_left (None: no limit).
+    Returns (seconds, output, the curve, whether it was stopped); a run that fails on its
+    own ends the command with its output's tail."""
+    t0, seen = time.perf_counter(), 0
+    with open(log, "w") as f:
+        proc = subprocess.Popen(cmd, cwd=cwd, stdout=f, stderr=subprocess.STDOUT, text=True,
+                                start_new_session=True)
+    cut = False
+    while True:
+        try:
+            proc.wait(timeout=poll_s)
+            done = True
+        except subprocess.TimeoutExpired:
+            done = False
+        with open(log) as f:
+            out = f.read()
+        points = curve(out)
+        for point in points[seen:]:
+            on_point(point)
+        seen = len(points)
+        if done:
+            break
+        if seconds_left is not None and time.perf_counter() - t0 > seconds_left:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+            cut = True
+            print(f"{os.path.basename(cmd[1])}: stopped after {seconds_left:.0f} s (--budget-s), "
+                  f"{len(points)} validation point(s) reported", flush=True)
+            break
+    if proc.returncode != 0 and not cut:
+        raise SystemExit(f"{' '.join(cmd[:3])} ... failed (exit {proc.returncode}):\n" + out[-3000:])
+    return time.perf_counter() - t0, out, points, cut
+
+
+def row(path, run, point):
+    if path:
+        with open(path, "a") as f:
+            f.write(f"{run}\t{point[0]}\t{point[1]:.4f}\t{time.strftime('%H:%M:%S')}\n")
 
 
 def _resolved(run_dir):
     from omegaconf import OmegaConf
-    return OmegaConf.load(os.path.join(run_dir, "config.yaml")).trainer.precision
+    path = os.path.join(run_dir, "config.yaml")
+    return OmegaConf.load(path).trainer.precision if os.path.exists(path) else "?"
 
 
 def summary(run):
     losses = [v for _, v in run["curve"]]
-    return {"best": min(losses), "last": losses[-1], "seconds": round(run["seconds"], 1)}
+    return {"best": min(losses) if losses else None, "last": losses[-1] if losses else None,
+            "seconds": round(run["seconds"], 1)}
 
 
 def tables(runs, size):
@@ -140,9 +198,14 @@ def tables(runs, size):
                          [[str(step), *(f"{at[n][step]:.4f}" if step in at[n] else "-" for n in names)]
                           for step in steps], "r" * (1 + len(names)))
     goal = f" (goal <= {GOAL})" if size == "full" else ""
+    def loss(v):
+        return "-" if v is None else f"{v:.4f}"
+
+    def wall(run):
+        return f"{summary(run)['seconds']:.1f}" + (" (stopped: --budget-s)" if run.get("cut") else "")
     best = report.table(["run", "precision", f"best val loss{goal}", "last val loss", "wall s"],
-                        [[n, runs[n]["precision"], f"{summary(runs[n])['best']:.4f}",
-                          f"{summary(runs[n])['last']:.4f}", f"{summary(runs[n])['seconds']:.1f}"]
+                        [[n, runs[n]["precision"], loss(summary(runs[n])['best']),
+                          loss(summary(runs[n])['last']), wall(runs[n])]
                          for n in names], "llrrr")
     return curve, best
 
@@ -154,16 +217,24 @@ def main(argv=None):
     if args.nanogpt:
         check_nanogpt(args.nanogpt)
     s = settings(args)
+    begun = time.perf_counter()
+
+    def left(share=1.0):
+        if not args.budget_s:
+            return None
+        return max(1.0, share * (args.budget_s - (time.perf_counter() - begun)))
     with tempfile.TemporaryDirectory() as workdir:
-        runs = {"ours": run_ours(args, s, workdir)}
+        runs = {"ours": run_ours(args, s, workdir, left(0.5 if args.nanogpt else 1.0))}
         if args.nanogpt:
-            runs["nanoGPT"] = run_nanogpt(args, s, workdir)
+            runs["nanoGPT"] = run_nanogpt(args, s, workdir, left())
     env = report.environment(load_before)
     curve, best = tables(runs, args.size)
     shape = ", ".join(f"{theirs} {value}" for _, theirs, value in s["shape"])
+    nano = [f"nanoGPT at commit {runs['nanoGPT']['commit'] or '?'}: its train.py with "
+            "config/train_shakespeare_char.py"] if "nanoGPT" in runs else []
     text = "\n".join(report.header("Shakespeare, character level: validation loss", command, [
         f"configs/shakespeare-char.yaml ({args.size}: {shape}), "
-        f"device {s['device']}, compile {s['compile']}"], env) + ["", *best, "", *curve])
+        f"device {s['device']}, compile {s['compile']}", *nano], env) + ["", *best, "", *curve])
     doc = {"command": command, "environment": env, "settings": {**vars(args), **s},
            "runs": {n: {**r, **summary(r)} for n, r in runs.items()}}
     report.write_results(args.out, doc, text)

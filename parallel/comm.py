@@ -14,7 +14,10 @@ it with the textbook volumes.
 
 The counter also times how long the training thread was blocked in them (a synchronous
 call, or `wait()` on the work of an asynchronous one: `take_waited_s`): a rank that waits
-little while the others wait long is the one they wait for (telemetry/stragglers.py). And
+little while the others wait long is the one they wait for (telemetry/stragglers.py). On
+CUDA the wait is the device's: NCCL returns to the host at once and makes the compute
+stream wait, so each wait is timed by two CUDA events on the current stream, around it
+(read at the steps that report it, never at the others). And
 it knows what it is waiting in (`waiting`: the collective, its group's ranks, how many
 collectives this rank has started on that group, the step and the phase the trainer and
 the step's code set with `at`): what a hang report says (launch/hang_report.py).
@@ -97,12 +100,18 @@ def collective_failure(error, timeout_s):
 
 
 class CommCounter:
-    def __init__(self, device=None):
+    def __init__(self, device=None, event_class=None):
         """device: the grid's device, which every tensor handed over must be on (None:
-        unchecked, for tools that build a counter without a grid)."""
+        unchecked, for tools that build a counter without a grid). event_class: what times
+        the waits on the device (torch.cuda.Event on CUDA; tests pass a stand-in); None
+        elsewhere: the host's clock, which is the device's there."""
         self.calls, self.bytes = Counter(), Counter()
         self.counting = True
         self.device = None if device is None else torch.device(device)
+        if event_class is None and self.device is not None and self.device.type == "cuda":
+            event_class = torch.cuda.Event
+        self.event_class = event_class
+        self.device_waits = []  # (start, end) events of this step's waits, on the device
         self.waited_s, self.thread = 0.0, threading.get_ident()  # the training thread's
         self.where = {"step": 0, "phase": "setup"}  # set by `at`
         self.started = Counter()  # group's ranks -> collectives started on it
@@ -133,16 +142,32 @@ class CommCounter:
             kind, ranks, number = what or self.last or ("?", (), 0)
             self.waiting = {"op": kind, "group": list(ranks), "collective_on_group": number,
                             **self.where}
+            events = self._device_mark() if self.event_class is not None else None
         start = time.perf_counter()
         yield  # raising (a timeout): `waiting` stays, for the hang report
         if mine:
             self.waited_s += time.perf_counter() - start
             self.waiting = None
+            if events is not None:  # the stream passes this mark once the collective is done
+                self.device_waits.append((events, self._device_mark()))
 
-    def take_waited_s(self) -> float:
-        """Seconds the training thread was blocked in collectives since the last take."""
+    def _device_mark(self):
+        event = self.event_class(enable_timing=True)
+        event.record()  # on the current stream, where NCCL's wait() makes the work wait
+        return event
+
+    def take_waited_s(self, read=True) -> float:
+        """Seconds the training thread's work was blocked in collectives since the last
+        take: on CUDA the device's time between each wait's two events (read=False: none
+        read, the events dropped; a step that reports no figure synchronizes nothing),
+        elsewhere the host's."""
         waited, self.waited_s = self.waited_s, 0.0
-        return waited
+        marks, self.device_waits = self.device_waits, []
+        if self.event_class is None or not read:
+            return waited
+        for _, end in marks:  # at a reported step only (a wait on a side stream too)
+            end.synchronize()
+        return sum(start.elapsed_time(end) for start, end in marks) / 1000
 
     def _run(self, kind, group, call, async_op):
         """A collective's call: its work wrapped to time its wait, or timed itself."""

@@ -54,6 +54,9 @@ class ProcessGrid:
         assert math.prod(self.sizes.values()) == self.world_size, "validated in parallel/layout.py"
         self.device = device
         self.timeout = None if timeout_s is None else datetime.timedelta(seconds=timeout_s)
+        # the device's groups (NCCL on a GPU) wait a margin longer: launch/hang_report.py
+        self.device_timeout = None if timeout_s is None else datetime.timedelta(
+            seconds=nccl_timeout_s(timeout_s) if device.type == "cuda" else timeout_s)
         self.splits = can_split(device)  # one split per dimension instead of a group per line
         self.ranks = torch.arange(self.world_size).view(*self.sizes.values())
         self.coords = self.ranks_coords(self.rank)
@@ -159,10 +162,10 @@ class ProcessGrid:
         if backend is None and any(len(line) == self.world_size for line in lines):
             return dist.group.WORLD
         if self.splits and backend is None:
-            return dist.split_group(split_ranks=lines, timeout=self.timeout)
+            return dist.split_group(split_ranks=lines, timeout=self.device_timeout)
         mine = None
         for line in lines:
-            group = dist.new_group(line, timeout=self.timeout, backend=backend)
+            group = dist.new_group(line, timeout=self.device_timeout, backend=backend)
             if self.rank in line:
                 mine = group
         return mine
@@ -231,6 +234,15 @@ class ProcessGrid:
         sizes = ", ".join(f"{d}={self.sizes[d]}" for d in shown)
         at = " ".join(f"{d}={self.coords[d]}" for d in shown)
         return f"ProcessGrid({sizes}; rank {self.rank} at {at})"
+
+
+def nccl_timeout_s(timeout_s) -> float:
+    """How long NCCL's groups wait: parallel.timeout_s and a margin (a quarter of it, at
+    least 10 s). Every rank's hang watchdog writes its report once a step has run
+    parallel.timeout_s, and reads the others' within the margin, before NCCL's own
+    watchdog aborts the process (launch/hang_report.py); gloo's groups (the host group
+    too) wait parallel.timeout_s."""
+    return timeout_s + max(10.0, timeout_s / 4)
 
 
 def can_split(device) -> bool:

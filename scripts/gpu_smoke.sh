@@ -37,6 +37,12 @@
 # run every row exactly twice, so that both start the same jobs: the second run is the
 # determinism rerun where this node's first passed, else the debug rerun.
 #
+# SMOKE_DEADLINE=<seconds from the start> (a device call's limit): no row starts after it, a
+# job's deadline is cut to what is left of it, and the rows not run are named above the
+# table; SMOKE_ROWS=<file>: each row's exit statuses and seconds are appended to it the
+# moment the row ends (the table comes at the end: a call cut short keeps these lines);
+# SMOKE_TABLE=<file>: the table is also written there.
+#
 # Every job writes under a fresh temporary directory (printed), never into the checkout.
 # PYTHON: the interpreter every job and the table run with (`python` from PATH by
 # default; a relative path is taken from the checkout's root, where the script runs).
@@ -202,6 +208,29 @@ fi
 
 # ------------------------------------------------------------------ running one job
 
+DEADLINE=${SMOKE_DEADLINE:-0}
+
+job_limit() {  # a job's deadline (s): JOB_TIMEOUT, or what is left of SMOKE_DEADLINE if less
+  local limit=$JOB_TIMEOUT left
+  if (( DEADLINE > 0 )); then
+    left=$(( DEADLINE - SECONDS ))
+    (( left < 1 )) && left=1
+    (( left < limit )) && limit=$left
+  fi
+  echo "$limit"
+}
+
+past_deadline() { (( DEADLINE > 0 && SECONDS >= DEADLINE )); }
+
+row_done() {  # $1: a row's name, $2: its directory, $3: SECONDS at its start -> SMOKE_ROWS
+  [[ -n ${SMOKE_ROWS:-} ]] || return 0
+  local what="exit $(cat "$2/status" 2>/dev/null || echo '?')" sub
+  for sub in rerun debug resume; do
+    [[ -f $2/$sub/status ]] && what+=", $sub exit $(cat "$2/$sub/status")"
+  done
+  echo "$1|$what|$((SECONDS - $3)) s" >>"$SMOKE_ROWS"
+}
+
 job_seq=0
 JOB_TAG_PREFIX="gpu_smoke.$$.$RANDOM"
 
@@ -266,8 +295,9 @@ run_job() {
   # shellcheck disable=SC2086  # $overrides is a list of key=value words
   env SMOKE_JOB_TAG="$tag" "${env[@]}" "${LAUNCH[@]}" "${COMMON[@]}" $overrides \
     "trainer.run_dir=$run_dir" "${shared[@]}" >"$dir/log" 2>&1 &
-  local job=$!
-  sleep "$JOB_TIMEOUT" &
+  local job=$! limit
+  limit=$(job_limit)
+  sleep "$limit" &
   local timer=$! status
   DONE=""
   await_first "$job" "$timer"
@@ -275,7 +305,7 @@ run_job() {
   if [[ $DONE == "$timer" ]]; then  # the deadline came first: the whole tree goes
     kill_job "$job" "$tag"
     status=124
-    echo "gpu_smoke: killed after ${JOB_TIMEOUT}s (every process tagged SMOKE_JOB_TAG=$tag)" >>"$dir/log"
+    echo "gpu_smoke: killed after ${limit}s (every process tagged SMOKE_JOB_TAG=$tag)" >>"$dir/log"
   else
     kill "$timer" 2>/dev/null
     wait "$timer" 2>/dev/null
@@ -301,7 +331,7 @@ run_kill_resume() {
   # shellcheck disable=SC2086
   env SMOKE_JOB_TAG="$tag" "${LAUNCH[@]}" "${COMMON[@]}" $overrides \
     "trainer.run_dir=$dir/run" >"$dir/log" 2>&1 &
-  local job=$! deadline=$((SECONDS + JOB_TIMEOUT)) lines=0
+  local job=$! deadline=$((SECONDS + $(job_limit))) lines=0
   while kill -0 "$job" 2>/dev/null && (( SECONDS < deadline )); do
     lines=$( { wc -l <"$dir/run/metrics.jsonl"; } 2>/dev/null || echo 0)
     [[ -f $dir/run/snapshot/latest.json ]] && (( lines >= 5 )) && break
@@ -322,6 +352,7 @@ run_kill_resume() {
 OUT=$(mktemp -d "${TMPDIR:-/tmp}/gpu_smoke.XXXXXX")
 echo "gpu_smoke ($MODE, tiers ${TIERS[*]}): jobs under $OUT"
 SPECS=()
+SKIPPED=()
 row_index=0
 for row in "${MATRIX[@]}"; do
   IFS='|' read -r tier name nproc rtol overrides <<<"$row"
@@ -335,7 +366,13 @@ for row in "${MATRIX[@]}"; do
   # SMOKE_LAYOUTS="single cp2 ...": only those rows (tests/test_gpu_smoke.py runs a few)
   if [[ -n "${SMOKE_LAYOUTS:-}" && " $SMOKE_LAYOUTS " != *" $name "* ]]; then wanted=0; fi
   [[ $wanted == 1 ]] || continue
+  if past_deadline; then  # SMOKE_DEADLINE: the call's time is up
+    SKIPPED+=("$name")
+    [[ -n ${SMOKE_ROWS:-} ]] && echo "$name|not run: SMOKE_DEADLINE ${DEADLINE} s|0 s" >>"$SMOKE_ROWS"
+    continue
+  fi
   dir="$OUT/$name"
+  row_started=$SECONDS
   if [[ $name == *kill-resume ]]; then
     run_kill_resume "$dir" "$nproc" "$overrides"
   elif [[ $NODES == 2 && $nproc != 1 ]]; then
@@ -351,6 +388,7 @@ for row in "${MATRIX[@]}"; do
            "TORCH_DISTRIBUTED_DEBUG=DETAIL and the NCCL flight recorder: $dir/debug"
       run_job "$dir/debug" "$nproc" "$overrides" debug
     fi
+    row_done "$name" "$dir" "$row_started"
     SPECS+=("$name:$rtol")
     continue
   else
@@ -358,19 +396,28 @@ for row in "${MATRIX[@]}"; do
     rerun=0
     if [[ $MODE == gpu ]]; then rerun=1; fi
     if [[ " ${SMOKE_RERUN-single} " == *" $name "* ]]; then rerun=1; fi
-    if [[ $rerun == 1 && $(cat "$dir/status") == 0 ]]; then  # determinism: the same again
+    if [[ $rerun == 1 && $(cat "$dir/status") == 0 ]] && ! past_deadline; then  # determinism
       run_job "$dir/rerun" "$nproc" "$overrides"
     fi
   fi
-  if [[ $(cat "$dir/status") != 0 ]]; then  # once more, with the backends' debug output
+  if [[ $(cat "$dir/status") != 0 ]] && ! past_deadline; then  # once more, with debug output
     echo "gpu_smoke: $name failed (exit $(cat "$dir/status")); rerunning with NCCL_DEBUG=WARN," \
          "TORCH_DISTRIBUTED_DEBUG=DETAIL and the NCCL flight recorder: $dir/debug"
     run_job "$dir/debug" "$nproc" "$overrides" debug
   fi
+  row_done "$name" "$dir" "$row_started"
   SPECS+=("$name:$rtol")
 done
+if (( ${#SKIPPED[@]} )); then
+  echo "gpu_smoke: not run, SMOKE_DEADLINE ${DEADLINE} s reached: ${SKIPPED[*]}" \
+       "(SMOKE_LAYOUTS=\"single ${SKIPPED[*]}\" runs them)"
+fi
 if [[ $NODES == 2 && $NODE_RANK != 0 ]]; then
   echo "gpu_smoke: node $NODE_RANK done; node 0 prints the table"
   exit 0
+fi
+if [[ -n ${SMOKE_TABLE:-} ]]; then  # the table also into that file (a device call's $OUT)
+  SMOKE_SPEED_PAIRS="$SPEED_PAIRS" "$PYTHON" scripts/smoke_table.py "$OUT" "${SPECS[@]}" | tee "$SMOKE_TABLE"
+  exit "${PIPESTATUS[0]}"
 fi
 SMOKE_SPEED_PAIRS="$SPEED_PAIRS" "$PYTHON" scripts/smoke_table.py "$OUT" "${SPECS[@]}"

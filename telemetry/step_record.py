@@ -38,7 +38,8 @@ class StepRecord:
         ended = self.clock.mark()  # after the optimizer's kernels, not before them
         self.losses.watch(loss, grad_norm, step)
         comm = self.strategy.comm_stats()
-        waited_ms = 1000 * self.strategy.comm.take_waited_s()  # this step's waits
+        # this step's waits (on CUDA the device's, read only at a measured step)
+        waited_ms = 1000 * self.strategy.comm.take_waited_s(read=measured)
         stats, files = self.strategy.step_stats(last, measure=measured or last)
         if measured or last:  # mixture of experts: the balance losses and the load
             stats = {**stats, **expert_load(self.strategy)}

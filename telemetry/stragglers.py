@@ -12,9 +12,11 @@ float over the host group: nothing at the steps that are not logged) and the rec
     straggler_busy_ms   its busy time: step time less its waits
     busy_spread         its busy time over the median rank's (1.0: evenly loaded)
 
-On a GPU with NCCL a collective's wait happens on the device, not in the host thread: there
-the busy time is the step's, and the figures name a rank whose host falls behind (data,
-Python overhead) rather than a slow GPU.
+On a GPU with NCCL a collective's wait happens on the device, not in the host thread (the
+host returns at once and the compute stream waits): there both figures are the device's,
+the step time from CUDA events at its start and after the optimizer, the waits from two
+events around each wait on the stream the training thread works on (parallel/comm.py), so
+a slow GPU is named as on CPU. They are read at logged steps only.
 """
 
 from statistics import median

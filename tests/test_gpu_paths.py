@@ -120,7 +120,7 @@ def test_torch_fsdp_offload_on_a_gpu_meshes_over_groups_that_take_host_tensors(m
     FSDP2 limitation; torchtune adds gloo). Rank 1 of 4 on a GPU, in process
     (torch.distributed faked, FSDP2's fully_shard and DeviceMesh stand-ins): with offload
     the mesh is built from groups of their own, one new_group per line (the whole world's
-    too) with gloo beside NCCL and the timeout; without, from the grid's split groups. On
+    too) with gloo beside NCCL and NCCL's timeout; without, from the grid's split groups. On
     a CPU grid the grid's own gloo groups already take host tensors: no group is added."""
     import datetime
     import parallel.reference.torch_fsdp as torch_fsdp
@@ -128,7 +128,7 @@ def test_torch_fsdp_offload_on_a_gpu_meshes_over_groups_that_take_host_tensors(m
     from model import GPT, GPTConfig
     from parallel.config import ParallelConfig
     from parallel.data_parallel.replicated import ReplicatedStrategy
-    from parallel.grid import HOST_AND_CUDA, ProcessGrid
+    from parallel.grid import HOST_AND_CUDA, ProcessGrid, nccl_timeout_s
     from parallel.strategy import LocalModel, Strategy
     meshes, sharded = [], []
     monkeypatch.setattr(torch_fsdp, "DeviceMesh", SimpleNamespace(
@@ -153,7 +153,8 @@ def test_torch_fsdp_offload_on_a_gpu_meshes_over_groups_that_take_host_tensors(m
     fake.install(monkeypatch)
     grid, added, mesh = build("cuda", offload=True)
     print(f"offload on a GPU: mesh over {mesh}, groups added {added}")
-    timeout = datetime.timedelta(seconds=7)
+    # NCCL beside gloo: the margin NCCL's groups wait beyond the timeout (test_hang_watchdog.py)
+    timeout = datetime.timedelta(seconds=nccl_timeout_s(7))
     if replicas == 1:
         assert added == [([0, 1, 2, 3], timeout, HOST_AND_CUDA)]
         assert mesh == (("group", (0, 1, 2, 3)), "cuda")

@@ -105,10 +105,16 @@ def test_gpu_smoke_passes_on_cpu(tmp_path):
     (decoy / "python").write_text('#!/bin/sh\necho "python from PATH, not \\$PYTHON" >&2; exit 3\n')
     (decoy / "python").chmod(0o755)
     env = dict(job_env(), TMPDIR=str(tmp_path),  # the jobs' directories go under tmp_path
-               SMOKE_LAYOUTS=" ".join(LAYOUTS), PATH=f"{decoy}{os.pathsep}{os.environ['PATH']}")
+               SMOKE_LAYOUTS=" ".join(LAYOUTS), PATH=f"{decoy}{os.pathsep}{os.environ['PATH']}",
+               SMOKE_ROWS=str(tmp_path / "rows.txt"), SMOKE_TABLE=str(tmp_path / "table.txt"))
     result = run_tree(["bash", script, "--cpu"], 600, "gpu_smoke.sh --cpu", cwd=tmp_path, env=env)
     out = result.stdout
     assert result.returncode == 0, f"{out}\n{result.stderr[-3000:]}"
+    # a device call's files: a line per row as it ended (single with its rerun), the table
+    noted = (tmp_path / "rows.txt").read_text().splitlines()
+    assert [ln.split("|")[:2] for ln in noted] == [["single", "exit 0, rerun exit 0"]] + [
+        [name, "exit 0"] for name in LAYOUTS[1:]], noted
+    assert (tmp_path / "table.txt").read_text() in out and "layouts pass" in (tmp_path / "table.txt").read_text()
     rows = {line.split()[0]: line for line in out.splitlines()
             if line.split() and line.split()[0] in LAYOUTS}
     assert {name: line.split()[-1] for name, line in rows.items()} == \
@@ -118,6 +124,30 @@ def test_gpu_smoke_passes_on_cpu(tmp_path):
     # replicas (ddp_bucket's every parameter on both ranks) hold the same weights
     assert " bitwise " in rows["single"] and " equal (" in rows["ddp_bucket-bf16"], out
     assert "ran on cpu" in out, out
+
+
+def test_a_deadline_stops_starting_rows_and_each_row_is_written_as_it_ends(tmp_path):
+    """SMOKE_DEADLINE (a device call's limit) of 4 s: the reference row's job, which hangs
+    (a sitecustomize sleeps in every job's process), is killed when the deadline comes,
+    not at SMOKE_JOB_TIMEOUT; no debug rerun and no further row starts; SMOKE_ROWS has a
+    line for each, SMOKE_TABLE the table of what ran. Red when the deadline is ignored
+    (the job waits its own 180 s) or a row's line waits for the table."""
+    script = os.path.join(REPO, "scripts", "gpu_smoke.sh")
+    hook = tmp_path / "hook"
+    hook.mkdir()
+    (hook / "sitecustomize.py").write_text(
+        "import os, time\nif os.environ.get('SMOKE_JOB_TAG'):\n    time.sleep(300)\n")
+    rows, table = tmp_path / "rows.txt", tmp_path / "table.txt"
+    env = dict(job_env(), TMPDIR=str(tmp_path), SMOKE_LAYOUTS="single ddp_bucket", SMOKE_RERUN="",
+               SMOKE_DEADLINE="4", SMOKE_ROWS=str(rows), SMOKE_TABLE=str(table), PYTHONPATH=str(hook))
+    result = run_tree(["bash", script, "--cpu"], 170, "gpu_smoke.sh --cpu", cwd=tmp_path, env=env)
+    out = result.stdout
+    print(out)
+    assert re.fullmatch(r"single\|exit 124\|[3-9] s\nddp_bucket\|not run: SMOKE_DEADLINE 4 s\|0 s\n",
+                        rows.read_text()), rows.read_text()
+    assert "not run, SMOKE_DEADLINE 4 s reached: ddp_bucket" in out and "debug" not in out, out
+    assert result.returncode == 1 and "0 of 1 layouts pass" in table.read_text(), out
+    assert "killed after 4s" in table.read_text(), table.read_text()
 
 
 def hang_hook(directory):

@@ -11,6 +11,7 @@ import os
 import re
 import shlex
 from statistics import median
+from types import SimpleNamespace
 
 import pytest
 
@@ -94,7 +95,7 @@ def bench_run(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("nanogpt")
     checkout, out = stand_in_checkout(tmp / "nanoGPT"), tmp / "out"
     cmd = [python(), "-m", "bench.gpu_vs_nanogpt", "--nanogpt", str(checkout), *TINY,
-           "--rounds", str(ROUNDS), "--threads", "1", "--out", str(out)]
+           "--rounds", str(ROUNDS), "--threads", "1", "--out", str(out), "--rows", str(tmp / "rows.jsonl")]
     result = run_tree(cmd, 240, "bench.gpu_vs_nanogpt", cwd=REPO, env=job_env())
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     return (checkout, out, result.stdout, json.loads((out / "results.json").read_text()),
@@ -157,6 +158,70 @@ def test_figures_are_the_runs_own(bench_run):
 def test_results_render_from_their_json(bench_run):
     _, _, _, doc, md = bench_run
     assert cmd_module.markdown(doc) == md
+
+
+def test_each_run_is_a_row_of_rows_as_it_ends(bench_run):
+    """--rows (a device call's file): one JSON line per run, in the order they ran, with
+    the figures results.json holds."""
+    checkout, _, _, doc, _ = bench_run
+    rows = [json.loads(line) for line in (checkout.parent / "rows.jsonl").read_text().splitlines()]
+    assert [(r["round"], r["side"]) for r in rows] == [
+        (n, side) for n in range(1, ROUNDS + 1) for side in ("nanogpt", "ours")]
+    for r in rows:
+        assert r["tokens_per_s"] == doc["rounds"][r["round"] - 1][r["side"]]["tokens_per_s"]
+
+
+class FakeRuns:
+    """Both sides in process: each run takes 40 s on a fake clock; nanoGPT 10 ms an
+    iteration, ours 20; ours raises in round `fail_round`. Records the timeouts given."""
+
+    def __init__(self, monkeypatch, fail_round=None):
+        from bench.run_engine import jobs
+        self.now, self.timeouts, self.fail_round, self.round = 1000.0, [], fail_round, 0
+        monkeypatch.setattr(cmd_module, "time", SimpleNamespace(monotonic=lambda: self.now))
+        monkeypatch.setattr(cmd_module.nano, "run", self.nanogpt)
+        monkeypatch.setattr(jobs, "run_job", self.ours)
+
+    def nanogpt(self, path, args, threads, timeout, cache):
+        self.round += 1
+        self.now += 40
+        self.timeouts.append(timeout)
+        return {"returncode": 0, "seconds": 40, "ms_per_iter": 10.0, "mfu_pct": 1.0, "error": ""}
+
+    def ours(self, ranks, threads, overrides, run_dir, timeout, cache):
+        if self.round == self.fail_round:
+            raise RuntimeError("the call's time ran out here")
+        self.now += 40
+        self.timeouts.append(timeout)
+        return {"returncode": 0, "seconds": 40, "records": [{"step_ms": 20.0}] * 30, "error": ""}
+
+
+def test_a_budget_starts_only_the_rounds_that_fit(tmp_path, monkeypatch):
+    """--budget-s 100, rounds of 80 s (on a fake clock): round 1 runs, its runs given what
+    is left of the budget as their timeouts (100 s, then 60 s); round 2 would end past the
+    budget and is not started; the results hold round 1 and the exit status is 0. Red
+    when the budget is ignored (3 rounds)."""
+    runs = FakeRuns(monkeypatch)
+    checkout = stand_in_checkout(tmp_path / "nanoGPT")
+    code = cmd_module.main(["--nanogpt", str(checkout), *TINY, "--rounds", "3", "--threads", "1",
+                            "--budget-s", "100", "--out", str(tmp_path / "out")])
+    doc = json.loads((tmp_path / "out" / "results.json").read_text())
+    assert code == 0 and [r["round"] for r in doc["rounds"]] == [1]
+    assert runs.timeouts == [100, 60] and doc["summary"]["ratio"]["median"] == 0.5
+
+
+def test_the_results_are_written_after_every_round(tmp_path, monkeypatch):
+    """Ours fails hard in round 2 (a call killed there): results.json and results.md
+    already hold round 1, --rows the three runs that ended. Red when the results are
+    written only at the end."""
+    FakeRuns(monkeypatch, fail_round=2)
+    checkout = stand_in_checkout(tmp_path / "nanoGPT")
+    with pytest.raises(RuntimeError):
+        cmd_module.main(["--nanogpt", str(checkout), *TINY, "--rounds", "3", "--threads", "1",
+                         "--out", str(tmp_path / "out"), "--rows", str(tmp_path / "rows.jsonl")])
+    doc = json.loads((tmp_path / "out" / "results.json").read_text())
+    assert [r["round"] for r in doc["rounds"]] == [1] and "over 1 round(s)" in (tmp_path / "out" / "results.md").read_text()
+    assert len((tmp_path / "rows.jsonl").read_text().splitlines()) == 3
 
 
 def test_not_a_checkout_is_one_line_and_fails(tmp_path):

@@ -68,7 +68,9 @@ def test_a_stopped_rank_is_named_by_the_others_within_the_timeout(tmp_path, layo
 
 def test_on_nccl_the_flight_recorder_dumps_into_the_hang_folder(tmp_path, monkeypatch):
     """A GPU run's process group starts with NCCL's flight recorder on and its dump on a
-    timeout going to run_dir/hang/ (a user's own settings win)."""
+    timeout going to run_dir/hang/ (a user's own settings win), its collectives waiting
+    parallel.timeout_s plus the margin in which the hang watchdog reports first
+    (test_hang_watchdog.py)."""
     import main
     from launch.hang_report import nccl_flight_recorder
     env = nccl_flight_recorder(str(tmp_path))
@@ -86,4 +88,5 @@ def test_on_nccl_the_flight_recorder_dumps_into_the_hang_folder(tmp_path, monkey
     main.init_process_group(Cuda(), 60, 0, 1, str(tmp_path))
     assert started and os.environ["TORCH_NCCL_DUMP_ON_TIMEOUT"] == "1"
     assert os.environ["TORCH_NCCL_TRACE_BUFFER_SIZE"] == "7"
+    assert started[0]["timeout"].total_seconds() == 75  # 60 s and a quarter of it
     assert (tmp_path / "hang").is_dir()

@@ -9,6 +9,7 @@ import os
 import subprocess
 import sys
 import textwrap
+import time
 
 from char_dataset import embedded_corpus
 from config import load_config
@@ -57,7 +58,8 @@ def test_curve_command_reports_both_runs_as_they_ran(tmp_path):
     out = tmp_path / "out"
     env = dict(job_env(forked=False), STAND_IN_LOG=str(tmp_path / "stand_in.json"))
     result = subprocess.run([sys.executable, "-m", "bench.shakespeare_curve", "--size=small",
-                             f"--data={text}", f"--nanogpt={nanogpt}", f"--out={out}"],
+                             f"--data={text}", f"--nanogpt={nanogpt}", f"--out={out}",
+                             f"--rows={tmp_path / 'rows.tsv'}"],
                             cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-3000:]
     runs = json.loads((out / "results.json").read_text())["runs"]
@@ -88,6 +90,10 @@ def test_curve_command_reports_both_runs_as_they_ran(tmp_path):
     assert given["input"] == text.read_text()
     assert not (nanogpt / "data" / "shakespeare_char" / "input.txt").exists()  # a copy ran
     assert "| ours | fp32 |" in result.stdout
+    # --rows: every validation point of both runs, as a line (ours first: it runs first)
+    rows = [ln.split("\t")[:3] for ln in (tmp_path / "rows.tsv").read_text().splitlines()]
+    assert rows == [["ours", str(s), f"{v:.4f}"] for s, v in expected] + [
+        ["nanoGPT", str(s), f"{v:.4f}"] for s, v in runs["nanoGPT"]["curve"]]
 
 
 def test_curve_command_refuses_a_folder_that_is_not_nanogpt(tmp_path):
@@ -99,3 +105,33 @@ def test_curve_command_refuses_a_folder_that_is_not_nanogpt(tmp_path):
                             timeout=300)
     assert result.returncode != 0
     assert "no train.py; give a checkout of https://github.com/karpathy/nanoGPT" in result.stderr
+
+
+def test_a_run_past_its_budget_is_stopped_and_its_points_so_far_kept(tmp_path):
+    """--budget-s's mechanics (bench.shakespeare_curve.followed): a run that prints a
+    validation point, another a second later, then hangs, given 3 s: both points reach
+    --rows as they come (a second apart, before the stop), the run is stopped (its
+    process group killed) at 3 s, not waited for, and its curve so far is reported, the
+    table saying it was stopped. Red when the run is waited for, or the rows are written
+    only at its end."""
+    from bench import shakespeare_curve as curve_module
+    script = ("import time\nprint('step 0: train loss 9.0, val loss 4.5000', flush=True)\ntime.sleep(1)\n"
+              "print('step 250: train loss 2.0, val loss 2.2500', flush=True)\ntime.sleep(300)\n")
+    seen, rows = [], tmp_path / "rows.tsv"
+
+    def on_point(point):
+        seen.append(time.monotonic())
+        curve_module.row(str(rows), "nanoGPT", point)
+    started = time.monotonic()
+    seconds, _, points, cut = curve_module.followed(
+        [sys.executable, "-c", script], tmp_path, str(tmp_path / "log"),
+        lambda log: [(int(m[0]), float(m[2])) for m in curve_module.NANOGPT_STEP.findall(log)],
+        3.0, on_point, poll_s=0.1)
+    print(seconds, points, [t - started for t in seen])
+    assert cut and points == [(0, 4.5), (250, 2.25)] and 3.0 <= seconds < 20
+    assert seen[1] - seen[0] > 0.5 and seen[1] < started + 3.0  # each as it came
+    assert [ln.split("\t")[:3] for ln in rows.read_text().splitlines()] == [
+        ["nanoGPT", "0", "4.5000"], ["nanoGPT", "250", "2.2500"]]
+    _, best = curve_module.tables({"nanoGPT": {"precision": "bfloat16", "curve": points, "seconds": seconds,
+                                               "cut": True}}, "full")
+    assert "| 2.2500 | 2.2500 |" in best[2] and "(stopped: --budget-s)" in best[2], best
