@@ -9,7 +9,7 @@ import time
 
 from errors import UserError
 from planner.figures import metrics_names, rank_figures
-from planner.layouts import valid_layouts, with_grad_accum, refusal
+from planner.layouts import RECOMPUTE_CHOICES, refusal, valid_layouts, with_grad_accum
 from planner.efficiency import MOE_IMBALANCE
 from planner.machines import machine
 from planner.memory import memory_need
@@ -80,6 +80,24 @@ def evaluate(cfg, w, L, gpu, world):
                 return row
         ga *= 2
     return first
+
+
+def with_recompute(cfg, w, rows, gpu, world):
+    """Rows of each layout's recompute variants (layouts.RECOMPUTE_CHOICES: full,
+    selective, full on every 2nd block, selective on every 2nd), tried only where the
+    layout without recompute needs gradient accumulation or does not fit: where it fits
+    in one pass, recomputing only adds compute (each variant would be slower at the same
+    grad_accum), so it cannot win."""
+    out = []
+    for row in rows:
+        L = row["layout"]
+        if L.ckpt or ("time" in row and row["layout"].grad_accum == 1):
+            continue
+        for mode, every in RECOMPUTE_CHOICES:
+            variant = dataclasses.replace(L, grad_accum=1, ckpt=True, ckpt_mode=mode, ckpt_every=every)
+            if not refusal(cfg, variant, world):
+                out.append(evaluate(cfg, w, variant, gpu, world))
+    return out
 
 
 def hybrid_and_offloaded(cfg, w, rows, gpu, world):
@@ -162,6 +180,8 @@ def plan(cfg):
         raise UserError(f"no layout runs this model on {world} GPUs: "
                         f"{next(why for _, why in layouts)}")
     rows = [evaluate(cfg, w, L, gpu, world) for L in valid]
+    recomputed = with_recompute(cfg, w, rows, gpu, world)
+    rows += recomputed
     variants = hybrid_and_offloaded(cfg, w, rows, gpu, world)
     rows += variants
     fits = sorted((r for r in rows if "time" in r), key=lambda r: (r["time"]["step_ms"], sum(r["fig"]["comm"].values()), r["need"]))
@@ -173,6 +193,7 @@ def plan(cfg):
     best = fits[0]
     header(cfg, w, gpu)
     print(f"{len(layouts)} combinations, {len(valid)} run (parallel/layout.py's rules)"
+          + (f" + {len(recomputed)} recomputing where they need it" if recomputed else "")
           + (f" + {len(variants)} hybrid-sharded or offloaded where that wins" if variants else "")
           + f", {len(fits)} fit in memory")
     print_table(fits[:cfg.plan.top], best, w.experts)
@@ -241,7 +262,9 @@ def given_layout(cfg, world) -> Layout:
     return Layout(p.dp, p.zero_stage if p.dp == "fsdp" else 0, dp, p.pp, p.cp, p.tp,
                   p.sequence_parallel, p.pp_schedule if pipe else "1f1b", V if pipe else 1,
                   p.microbatches if pipe else 1, t.grad_accum, t.activation_checkpointing,
-                  p.dp_replicate, p.offload, p.ep)
+                  p.dp_replicate, p.offload, p.ep,
+                  ckpt_mode=t.activation_checkpointing_mode,
+                  ckpt_every=t.activation_checkpointing_every)
 
 
 def evaluate_given(cfg, w, gpu, world):

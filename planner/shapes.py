@@ -80,8 +80,7 @@ class Layout:
         if self.grad_accum > 1:
             text += f" ga{self.grad_accum}"
         if self.ckpt:
-            text += " ckpt" + (" selective" if self.ckpt_mode == "selective" else "") \
-                + (f" every{self.ckpt_every}" if self.ckpt_every > 1 else "")
+            text += f" ckpt {self.ckpt_mode}" + (f" every{self.ckpt_every}" if self.ckpt_every > 1 else "")
         return text
 
 

@@ -125,3 +125,71 @@ def test_compute_time_moves_by_the_ratio_of_the_precisions_peaks():
                 assert math.isclose(got["compute"], compute_ms, rel_tol=1e-9), (precision, got)
         if mfu:
             assert math.isclose(t["fp32"]["compute"] / t["bf16"]["compute"], ratio, rel_tol=1e-9)
+
+
+def _given(*keys):
+    """`mode=plan plan.search=false` on GPT-2 small's shape, 8 A100s, in process: (row, printout)."""
+    import contextlib
+    import io
+    import os
+    from config import load_config
+    from harness import REPO
+    from planner.report import plan
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        row = plan(load_config(["config=" + os.path.join(REPO, "configs", "gpt2-124m.yaml"),
+                                "mode=plan", "plan.search=false", "plan.gpu=A100-80GB",
+                                "trainer.precision=bf16", "trainer.batch_size=64",
+                                "trainer.grad_accum=1", "parallel.dp=ddp_bucket", *keys], 1))
+    return row, out.getvalue()
+
+
+def test_search_false_prices_the_configured_recompute_mode():
+    """plan.search=false takes trainer.activation_checkpointing_mode and _every (issue 53:
+    they were dropped, every recompute priced and printed as full): selective, and full on
+    every 2nd block, cost less compute than full and more than none; the printed layout
+    names the mode; the activations saved order the other way."""
+    runs = {}
+    for name, keys in {"none": ["trainer.activation_checkpointing=false"],
+                       "full": ["trainer.activation_checkpointing=true"],
+                       "selective": ["trainer.activation_checkpointing=true",
+                                     "trainer.activation_checkpointing_mode=selective"],
+                       "every2": ["trainer.activation_checkpointing=true",
+                                  "trainer.activation_checkpointing_every=2"]}.items():
+        runs[name] = _given(*keys)
+    compute = {k: row["time"]["compute"] for k, (row, _) in runs.items()}
+    acts = {k: row["fig"]["activation_bytes"] for k, (row, _) in runs.items()}
+    print(compute, acts)
+    assert compute["none"] < compute["selective"] < compute["full"], compute
+    assert compute["none"] < compute["every2"] < compute["full"], compute
+    assert acts["full"] < acts["every2"] < acts["none"] and acts["selective"] < acts["none"], acts
+    assert "ckpt full on 8 GPUs" in runs["full"][1]
+    assert "ckpt selective on 8 GPUs" in runs["selective"][1]
+    assert "ckpt full every2 on 8 GPUs" in runs["every2"][1]
+
+
+def test_the_search_tries_selective_and_every_n_recompute(tmp_path):
+    """Where a layout does not fit in one pass, the search tries it with full, selective,
+    full on every 2nd and selective on every 2nd block recomputed (layouts.RECOMPUTE_CHOICES),
+    each at the smallest grad_accum that fits; where it fits in one pass, none (they only
+    add compute). 4 x 128 on 2 GPUs of 0.02 GB: plan.out holds all four modes."""
+    import json
+    from config import load_config
+    from planner.layouts import RECOMPUTE_CHOICES
+    from planner.report import plan
+    out = tmp_path / "plan.json"
+    plan(load_config(["mode=plan", "plan.nodes=1", "plan.gpus_per_node=2", "plan.gpu=A100-80GB",
+                      "plan.gpu_memory_gb=0.025", "trainer.batch_size=64", f"plan.out={out}"], 1))
+    items = json.loads(out.read_text())
+    modes = {(o.get("trainer.activation_checkpointing_mode", "full"),
+              o.get("trainer.activation_checkpointing_every", 1))
+             for o in items if o["trainer.activation_checkpointing"]}
+    print(sorted(modes), len(items))
+    assert modes == set(RECOMPUTE_CHOICES), modes
+    plain = {o["layout"]: o for o in items if not o["trainer.activation_checkpointing"]}
+    for o in items:
+        if o["trainer.activation_checkpointing"]:
+            base = o["layout"].split(" ckpt")[0]
+            base = " ".join(w for w in base.split() if not w.startswith("ga"))
+            assert any(" ".join(w for w in k.split() if not w.startswith("ga")) == base
+                       and (v["trainer.grad_accum"] > 1 or not v["fits"]) for k, v in plain.items()), o["layout"]
