@@ -22,8 +22,13 @@ class PlanConfig:
     flash_attention: bool = True  # fused attention; false = scores materialized (Megatron-LM before FlashAttention)
     tp_comm_overlap: bool = False  # TP's gathers / scatters pipelined with their GEMMs (Megatron-Core's --tp-comm-overlap); ours are not
     param_gather_overlap: bool = False  # ZeRO-1/2's parameter all-gather behind the next forward (Megatron's --overlap-param-gather; ours: after the step)
-    param_gather_bytes: int = 4  # bytes per element of that all-gather: 4 = ours (fp32), 2 = Megatron's distributed optimizer (bf16 copy)
+    param_gather_bytes: int = 4  # bytes per element of the parameter all-gathers (ZeRO-1/2's after the step, ZeRO-3's): 4 = ours (fp32), 2 = a bf16 copy (Megatron's distributed optimizer, FSDP with bf16 param_dtype)
+    grad_reduce_bytes: int = 4  # bytes per element of the data-parallel gradient reductions: 4 = ours (parallel.reduce_dtype=fp32), 2 = bf16 (FSDP's reduce_dtype=bf16)
     kernel_slowdown: float = 1.0  # kernels take this many times the efficiency model's time (1: fused, llm.c and Megatron; a PyTorch GPT-2 step, nanoGPT: 1.46)
+    kv_heads: int = 0           # replaying another system's model: K/V heads of grouped-query attention; 0 = model.n_head
+    ffn_hidden: int = 0         # replaying: the MLP's hidden width; 0 = 4 x model.n_embd
+    gated_ffn: bool = False     # replaying: a gated MLP (SwiGLU: gate, up and down matrices)
+    untied_head: bool = False   # replaying: an LM head of its own, not the token embedding
     search: bool = True         # false: evaluate only the layout of the parallel.* / trainer.* keys given
     vocab_size: int = 0         # vocabulary planned for; 0 = the tokenizer's (gpt2: 50257; char: data.path's)
     top: int = 10               # rows of the printed table

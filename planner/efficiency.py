@@ -80,9 +80,10 @@ MOE_FWD_KERNELS, MOE_BWD_KERNELS = 6, 8  # sorting, gathering, weighing and summ
 def elementwise_bytes(w: Workload):
     """Bytes a block's element-wise kernels read and write per token, forward: the two
     LayerNorms (read the fp32 residual, write the activation), the two residual adds
-    with their bias (read both, write fp32), GELU (read and write 4C). Backward: twice."""
+    with their bias (read both, write fp32), GELU (read and write H = 4C; a gated MLP's
+    SiLU and product read 2 H, write H). Backward: twice."""
     C, a = w.n_embd, act_bytes(w)
-    return 24 * C + 12 * a * C
+    return 24 * C + 4 * a * C + a * w.ffn * (3 if w.gated else 2)
 
 
 def matmul_seconds(m, n, k, w, machine, passes=1):
@@ -136,8 +137,9 @@ def compute_seconds(w: Workload, L: Layout, p: int, machine, params: int,
     fwd = 1 + modes.count("full") / max(layers, 1)    # full recompute runs the matmuls again,
     cheap = fwd + modes.count("selective") / max(layers, 1)  # selective the cheap ops only
     attention_in_out = sum(matmul_seconds(t, n, k, w, machine) for n, k in
-                           ((3 * C // L.tp, C), (C, C // L.tp)))
-    mlp = sum(matmul_seconds(t, n, k, w, machine) for n, k in ((4 * C // L.tp, C), (C, 4 * C // L.tp)))
+                           (((C + 2 * w.kv_width) // L.tp, C), (C, C // L.tp)))
+    mlp = sum(matmul_seconds(t, n, k, w, machine) for n, k in ((w.fc_out // L.tp, C),
+                                                                 (C, w.ffn // L.tp)))
     per_layer = attention_in_out + mlp
     matmul = (layers * per_layer + moe * (expert_matmuls(w, L, t, machine) - mlp)) * (fwd + 2)
     attention = layers * attention_seconds(w, L, rows, s, fwd, flash, machine)

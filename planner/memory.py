@@ -95,19 +95,22 @@ def block_activations(w: Workload, L: Layout, rows: int, experts=False, busiest=
     mode = L.recompute(index)
     if mode == "full":  # a checkpointed block keeps its input only
         return n * C * F32 // s, 0
+    qkv = C + 2 * w.kv_width                  # q|k|v's width (GQA: fewer K/V heads)
     if mode == "selective" and not experts:  # its input and the matmuls' outputs: q|k|v and
         # attention out (split over TP), c_fc's (4 C, split), both projections' (full rows)
-        return n * C * F32 // s + n * C * e * (3 + 1 + 4) // t + 2 * n * C * e + heads_t * F32, 0
+        return n * C * F32 // s + n * e * (qkv + C + w.fc_out) // t + 2 * n * C * e \
+            + heads_t * F32, 0
     residual = 2 * n * C * F32 // s + 4 * n * F32 // s   # both LayerNorms' inputs and statistics
     lin_in = n * C * (e if w.precision != "fp32" else F32)  # c_attn's (c_fc's) input, gathered
-    split = n * C * e * (3 + 1) // t                      # q|k|v, attention out
+    split = n * e * (qkv + C) // t                        # q|k|v, attention out
     # what a split backward's W keeps until it runs: the linears' inputs, and a LayerNorm's
     # input with both LayerNorms' statistics (measured: tests/test_planner.py)
     weights = lin_in + n * C * e // t + n * C * F32 // s + 4 * n * F32 // s
     if experts:
         mlp, mlp_weights = expert_activations(w, L, rows, n, busiest)
-    else:  # c_fc's input, its output and GELU's (4 C each)
-        mlp, mlp_weights = lin_in + n * C * e * 8 // t, lin_in + n * C * e * 4 // t
+    else:  # c_fc's input, its output and GELU's (4 C each; gated: gate|up 2 H, SiLU's
+        # and the product's H each), c_proj's input (GELU's output, the product) for W
+        mlp, mlp_weights = lin_in + n * e * 2 * w.fc_out // t, lin_in + n * e * w.ffn // t
     return residual + lin_in + split + mlp + heads_t * F32, weights + mlp_weights
 
 

@@ -32,9 +32,11 @@ def workload(cfg) -> Workload:
             from char_dataset import build_tokenizer, load_text
             vocab = build_tokenizer("char", load_text(cfg.data.path)).vocab_size
     m = cfg.model
+    p = cfg.plan
     return Workload(m.n_layer, m.n_head, m.n_embd, vocab, cfg.data.block_size,
                     cfg.trainer.batch_size, cfg.trainer.precision, m.bias, m.moe_experts,
-                    m.moe_top_k, m.moe_every, m.moe_hidden, m.vocab_pad_to)
+                    m.moe_top_k, m.moe_every, m.moe_hidden, m.vocab_pad_to, p.kv_heads,
+                    p.ffn_hidden, p.gated_ffn, p.untied_head)
 
 
 def check(cfg, gpu):
@@ -54,6 +56,22 @@ def check(cfg, gpu):
         raise UserError(f"plan.param_gather_bytes={p.param_gather_bytes} must be 4 (fp32 parameters "
                         "gathered, as this product does) or 2 (a bf16 copy, as Megatron's distributed "
                         "optimizer does)")
+    if p.grad_reduce_bytes not in (2, 4):
+        raise UserError(f"plan.grad_reduce_bytes={p.grad_reduce_bytes} must be 4 (fp32 gradients "
+                        "reduced, this product's default) or 2 (bf16)")
+    foreign = p.kv_heads or p.ffn_hidden or p.gated_ffn or p.untied_head
+    if foreign and cfg.model.moe_experts:
+        raise UserError("plan.kv_heads, ffn_hidden, gated_ffn and untied_head replay dense blocks "
+                        "only: not with model.moe_experts")
+    if p.kv_heads and (p.kv_heads < 0 or cfg.model.n_head % p.kv_heads
+                       or p.kv_heads % cfg.parallel.tp):
+        raise UserError(f"plan.kv_heads={p.kv_heads} must divide model.n_head={cfg.model.n_head} "
+                        f"and be divisible by parallel.tp={cfg.parallel.tp}")
+    if p.ffn_hidden < 0 or p.ffn_hidden % cfg.parallel.tp:
+        raise UserError(f"plan.ffn_hidden={p.ffn_hidden} must be >= 0 and divisible by parallel.tp")
+    if p.untied_head and (cfg.parallel.pp > 1 or p.search):
+        raise UserError("plan.untied_head is not modelled under a pipeline: replay it with "
+                        "plan.search=false and parallel.pp=1")
     if min(p.gpu_memory_gb, p.peak_bf16_tflops, p.peak_fp32_tflops, p.intra_node_gbps,
            p.inter_node_gbps, p.pcie_gbps, p.host_gbps, p.hbm_gbps, p.intra_latency_us,
            p.inter_latency_us) < 0 or p.top < 1:
@@ -153,6 +171,10 @@ def header(cfg, w, gpu):
           f"{cfg.plan.gpus_per_node} {gpu.name} ({gpu.memory_gb:g} GB, "
           f"{gpu.peak[w.precision] / 1e12:g} TFLOP/s {w.precision}, {gpu.hbm_gbps:g} GB/s memory, "
           f"{compute}; {gpu.intra_node_gbps:g} GB/s in a node, {gpu.inter_node_gbps:g} across)")
+    if w.foreign:
+        print(f"replaying another system's block (model.py trains GPT-2's): {w.kv_heads or w.n_head} "
+              f"K/V heads, MLP {w.ffn} wide{' gated (SwiGLU)' if w.gated else ''}"
+              f"{', untied LM head' if w.untied else ''}; planned, not runnable here")
     if w.experts:
         print(f"experts: {w.n_layer // w.every} of {w.n_layer} blocks, {w.experts} experts of "
               f"{w.expert_hidden} wide, {w.top_k} active a token (MFU counts those); the busiest "

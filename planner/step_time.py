@@ -8,7 +8,7 @@ overlaps the backward counted only beyond it. `step_time`'s docstring states eve
 assumption; MFU is an output.
 
 May import: planner.shapes, planner.stages, planner.traffic, planner.efficiency,
-telemetry.mfu, parallel's pipeline simulator.
+parallel's pipeline simulator.
 """
 
 import math
@@ -19,7 +19,6 @@ from planner.efficiency import LINK_EFF, NET_EFF, collective_seconds, compute_se
 from planner.shapes import F32, Layout, Workload, micro_rows
 from planner.stages import shard_pieces, stage, units
 from planner.traffic import comm_by_dim, moe_layers
-from telemetry.mfu import flops_per_token
 
 GRID = ("dp_replicate", "dp", "pp", "cp", "tp")  # parallel/grid.py's DIMS, slowest- to fastest-varying
 
@@ -126,7 +125,7 @@ def slowest_stage(w: Workload, L: Layout, fig: dict, machine, flash: bool) -> di
 
 def model_flops(w: Workload) -> float:
     """The step's model FLOPs (telemetry/mfu.flops_per_token x tokens; no recomputation)."""
-    return flops_per_token(w.gpt_config()) * w.batch * w.block
+    return w.flops_per_token() * w.batch * w.block
 
 
 def step_time(w: Workload, L: Layout, fig: dict, machine, pcfg) -> dict:
@@ -153,8 +152,10 @@ def step_time(w: Workload, L: Layout, fig: dict, machine, pcfg) -> dict:
       collective costs its first (or last) chunk, 1/tp of it, plus what the step's
       matrix products cannot cover; `plan.param_gather_overlap`, ZeRO-1/2's parameter
       all-gather waited for by the next step's first forward, so it costs only what
-      outlasts one pass's forward; `plan.param_gather_bytes=2`, that gather moving a
-      bf16 copy (Megatron's distributed optimizer) instead of our fp32 parameters;
+      outlasts one pass's forward; `plan.param_gather_bytes=2`, the parameter
+      all-gathers (ZeRO-1/2's, ZeRO-3's) moving a bf16 copy (Megatron's distributed
+      optimizer, FSDP's bf16 param_dtype) instead of our fp32 parameters;
+      `plan.grad_reduce_bytes=2`, the gradient reductions in bf16 (FSDP's reduce_dtype);
     - `plan.kernel_slowdown`: every kernel of the step that many times slower than the
       efficiency model's fused ones (a stack that fuses less: nanoGPT's PyTorch step);
     - parallel.offload: the host's AdamW and the PCIe copies (host_seconds).
@@ -191,8 +192,10 @@ def step_time(w: Workload, L: Layout, fig: dict, machine, pcfg) -> dict:
             parts["pp"] += collective_seconds("send", n * one, 2, n, gbps, latency, eff)
             continue
         param_gather = dim in ("dp", "edp") and kind == "all_gather" and L.zero_stage in (1, 2)
-        if param_gather:  # ZeRO-1/2's gather of the updated parameters
+        if dim in ("dp", "edp") and kind == "all_gather":  # parameters (ZeRO-1/2 after the step, 3)
             payload = payload * pcfg.param_gather_bytes // F32
+        elif dim in ("dp", "edp", "dpr"):  # gradients: reduce-scatters, all-reduces
+            payload = payload * pcfg.grad_reduce_bytes // F32
         seconds = collective_seconds(kind, payload, size[dim], _count(w, L, st, dim, kind, payload),
                                      gbps, latency, eff)
         if param_gather:

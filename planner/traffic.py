@@ -68,9 +68,9 @@ def comm_by_dim(w: Workload, L: Layout, p: int, r: int) -> dict:
             add("tp", "all_reduce", passes * 3 * n_tok * F32)
     # context parallelism: the ring (forward cp-1 hops of K|V; backward cp-1 of K|V with
     # their gradients, then the gradients home)
-    if L.cp > 1:
-        kv_fwd = 2 * n_tok * (w.n_embd // L.tp) * act_bytes(w)
-        kv = 2 * n_tok * (w.n_embd // L.tp) * F32
+    if L.cp > 1:  # keys and values at their own width: K/V heads x head size (GQA: fewer)
+        kv_fwd = 2 * n_tok * (w.kv_width // L.tp) * act_bytes(w)
+        kv = 2 * n_tok * (w.kv_width // L.tp) * F32
         add("cp", "send", passes * layers * ((L.cp - 1) * kv_fwd + (L.cp - 1) * 2 * kv + kv))
     # mixture of experts (forward collectives again in a checkpointed block's recompute):
     # each sequence's choices per expert summed over its cp x tp ranks (the balance loss);

@@ -193,3 +193,61 @@ def test_the_search_tries_selective_and_every_n_recompute(tmp_path):
             base = " ".join(w for w in base.split() if not w.startswith("ga"))
             assert any(" ".join(w for w in k.split() if not w.startswith("ga")) == base
                        and (v["trainer.grad_accum"] > 1 or not v["fits"]) for k, v in plain.items()), o["layout"]
+
+
+LLAMA_8B = dict(n_layer=32, n_head=32, n_embd=4096, vocab=128256, block=8192, batch=16,
+                precision="bf16", bias=False, kv_heads=8, ffn_hidden=14336, gated=True, untied=True)
+
+
+def test_another_systems_block_is_counted_as_its_parameters():
+    """plan.kv_heads / ffn_hidden / gated_ffn / untied_head (replaying Llama 3.1 8B): the
+    census holds its 8,030,261,248 parameters (Meta's model card) plus GPT-2's learned
+    positions (8,192 x 4,096: RoPE is not modelled), every rank's share under TP sums to
+    them, and the MFU's FLOPs count the head once (the untied embedding is a lookup)."""
+    from planner.census import census
+    w = Workload(**LLAMA_8B)
+    total = sum(q.numel for q in census(w.shape, 1))
+    assert total == 8_030_261_248 + 8192 * 4096, total
+    split = census(w.shape, 8)
+    assert sum(q.numel for q in split if q.replicated) + 8 * sum(
+        q.numel for q in split if not q.replicated) == total
+    n_flops = w.flops_per_token() - 12 * 32 * 4096 * 8192
+    assert n_flops == 6 * (total - 8192 * 4096 - 128256 * 4096), n_flops
+
+
+def test_the_cp_ring_moves_keys_and_values_at_their_own_width():
+    """Context parallelism exchanges K and V around the ring: their width is K/V heads x
+    head size, so 8 K/V heads of 32 move a quarter of the bytes (and time) of 32; the
+    model's own width (GPT-2: K/V heads = heads) is the same as before."""
+    from planner.traffic import comm_by_dim
+    mha = Workload(**dict(LLAMA_8B, kv_heads=0, untied=False))
+    gqa = Workload(**dict(LLAMA_8B, untied=False))
+    L = Layout(dp_kind="fsdp", zero_stage=3, dp=2, cp=4)
+    sent = {w.kv_heads: comm_by_dim(w, L, 0, 0)[("cp", "send")] for w in (mha, gqa)}
+    assert sent[8] * 4 == sent[0], sent
+    pcfg = PlanConfig(gpus_per_node=8)
+    t = {w.kv_heads: step_time(w, L, rank_figures(w, L)["fullest"], H100, pcfg)["cp"] for w in (mha, gqa)}
+    assert 0 < t[8] < t[0] / 3, t
+
+
+@pytest.mark.parametrize("keys,message", [
+    (["plan.untied_head=true", "parallel.pp=2"], "plan.untied_head is not modelled under a pipeline"),
+    (["plan.kv_heads=3"], "plan.kv_heads=3 must divide model.n_head=4"),
+    (["plan.gated_ffn=true", "model.moe_experts=4"], "replay dense blocks only"),
+])
+def test_what_the_block_keys_cannot_express_is_refused_in_one_line(keys, message):
+    from config import load_config
+    from errors import UserError
+    from planner.report import plan
+    with pytest.raises(UserError, match=message):
+        plan(load_config(["mode=plan", "plan.search=false", *keys], 1))
+
+
+def test_the_dry_run_refuses_another_systems_block():
+    """model.py builds GPT-2's block only: mode=dryrun with plan.kv_heads (or the other
+    replay keys) is one line, not a step of a model that is not the one planned."""
+    from config import load_config
+    from errors import UserError
+    from planner.dryrun import dryrun
+    with pytest.raises(UserError, match="another system's block, which model.py does not build"):
+        dryrun(load_config(["mode=dryrun", "plan.kv_heads=2"], 1))

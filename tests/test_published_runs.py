@@ -22,32 +22,44 @@ import re
 
 from harness import REPO
 from planner.published_runs import RUNS, megatron_flops, published_seconds
-from scripts.published_runs_table import replay
+from scripts.published_runs_table import OTHER_STACKS, replay
 from telemetry.mfu import flops_per_token, peak_flops
 
 WITHIN = 0.25
+# Rows from stacks the time model was not set on (issue 53: llm-foundry, DeepSpeed,
+# torchtitan): how many must be within 25% (raised with each correction; all of them
+# are replayed and printed, and each one's memory is reported beside its GPU's)
+OTHER_STACKS_WITHIN = 18
 
 
 def docs_table():
-    """{run name: (predicted s, published s, predicted MFU %)} from docs/published-runs.md's
-    table."""
-    text = open(os.path.join(REPO, "docs", "published-runs.md")).read()
+    """{run name: (predicted s, published s, predicted MFU %)} from docs/published-runs-table.md."""
+    text = open(os.path.join(REPO, "docs", "published-runs-table.md")).read()
     out = {}
     for line in text.splitlines():
         cells = [c.strip() for c in line.strip().strip("|").split("|")]
-        if len(cells) == 10 and re.fullmatch(r"[\d.]+", cells[6]):
+        if len(cells) == 12 and re.fullmatch(r"[\d.]+", cells[7]):
             out[cells[0].replace(" (not checked)", "")] = (
-                float(cells[6]), float(cells[7]), float(cells[9].rstrip("%")))
+                float(cells[7]), float(cells[8]), float(cells[10].rstrip("%")))
     return out
 
 
 def model_flops(row) -> float:
     """A step's model FLOPs as a run counts them for its MFU (telemetry/mfu.py: 6 N + 12 L C T
-    a token, no recomputation)."""
+    a token, no recomputation); another system's block (`arch`: K/V heads, a SwiGLU MLP of
+    its own width, an untied head) by the same count of its own matrices."""
     m = row["model"]
     gpt = {"n_embd": m["n_embd"], "n_layer": m["n_layer"], "block_size": m["block"],
            "vocab_size": m["vocab"], "bias": m["bias"]}
-    return flops_per_token(gpt) * row["batch"] * m["block"]
+    arch = row.get("arch")
+    if not arch:
+        return flops_per_token(gpt) * row["batch"] * m["block"]
+    C, L, T, V = m["n_embd"], m["n_layer"], m["block"], m["vocab"]
+    kv = 2 * arch["plan.kv_heads"] * C // m["n_head"]
+    H = arch["plan.ffn_hidden"]
+    per_layer = C * (C + kv) + C * C + (3 if arch["plan.gated_ffn"] else 2) * C * H + 2 * C
+    assert not m["bias"]  # the RMSNorm blocks replayed (two norms' weights a layer, the final one)
+    return (6 * (V * C + L * per_layer + C) + 12 * L * C * T) * row["batch"] * T
 
 
 def head_flops(row) -> float:
@@ -81,13 +93,20 @@ def test_every_published_run_is_predicted_within_25_percent():
                 misses.append(f"{row['name']}: {ratio:.2f}")
         if abs(got["mfu"] / mfu - 1) > 1e-9 or not 0 < got["mfu"] <= 1:
             wrong_mfu.append(f"{row['name']}: {got['mfu']:.4g}, own count {mfu:.4g}")
-        shown = documented.get(row["name"])
+        shown = documented.get(row["name"])  # docs/published-runs-table.md
         if shown is None or abs(shown[0] / predicted - 1) > 0.005 + 0.5e-3 / predicted \
                 or not close(shown[1], published) or shown[2] != round(100 * got["mfu"]):
-            stale.append(f"{row['name']}: docs/published-runs.md says {shown}, the model "
+            stale.append(f"{row['name']}: docs/published-runs-table.md says {shown}, the model "
                          f"{predicted:.4g} s, published {published:.4g} s, MFU {100 * got['mfu']:.1f}%")
     assert checked >= 12, checked
-    assert not misses, "outside 25% of the published figure: " + ", ".join(misses)
+    others = [m for m in misses if m.split(":")[0] in {r["name"] for r in RUNS
+                                                       if r.get("stack") in OTHER_STACKS}]
+    calibrated = [m for m in misses if m not in others]
+    n_other = sum(r.get("stack") in OTHER_STACKS for r in RUNS)
+    print(f"other stacks: {n_other - len(others)} of {n_other} within 25%; outside: {others}")
+    assert n_other >= 20 and len({r.get("stack") for r in RUNS} & set(OTHER_STACKS)) >= 3
+    assert not calibrated, "outside 25% of the published figure: " + ", ".join(calibrated)
+    assert n_other - len(others) >= OTHER_STACKS_WITHIN, others
     assert not wrong_mfu, f"MFU not model FLOPs / (step x GPUs x the precision's peak) <= 1 " \
         f"in {len(wrong_mfu)} rows: " + "; ".join(wrong_mfu[:3])
     assert not stale, "python -m scripts.published_runs_table: " + "; ".join(stale)
