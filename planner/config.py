@@ -12,7 +12,8 @@ class PlanConfig:
     peak_bf16_tflops: float = 0.0  # peak dense bf16 TFLOP/s; 0 = the preset's
     peak_fp32_tflops: float = 0.0  # peak dense fp32 TFLOP/s; 0 = the preset's
     intra_node_gbps: float = 0.0   # GB/s one GPU sends another of its node, each way; 0 = the preset's
-    inter_node_gbps: float = 0.0   # GB/s one GPU sends to another node, each way; 0 = the preset's
+    inter_node_gbps: float = 0.0   # GB/s of one network card to other nodes, each way; 0 = the preset's
+    nics_per_node: int = 0      # network cards a node (NCCL drives one ring each; DGX A100 and H100: 8); 0 = the preset's
     pcie_gbps: float = 0.0      # GB/s one GPU copies to or from its host, each way (offload); 0 = the preset's
     host_gbps: float = 0.0      # GB/s of host memory a rank's host-side AdamW gets (offload); 0 = the preset's
     intra_latency_us: float = 0.0  # one hop of a collective inside a node, in us; 0 = the preset's
@@ -24,6 +25,7 @@ class PlanConfig:
     param_gather_overlap: bool = False  # ZeRO-1/2's parameter all-gather behind the next forward (Megatron's --overlap-param-gather; ours: after the step)
     param_gather_bytes: int = 4  # bytes per element of the parameter all-gathers (ZeRO-1/2's after the step, ZeRO-3's): 4 = ours (fp32), 2 = a bf16 copy (Megatron's distributed optimizer, FSDP with bf16 param_dtype)
     grad_reduce_bytes: int = 4  # bytes per element of the data-parallel gradient reductions: 4 = ours (parallel.reduce_dtype=fp32), 2 = bf16 (FSDP's reduce_dtype=bf16)
+    stack: str = ""             # how the kernels between the products are written: fused (llm.c, Megatron, TE) | compiled (torch.compile) | eager (PyTorch eager); "" = this product's (eager, compiled with trainer.compile)
     kernel_slowdown: float = 1.0  # kernels take this many times the efficiency model's time (1: fused, llm.c and Megatron; a PyTorch GPT-2 step, nanoGPT: 1.46)
     kv_heads: int = 0           # replaying another system's model: K/V heads of grouped-query attention; 0 = model.n_head
     ffn_hidden: int = 0         # replaying: the MLP's hidden width; 0 = 4 x model.n_embd

@@ -63,7 +63,7 @@ def _nanogpt_blog(vocab, seconds, what):
             "batch": 96, "layout": {"parallel.dp": "ddp_bucket", "trainer.grad_accum": 1,
                                     "trainer.activation_checkpointing": False,
                                     "plan.kernel_slowdown": PYTORCH_KERNELS},
-            "recompute": "none", "flash": True, "published": (seconds, "s/iter"),
+            "recompute": "none", "flash": True, "kernels": "compiled", "published": (seconds, "s/iter"),
             "note": "\"flash_attention kernel: ~113ms\", \"flash_attention + padded vocab: "
                     "~87ms\" per batch; \"All code was run on an 8 x NVIDIA Corporation A100 "
                     "server with 80 GB HBM [A100 SXM4 80GB]\" (DDP over the 8 assumed: the "
@@ -89,7 +89,7 @@ def _megatron(params, heads, hidden, layers, tp, pp, gpus, batch, tflops):
                       "bias": True},
             "batch": batch, "layout": layout, "recompute": "full",
             "published": (tflops, "TFLOP/s/GPU"),
-            "flash": False,
+            "flash": False, "kernels": "fused",
             "note": "16-bit mixed precision (A100: the same peak for fp16 and bf16)"}
 
 
@@ -112,6 +112,7 @@ def _korthikanti(size, heads, hidden, layers, tp, pp, batch, micro, V, seconds, 
                       "bias": True},
             "batch": batch, "layout": layout,
             "recompute": "selective (attention scores)" if selective else "full", "flash": False,
+            "kernels": "fused",
             "published": (seconds, "s/iter"),
             "note": f"micro-batch {micro}" + (f", {V} virtual stages (interleaved)" if V > 1 else "")
             + ("; sequence parallelism" if selective else "")}
@@ -138,7 +139,7 @@ def _mcore(params, layers, heads, hidden, tp, pp, gpus, batch, tflops):
             "gpus_per_node": 8, "precision": "bf16",
             "model": {"n_layer": layers, "n_head": heads, "n_embd": hidden, "vocab": 131072,
                       "block": 4096, "bias": True},
-            "batch": batch, "layout": layout, "recompute": "none", "flash": True,
+            "batch": batch, "layout": layout, "recompute": "none", "flash": True, "kernels": "fused",
             "published": (tflops, "TFLOP/s/GPU"), "flops": "megatron-core",
             "note": "micro-batch 1, 1F1B, no recomputation assumed; sequence parallelism with "
                     "TP (required by --tp-comm-overlap); Transformer Engine's fused attention"}
@@ -174,6 +175,7 @@ def _mpt(size, seq, gpus, gpu, micro, accum, batch, tokens_per_s, shard, ckpt, m
             "model": {"n_layer": layers, "n_head": heads, "n_embd": width, "vocab": 50368,
                       "block": seq, "bias": True},
             "batch": batch, "layout": layout, "recompute": "full" if ckpt else "none", "flash": True,
+            "kernels": "eager",
             "published": (tokens_per_s, "tokens/s"), "ran": True,
             "note": f"micro-batch {micro} x {accum} accumulation x {gpus} GPUs = {batch} sequences; "
                     f"{shard}, mixed precision {mp}, activation checkpointing {ckpt}",
@@ -209,7 +211,8 @@ def _mtnlg(nodes, seconds):
                                       "parallel.pp_schedule": "1f1b", "trainer.grad_accum": 1,
                                       "trainer.activation_checkpointing": True,
                                       "plan.param_gather_bytes": 2},
-            "recompute": "full", "flash": False, "published": (seconds, "s/iter"), "ran": True,
+            "recompute": "full", "flash": False, "kernels": "fused", "published": (seconds, "s/iter"),
+            "ran": True,
             "note": f"{gpus} GPUs: tp 8 x pp 35 x dp {dp}; micro-batch 1 assumed",
             "cannot": "micro-batch, schedule and recomputation not in the excerpt read (assumed); "
                       "DeepSpeed's pipeline engine's own schedule"}
@@ -240,6 +243,7 @@ def _torchtitan(gpus, tps, memory_gib, compiled):
                        "plan.gpu_memory_gb": 96, "plan.hbm_gbps": 2400,
                        "plan.param_gather_bytes": 2},
             "recompute": "op-level selective (as full on every 2nd block)", "flash": True,
+            "kernels": "compiled" if compiled else "eager",
             "published": (tps, "tokens/s/GPU"), "ran": True, "memory_gb": memory_gib * 2**30 / 1e9,
             "note": f"Table {1 if gpus == 8 else 3}: {tps:,} TPS/GPU, {memory_gib} GiB; local batch "
                     f"2, global {2 * gpus}; " + ("torch.compile" if compiled else "eager"),
@@ -284,7 +288,7 @@ RUNS = [
                "bias": True},
      "batch": 512, "layout": {"parallel.dp": "fsdp", "parallel.zero_stage": 1,
                               "trainer.grad_accum": 1, "trainer.activation_checkpointing": False},
-     "recompute": "none", "flash": True, "published": (0.300, "s/iter"),
+     "recompute": "none", "flash": True, "kernels": "fused", "published": (0.300, "s/iter"),
      "note": "-b 64 x 8 GPUs = 524,288 tokens a step, ZeRO-1 (-z 1), no recomputation (-r 0): "
              "\"steps in ~300ms/iter\""},
     {"name": "llm.c GPT-2 1558M", "source": LLMC_1558M, "gpu": "H100-80GB", "gpus": 8,
@@ -293,7 +297,8 @@ RUNS = [
                "bias": True},
      "batch": 1024, "layout": {"parallel.dp": "fsdp", "parallel.zero_stage": 1,
                                "trainer.grad_accum": 8, "trainer.activation_checkpointing": False},
-     "recompute": "none", "flash": True, "published": (24 * 3600 / 32000, "s/iter"),
+     "recompute": "none", "flash": True, "kernels": "fused",
+     "published": (24 * 3600 / 32000, "s/iter"),
      "note": "derived: 24 hours / 32,000 steps; -b 16 x 8 GPUs x 8 accumulation = 1,048,576 "
              "tokens (-d), ZeRO-1, -r 0"},
     {"name": "llm.c GPT-2 124M (H100)", "source": LLMC_124M_H100, "gpu": "H100-80GB", "gpus": 8,
@@ -302,7 +307,7 @@ RUNS = [
                "bias": True},
      "batch": 512, "layout": {"parallel.dp": "fsdp", "parallel.zero_stage": 1,
                               "trainer.grad_accum": 1, "trainer.activation_checkpointing": False},
-     "recompute": "none", "flash": True, "published": (0.140, "s/iter"),
+     "recompute": "none", "flash": True, "kernels": "fused", "published": (0.140, "s/iter"),
      "note": "\"The mean per-step time was 140ms\"; 10.26B tokens at 524,288 a step (-b 64 x 8 "
              "GPUs, ZeRO-1 -z 1, as discussion #481 runs it); GELU recomputation (-r), if "
              "on, is one element-wise kernel more, not modelled"},
@@ -313,7 +318,7 @@ RUNS = [
      "batch": 480, "layout": {"parallel.dp": "ddp_bucket", "trainer.grad_accum": 5,
                               "trainer.activation_checkpointing": False,
                               "plan.kernel_slowdown": PYTORCH_KERNELS},
-     "recompute": "none", "flash": True, "published": (0.562, "s/iter"),
+     "recompute": "none", "flash": True, "kernels": "compiled", "published": (0.562, "s/iter"),
      "note": "nanoGPT issue #110 (8 x A100, train.py of 2023-02-02): \"iter 1631 ... time "
              "561.94ms\" to 567.31; 12 x 1024 tokens x 5 accumulation steps per GPU x 8 GPUs; "
              "GPT-2's vocabulary unpadded (model.py's vocab_size = 50257 until 2023-02-04); "
@@ -353,7 +358,8 @@ RUNS = [
                                "parallel.pp_schedule": "1f1b", "trainer.grad_accum": 1,
                                "trainer.activation_checkpointing": True,
                                "plan.param_gather_bytes": 2},
-     "recompute": "full", "flash": False, "published": (104.70, "s/iter"), "ran": True,
+     "recompute": "full", "flash": False, "kernels": "fused", "published": (104.70, "s/iter"),
+     "ran": True,
      "memory_gb": 60,
      "note": "\"elapsed time per iteration (s): 104.70 ... TFLOPs: 149.77\" at GBS 2048; TP 4, "
              "PP 12, DP 8, micro-batch 2 (128 a pipeline), --checkpoint-activations, bf16, "
@@ -402,13 +408,14 @@ def network_keys(row) -> dict:
     if "network" not in row:
         return {}
     nics, gbps = row["network"]
-    return {"plan.inter_node_gbps": nics * gbps / row["gpus_per_node"]}
+    return {"plan.nics_per_node": nics, "plan.inter_node_gbps": gbps}
 
 
 def overrides(row) -> list:
     """The command-line overrides that replay `row` with `mode=plan plan.search=false`."""
     m = row["model"]
-    keys = {"mode": "plan", "plan.search": False, "plan.flash_attention": row["flash"], "plan.gpu": row["gpu"],
+    keys = {"mode": "plan", "plan.search": False, "plan.flash_attention": row["flash"],
+            "plan.stack": row["kernels"], "plan.gpu": row["gpu"],
             "plan.gpus_per_node": row["gpus_per_node"],
             "plan.nodes": max(1, row["gpus"] // row["gpus_per_node"]),
             "model.n_layer": m["n_layer"], "model.n_head": m["n_head"], "model.n_embd": m["n_embd"],

@@ -10,7 +10,7 @@ import time
 from errors import UserError
 from planner.figures import metrics_names, rank_figures
 from planner.layouts import RECOMPUTE_CHOICES, refusal, valid_layouts, with_grad_accum
-from planner.efficiency import MOE_IMBALANCE
+from planner.efficiency import MOE_IMBALANCE, STACKS
 from planner.machines import machine
 from planner.memory import memory_need
 from planner.shapes import Layout, Workload
@@ -56,6 +56,9 @@ def check(cfg, gpu):
         raise UserError(f"plan.param_gather_bytes={p.param_gather_bytes} must be 4 (fp32 parameters "
                         "gathered, as this product does) or 2 (a bf16 copy, as Megatron's distributed "
                         "optimizer does)")
+    if p.stack not in ("",) + STACKS:
+        raise UserError(f"plan.stack={p.stack!r} must be one of {', '.join(STACKS)} (or empty: this "
+                        "product's own, eager or compiled by trainer.compile)")
     if p.grad_reduce_bytes not in (2, 4):
         raise UserError(f"plan.grad_reduce_bytes={p.grad_reduce_bytes} must be 4 (fp32 gradients "
                         "reduced, this product's default) or 2 (bf16)")
@@ -74,7 +77,7 @@ def check(cfg, gpu):
                         "plan.search=false and parallel.pp=1")
     if min(p.gpu_memory_gb, p.peak_bf16_tflops, p.peak_fp32_tflops, p.intra_node_gbps,
            p.inter_node_gbps, p.pcie_gbps, p.host_gbps, p.hbm_gbps, p.intra_latency_us,
-           p.inter_latency_us) < 0 or p.top < 1:
+           p.inter_latency_us, p.nics_per_node) < 0 or p.top < 1:
         raise UserError("plan.gpu_memory_gb, plan.peak_*_tflops, plan.*_gbps and plan.*_latency_us "
                         "must be >= 0 "
                         "(0 = the preset's), plan.top >= 1")
@@ -165,12 +168,13 @@ def reason(row, best):
 
 
 def header(cfg, w, gpu):
-    compute = f"mfu {cfg.plan.mfu:g} assumed" if cfg.plan.mfu else "efficiency model"
+    compute = f"mfu {cfg.plan.mfu:g} assumed" if cfg.plan.mfu else f"{cfg.plan.stack} kernels"
     print(f"plan: GPT {w.n_layer} layers x {w.n_embd} wide, {w.n_head} heads, vocab {w.vocab}, "
           f"{w.block} tokens, global batch {w.batch}, {w.precision}; {cfg.plan.nodes} x "
           f"{cfg.plan.gpus_per_node} {gpu.name} ({gpu.memory_gb:g} GB, "
           f"{gpu.peak[w.precision] / 1e12:g} TFLOP/s {w.precision}, {gpu.hbm_gbps:g} GB/s memory, "
-          f"{compute}; {gpu.intra_node_gbps:g} GB/s in a node, {gpu.inter_node_gbps:g} across)")
+          f"{compute}; {gpu.intra_node_gbps:g} GB/s in a node, {gpu.nics_per_node} x "
+          f"{gpu.inter_node_gbps:g} GB/s network cards a node)")
     if w.foreign:
         print(f"replaying another system's block (model.py trains GPT-2's): {w.kv_heads or w.n_head} "
               f"K/V heads, MLP {w.ffn} wide{' gated (SwiGLU)' if w.gated else ''}"
@@ -185,6 +189,8 @@ def plan(cfg):
     started = time.perf_counter()
     gpu = machine(cfg.plan)
     check(cfg, gpu)
+    if not cfg.plan.stack:  # this product's own: PyTorch eager, or Inductor's kernels
+        cfg.plan = dataclasses.replace(cfg.plan, stack="compiled" if cfg.trainer.compile else "eager")
     world = cfg.plan.nodes * cfg.plan.gpus_per_node
     w = workload(cfg)
     if not cfg.plan.search:

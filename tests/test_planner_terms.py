@@ -18,7 +18,7 @@ import math
 import pytest
 
 from planner.config import PlanConfig
-from planner.efficiency import MATMUL_EFF, RAMP_US, attention_seconds, compute_seconds, \
+from planner.efficiency import RAMP_US, attention_seconds, compute_seconds, matmul_eff, \
     matmul_seconds
 from planner.figures import rank_figures
 from planner.machines import PRESETS
@@ -106,7 +106,8 @@ def test_compute_time_moves_by_the_ratio_of_the_precisions_peaks():
     product = {w.precision: matmul_seconds(8192, 8192, 8192, w, H100) - RAMP_US * 1e-6
                for w in (bf16, fp32)}
     assert math.isclose(product["fp32"] / product["bf16"], ratio, rel_tol=1e-9), product
-    assert math.isclose(product["bf16"], 2 * 8192 ** 3 / (peaks["bf16"] * MATMUL_EFF), rel_tol=1e-9)
+    assert math.isclose(product["bf16"], 2 * 8192 ** 3 / (peaks["bf16"] * matmul_eff(H100)),
+                        rel_tol=1e-9)
     L = Layout()
     attention = {w.precision: attention_seconds(w, L, 8, 1024, 1, True, H100) for w in (bf16, fp32)}
     assert math.isclose(attention["fp32"] / attention["bf16"], ratio, rel_tol=1e-9), attention
@@ -251,3 +252,101 @@ def test_the_dry_run_refuses_another_systems_block():
     from planner.dryrun import dryrun
     with pytest.raises(UserError, match="another system's block, which model.py does not build"):
         dryrun(load_config(["mode=dryrun", "plan.kv_heads=2"], 1))
+
+
+def _exposed_dp(nics, tp, gpu="A100-80GB", G=8):
+    """The exposed data-parallel time (ms) of GPT-2 small on 2 nodes of G, ZeRO-1: its
+    parameter all-gather after the step (its reduce-scatter hides behind the backward of
+    64 sequences a rank), with `nics` network cards a node; the hops' latencies made
+    negligible, to see the bandwidth alone."""
+    w = Workload(**dict(GPT2, batch=1024 // tp), precision="bf16")
+    L = Layout(dp_kind="fsdp", zero_stage=1, dp=16 // tp, tp=tp)
+    pcfg = PlanConfig(gpus_per_node=G, nics_per_node=nics)
+    from planner.machines import machine
+    m = machine(PlanConfig(gpu=gpu, nics_per_node=nics, inter_latency_us=1e-6,
+                           intra_latency_us=1e-6))
+    return step_time(w, L, rank_figures(w, L)["fullest"], m, pcfg)["dp"]
+
+
+def test_a_cross_node_group_drives_as_many_network_cards_as_it_has_ranks_on_a_node():
+    """NCCL runs one ring per network card: a tp = 1 data-parallel group with 8 ranks on
+    each of 2 A100 nodes drives the node's cards, so doubling them (4 -> 8, both under the
+    NVLink the ring also crosses) halves its exposed cross-node time; with tp = 8 each
+    node's 8 data-parallel groups (1 rank a node each) share the cards, one each; a node's
+    cards past NVLink's speed buy nothing (H100: 8 x 50 GB/s x 0.9 = NVLink's 450 x 0.8)."""
+    four, eight = _exposed_dp(4, 1), _exposed_dp(8, 1)
+    print(f"tp1 dp16 across 2 A100 nodes: exposed dp {four:.3f} ms with 4 cards, {eight:.3f} with 8")
+    assert four > 0 and abs(four / eight - 2) < 0.03, (four, eight)
+    # the old model's one card a GPU: 8 ranks of the group on a node are ~8 x faster than 1
+    from planner.machines import PRESETS
+    from planner.step_time import _link
+    a100 = PRESETS["A100-80GB"]
+    one_rank = _link(Layout(dp_kind="fsdp", zero_stage=1, dp=2, tp=8), "dp", a100, 8)
+    all_eight = _link(Layout(dp_kind="fsdp", zero_stage=1, dp=16), "dp", a100, 8)
+    assert math.isclose(all_eight[0] * all_eight[2], 8 * one_rank[0] * one_rank[2], rel_tol=1e-9)
+    h100_8, h100_16 = _exposed_dp(8, 1, "H100-80GB"), _exposed_dp(16, 1, "H100-80GB")
+    assert math.isclose(h100_8, h100_16, rel_tol=1e-9), (h100_8, h100_16)
+
+
+def _mfu(gpu, stack="eager", **shape):
+    """The MFU `mode=plan plan.search=false` predicts for one shape on 8 GPUs of `gpu`
+    (ZeRO-3, one node, bf16; its gathers hide behind compute)."""
+    from planner.machines import PRESETS
+    w = Workload(**{**GPT2, **shape}, precision="bf16")
+    L = Layout(dp_kind="fsdp", zero_stage=3, dp=8)
+    pcfg = PlanConfig(gpus_per_node=8, stack=stack)
+    return step_time(w, L, rank_figures(w, L)["fullest"], PRESETS[gpu], pcfg)["mfu"]
+
+
+def test_an_h100_runs_the_same_shape_at_a_lower_mfu_than_an_a100():
+    """Per GPU generation (efficiency.MATMUL_EFF, FA2_FWD_EFF; machines' HBM): the H100's
+    peak is 3.17 x the A100's, but its products reach a smaller share of it (MAMF 80.3%
+    against 86.9%), FlashAttention-2 35% against 50%, and its memory is only 1.64 x
+    faster: the same shape runs at a lower MFU than on an A100 (llm-foundry's MPT-7B at
+    2048 tokens on 8 GPUs measured 64.2% on A100s, 46.4% on H100s), for every stack."""
+    for stack in ("fused", "compiled", "eager"):
+        for shape in (dict(n_layer=32, n_head=32, n_embd=4096, block=2048, batch=48),
+                      dict(block=1024, batch=64)):
+            a100, h100 = _mfu("A100-80GB", stack, **shape), _mfu("H100-80GB", stack, **shape)
+            print(f"{stack} {shape.get('n_embd', 768)} wide: MFU A100 {a100:.3f}, H100 {h100:.3f}")
+            assert h100 < 0.9 * a100, (stack, shape, a100, h100)
+
+
+def test_attentions_backward_is_priced_below_its_forwards_rate():
+    """Fused causal attention (FlashAttention-2): forward at FA2_FWD_EFF of the peak (A100
+    50%, H100 35%), the backward's 2.5 x FLOPs at ATTN_BWD_RATIO (0.66) of that rate, so
+    the backward takes 2.5 / 0.66 = 3.8 x the forward's time, not 2.5 x; recomputing the
+    forward (full checkpointing) adds one forward."""
+    from planner.efficiency import ATTN_BWD_RATIO, FA2_FWD_EFF
+    from planner.machines import PRESETS
+    w = Workload(**dict(GPT2, block=8192, batch=8), precision="bf16")
+    L = Layout()
+    for name in ("A100-80GB", "H100-80GB"):
+        m = PRESETS[name]
+        once, twice = (attention_seconds(w, L, 1, 8192, fwd, True, m) for fwd in (1, 2))
+        forward = twice - once
+        backward = once - forward
+        flops = 2 * 12 * 8192 * 8192 * 64  # one sequence, 12 heads of 64: causal 2 h s^2 d
+        assert math.isclose(forward, flops / (m.peak["bf16"] * FA2_FWD_EFF[m.generation]), rel_tol=1e-9)
+        assert math.isclose(backward / forward, 2.5 / ATTN_BWD_RATIO, rel_tol=1e-9), name
+    assert FA2_FWD_EFF["hopper"] < FA2_FWD_EFF["ampere"]
+
+
+def test_eager_pytorch_moves_more_bytes_than_fused_kernels_and_small_widths_feel_it_most():
+    """plan.stack: eager PyTorch's element-wise ops each read and write their tensors
+    (LayerNorm in fp32, the casts, fp32 residual adds, the loss's upcast and log-softmax),
+    fused and compiled kernels once: eager moves more bytes a token and is slower; the
+    gap is widest where element-wise work and the loss weigh most against the products,
+    at small widths (768 against 4096 wide)."""
+    from planner.efficiency import elementwise_bytes, loss_bytes
+    w = Workload(**GPT2, precision="bf16")
+    fused, eager = elementwise_bytes(w, "fused"), elementwise_bytes(w, "eager")
+    assert sum(eager) > 1.2 * sum(fused) and elementwise_bytes(w, "compiled") == fused
+    assert loss_bytes(w, "eager") == 36 and loss_bytes(w, "fused") == 12
+    gap = {}
+    for width, heads in ((768, 12), (4096, 32)):
+        shape = dict(n_embd=width, n_head=heads, block=2048, batch=64)
+        gap[width] = _mfu("A100-80GB", "fused", **shape) / _mfu("A100-80GB", "eager", **shape)
+        assert _mfu("A100-80GB", "compiled", **shape) == _mfu("A100-80GB", "fused", **shape)
+    print(f"fused / eager MFU: {gap}")
+    assert gap[768] > gap[4096] > 1.0, gap
