@@ -23,9 +23,10 @@ class PlanConfig:
     flash_attention: bool = True  # fused attention; false = scores materialized (Megatron-LM before FlashAttention)
     tp_comm_overlap: bool = False  # TP's gathers / scatters pipelined with their GEMMs (Megatron-Core's --tp-comm-overlap); ours are not
     param_gather_overlap: bool = False  # ZeRO-1/2's parameter all-gather behind the next forward (Megatron's --overlap-param-gather; ours: after the step)
-    param_gather_bytes: int = 4  # bytes per element of the parameter all-gathers (ZeRO-1/2's after the step, ZeRO-3's): 4 = ours (fp32), 2 = a bf16 copy (Megatron's distributed optimizer, FSDP with bf16 param_dtype)
+    param_gather_bytes: int = 4  # the model's parameters as compute reads them: 4 = ours (fp32 under autocast), 2 = a bf16 model (Megatron's distributed optimizer, FSDP's bf16 param_dtype): its all-gathers (ZeRO-1/2's after the step, ZeRO-3's), residual stream and gathered units in bf16
     grad_reduce_bytes: int = 4  # bytes per element of the data-parallel gradient reductions: 4 = ours (parallel.reduce_dtype=fp32), 2 = bf16 (FSDP's reduce_dtype=bf16)
     stack: str = ""             # how the kernels between the products are written: fused (llm.c, Megatron, TE) | compiled (torch.compile) | eager (PyTorch eager); "" = this product's (eager, compiled with trainer.compile)
+    loss_kernel: str = ""       # the loss: fused (one kernel, logits and their gradient in their dtype: flash-attn's, Megatron's, llm.c's) | eager (autocast's fp32 cross-entropy); "" = eager under plan.stack=eager, else fused
     kernel_slowdown: float = 1.0  # kernels take this many times the efficiency model's time (1: fused, llm.c and Megatron; a PyTorch GPT-2 step, nanoGPT: 1.46)
     kv_heads: int = 0           # replaying another system's model: K/V heads of grouped-query attention; 0 = model.n_head
     ffn_hidden: int = 0         # replaying: the MLP's hidden width; 0 = 4 x model.n_embd

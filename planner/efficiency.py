@@ -145,13 +145,14 @@ def elementwise_bytes(w: Workload, stack="fused"):
     return fwd, bwd
 
 
-def loss_bytes(w: Workload, stack="fused"):
-    """Bytes a logit costs the loss, forward and backward: fused, the logits written by the
-    head and read by one fused kernel that writes their gradient (4a + 4); eager, the
-    upcast to fp32 (a + 4), log-softmax (8), the gradient's zeros and scatter (4),
-    log-softmax's backward (12) and the cast back (4 + a)."""
+def loss_bytes(w: Workload):
+    """Bytes a logit costs the loss, forward and backward (shapes.Workload.loss): a fused
+    kernel, the logits written by the head and read by it, their gradient written and
+    read by the head's backward (4a + 4); eager (autocast's fp32 cross-entropy), the upcast
+    to fp32 (a + 4), log-softmax (8), the gradient's zeros and scatter (4), log-softmax's
+    backward (12) and the cast back (4 + a)."""
     a = act_bytes(w)
-    return 4 * a + F32 if stack != "eager" else 32 + 2 * a
+    return 4 * a + F32 if w.loss == "fused" else 32 + 2 * a
 
 
 def matmul_seconds(m, n, k, w, machine, passes=1):
@@ -225,7 +226,7 @@ def compute_seconds(w: Workload, L: Layout, p: int, machine, params: int,
     if st.last:  # LM head and loss (the logits written, read by the loss, its gradient)
         V = -(-w.padded_vocab // L.tp)
         matmul += matmul_seconds(t, V, C, w, machine, passes=3)
-        elementwise += memory_seconds(loss_bytes(w, stack) * t * V, 6, machine)
+        elementwise += memory_seconds(loss_bytes(w) * t * V, 6, machine)
     if moe:  # the tokens' rows gathered by expert and their outputs weighed and summed back
         rows_k = t // L.tp * w.top_k * imbalance(L)
         moved = rows_k * C * (2 * F32 + 3 * act_bytes(w))

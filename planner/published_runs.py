@@ -157,7 +157,8 @@ MPT_SHAPES = {"125m": (12, 12, 768), "350m": (24, 16, 1024), "760m": (24, 12, 15
 
 def _mpt(size, seq, gpus, gpu, micro, accum, batch, tokens_per_s, shard, ckpt, mp):
     """A row of llm-foundry's MPT throughput tables: Composer on PyTorch FSDP (FULL_SHARD =
-    ZeRO-3, SHARD_GRAD_OP = ZeRO-2), amp bf16, FlashAttention (attn_impl: flash), no
+    ZeRO-3, SHARD_GRAD_OP = ZeRO-2), amp bf16, FlashAttention (attn_impl: flash), flash-
+    attn's fused CrossEntropyLoss (MPT's default loss_fn, llmfoundry/models/mpt), no
     tensor or pipeline parallelism; the MPT benchmark shape is GPT-2's (learned positions,
     biases, tied embedding, 4 x MLP with GELU; NumParams agrees to 0.01%) with vocabulary
     50,368. `mp`: FSDP mixed precision, PURE (bf16 parameters gathered and bf16 gradients
@@ -167,7 +168,8 @@ def _mpt(size, seq, gpus, gpu, micro, accum, batch, tokens_per_s, shard, ckpt, m
     layers, heads, width = MPT_SHAPES[size]
     layout = {"parallel.dp": "fsdp", "parallel.zero_stage": {"FULL_SHARD": 3, "SHARD_GRAD_OP": 2}[shard],
               "trainer.grad_accum": accum, "trainer.activation_checkpointing": ckpt,
-              "plan.param_gather_bytes": 2, "plan.grad_reduce_bytes": 2 if mp == "PURE" else 4}
+              "plan.param_gather_bytes": 2, "plan.grad_reduce_bytes": 2 if mp == "PURE" else 4,
+              "plan.loss_kernel": "fused"}
     return {"name": f"llm-foundry MPT-{size} {seq} ({gpus} x {gpu.split('-')[0]}"
                     + (" 40GB" if gpu == "A100-40GB" else "") + ")",
             "source": LLM_FOUNDRY, "stack": "llm-foundry", "gpu": gpu, "gpus": gpus,
@@ -225,7 +227,8 @@ TORCHTITAN = ("pytorch/torchtitan benchmarks/llama3_h100_202412_torchtitan.md (2
 
 def _torchtitan(gpus, tps, memory_gib, compiled):
     """torchtitan's Llama 3.1 8B, FSDP (FSDP2: bf16 parameters gathered, fp32 gradient
-    reduction), local batch 2 of 8,192 tokens, selective activation checkpointing
+    reduction), the loss F.cross_entropy on fp32 logits outside the compiled blocks
+    (torch.compile compiles each block), local batch 2 of 8,192 tokens, selective activation checkpointing
     ('op': every other matmul's output recomputed), on Grand Teton hosts of 8 H100 96GB
     HBM2e (2.4 TB/s) at a 500 W power limit, 400 Gb/s RDMA a GPU. Llama 3.1 8B: 32 x 4096,
     32 heads, 8 K/V heads, SwiGLU 14,336, vocabulary 128,256, untied head, RMSNorm, RoPE."""
@@ -241,7 +244,7 @@ def _torchtitan(gpus, tps, memory_gib, compiled):
                        "trainer.activation_checkpointing": True,
                        "trainer.activation_checkpointing_every": 2,
                        "plan.gpu_memory_gb": 96, "plan.hbm_gbps": 2400,
-                       "plan.param_gather_bytes": 2},
+                       "plan.param_gather_bytes": 2, "plan.loss_kernel": "eager"},
             "recompute": "op-level selective (as full on every 2nd block)", "flash": True,
             "kernels": "compiled" if compiled else "eager",
             "published": (tps, "tokens/s/GPU"), "ran": True, "memory_gb": memory_gib * 2**30 / 1e9,

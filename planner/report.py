@@ -33,10 +33,12 @@ def workload(cfg) -> Workload:
             vocab = build_tokenizer("char", load_text(cfg.data.path)).vocab_size
     m = cfg.model
     p = cfg.plan
+    stack = p.stack or ("compiled" if cfg.trainer.compile else "eager")
     return Workload(m.n_layer, m.n_head, m.n_embd, vocab, cfg.data.block_size,
                     cfg.trainer.batch_size, cfg.trainer.precision, m.bias, m.moe_experts,
                     m.moe_top_k, m.moe_every, m.moe_hidden, m.vocab_pad_to, p.kv_heads,
-                    p.ffn_hidden, p.gated_ffn, p.untied_head)
+                    p.ffn_hidden, p.gated_ffn, p.untied_head, p.param_gather_bytes,
+                    p.loss_kernel or ("eager" if stack == "eager" else "fused"))
 
 
 def check(cfg, gpu):
@@ -59,6 +61,9 @@ def check(cfg, gpu):
     if p.stack not in ("",) + STACKS:
         raise UserError(f"plan.stack={p.stack!r} must be one of {', '.join(STACKS)} (or empty: this "
                         "product's own, eager or compiled by trainer.compile)")
+    if p.loss_kernel not in ("", "fused", "eager"):
+        raise UserError(f"plan.loss_kernel={p.loss_kernel!r} must be fused or eager (or empty: "
+                        "eager under plan.stack=eager, else fused)")
     if p.grad_reduce_bytes not in (2, 4):
         raise UserError(f"plan.grad_reduce_bytes={p.grad_reduce_bytes} must be 4 (fp32 gradients "
                         "reduced, this product's default) or 2 (bf16)")

@@ -108,6 +108,16 @@ class Workload:
     ffn_hidden: int = 0
     gated: bool = False
     untied: bool = False
+    # The model's own dtype, what compute reads (plan.param_gather_bytes): 4 = this
+    # product's fp32 parameters under autocast (the residual stream and LayerNorms in
+    # fp32); 2 = a bf16 model (FSDP's param_dtype, Megatron's bf16 parameters beside fp32
+    # master weights): residual stream, LayerNorm inputs and ZeRO-3's gathered units in bf16
+    model_bytes: int = 4
+    # the loss's kernel (plan.loss_kernel): "eager" = autocast's fp32 cross-entropy, the
+    # log-softmax saved in fp32 and an fp32 gradient (this product); "fused" = one kernel
+    # keeping the logits in their dtype and writing their gradient in it (flash-attn's
+    # CrossEntropyLoss, Megatron's and llm.c's fused loss)
+    loss: str = "eager"
 
     @property
     def padded_vocab(self) -> int:
@@ -177,3 +187,15 @@ def micro_rows(w: Workload, L: Layout) -> int:
 def act_bytes(w):
     """Bytes of one element TP's collectives and saved matmul outputs carry."""
     return F32 if w.precision == "fp32" else 2
+
+
+def res_bytes(w):
+    """Bytes of one element of the residual stream (and the LayerNorms' inputs): fp32
+    under autocast over fp32 parameters (this product), the compute dtype in a bf16 model."""
+    return act_bytes(w) if w.model_bytes == 2 else F32
+
+
+def logit_bytes(w):
+    """Bytes a logit keeps for the loss's backward, and its gradient: fp32 from autocast's
+    cross-entropy (eager), the logits' own dtype from a fused loss kernel."""
+    return F32 if w.loss == "eager" else act_bytes(w)

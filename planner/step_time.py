@@ -16,7 +16,7 @@ from functools import lru_cache
 
 from parallel.pipeline_parallel.simulator import unit_time
 from planner.efficiency import LINK_EFF, NET_EFF, collective_seconds, compute_seconds, imbalance
-from planner.shapes import F32, Layout, Workload, micro_rows
+from planner.shapes import F32, Layout, Workload, micro_rows, res_bytes
 from planner.stages import shard_pieces, stage, units
 from planner.traffic import comm_by_dim, moe_layers
 
@@ -229,7 +229,8 @@ def step_time(w: Workload, L: Layout, fig: dict, machine, pcfg) -> dict:
             continue
         gbps, latency, eff = _link(L, dim, machine, G, "send" if dim in ("pp", "cp") else kind)
         if dim == "pp":  # per schedule pass, the fill and drain path's 2(P x V - 1) messages
-            one = micro_rows(w, L) * (w.block // L.cp // (L.tp if L.sp else 1)) * w.n_embd * F32
+            one = micro_rows(w, L) * (w.block // L.cp // (L.tp if L.sp else 1)) * w.n_embd \
+                * res_bytes(w)
             n = L.grad_accum * 2 * (L.pp * L.V - 1)
             parts["pp"] += collective_seconds("send", n * one, 2, n, gbps, latency, eff)
             continue

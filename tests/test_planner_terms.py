@@ -342,7 +342,7 @@ def test_eager_pytorch_moves_more_bytes_than_fused_kernels_and_small_widths_feel
     w = Workload(**GPT2, precision="bf16")
     fused, eager = elementwise_bytes(w, "fused"), elementwise_bytes(w, "eager")
     assert sum(eager) > 1.2 * sum(fused) and elementwise_bytes(w, "compiled") == fused
-    assert loss_bytes(w, "eager") == 36 and loss_bytes(w, "fused") == 12
+    assert loss_bytes(w) == 36 and loss_bytes(dataclasses.replace(w, loss="fused")) == 12
     gap = {}
     for width, heads in ((768, 12), (4096, 32)):
         shape = dict(n_embd=width, n_head=heads, block=2048, batch=64)
@@ -350,3 +350,28 @@ def test_eager_pytorch_moves_more_bytes_than_fused_kernels_and_small_widths_feel
         assert _mfu("A100-80GB", "compiled", **shape) == _mfu("A100-80GB", "fused", **shape)
     print(f"fused / eager MFU: {gap}")
     assert gap[768] > gap[4096] > 1.0, gap
+
+
+def test_a_bf16_models_residual_stream_and_a_fused_losss_logits_are_two_bytes():
+    """Memory (issue 53, item 6: runs that ran on 80 GB were predicted at 86-89 GB):
+    this product keeps fp32 parameters under autocast, so its residual stream and its
+    loss's log-softmax are fp32; a bf16 model (plan.param_gather_bytes=2: FSDP's
+    param_dtype, Megatron's bf16 parameters) keeps the residual stream, the LayerNorms'
+    inputs and ZeRO-3's gathered units in bf16, and a fused loss kernel (flash-attn's,
+    Megatron's, llm.c's) keeps the logits and writes their gradient in bf16: each term
+    halves, and nothing else moves."""
+    from planner.memory import end_activations, memory_need
+    from planner.shapes import logit_bytes, res_bytes
+    w = Workload(**GPT2, precision="bf16")
+    L = Layout(dp_kind="fsdp", zero_stage=3, dp=8)
+    bf16 = dataclasses.replace(w, model_bytes=2)
+    fused = dataclasses.replace(w, loss="fused")
+    assert (res_bytes(w), res_bytes(bf16), logit_bytes(w), logit_bytes(fused)) == (4, 2, 4, 2)
+    rows, n, V = 8, 8 * 1024, 50304
+    logits = end_activations(w, L, rows, False, True) - end_activations(fused, L, rows, False, True)
+    assert logits == n * V * 2, logits  # the saved log-softmax, fp32 -> the logits, bf16
+    need = {k: memory_need(x, L, rank_figures(x, L)["fullest"]) for k, x in
+            (("fp32 model", w), ("bf16 model", bf16), ("fused loss", fused))}
+    print({k: round(v / 1e9, 2) for k, v in need.items()})
+    assert need["fused loss"] == need["fp32 model"] - 2 * n * V * 2  # saved and gradient, halved
+    assert need["bf16 model"] < need["fp32 model"]
