@@ -375,3 +375,21 @@ def test_a_bf16_models_residual_stream_and_a_fused_losss_logits_are_two_bytes():
     print({k: round(v / 1e9, 2) for k, v in need.items()})
     assert need["fused loss"] == need["fp32 model"] - 2 * n * V * 2  # saved and gradient, halved
     assert need["bf16 model"] < need["fp32 model"]
+
+
+def test_the_search_chooses_interleaveds_virtual_stages(tmp_path):
+    """Interleaved 1F1B's virtual stages are a searched choice (layouts.SCHEDULE_CHOICES:
+    2, 3 and 4 chunks a rank, where parallel/layout.py's rules let the blocks split so):
+    12 blocks on 2 pipeline ranks get all three, and more chunks a rank shrink the
+    simulator's bubble at the same micro-batches."""
+    import json
+    from config import load_config
+    from planner.report import plan
+    from planner.step_time import bubble
+    out = tmp_path / "plan.json"
+    plan(load_config(["mode=plan", "plan.nodes=1", "plan.gpus_per_node=2", "model.n_layer=12",
+                      "trainer.batch_size=16", f"plan.out={out}"], 1))
+    Vs = {o["parallel.pp_virtual_stages"] for o in json.loads(out.read_text())
+          if o.get("parallel.pp_schedule") == "interleaved"}
+    assert Vs == {2, 3, 4}, Vs
+    assert bubble("interleaved", 2, 4, 4) < bubble("interleaved", 2, 4, 3) < bubble("interleaved", 2, 4, 2)
