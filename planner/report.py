@@ -11,6 +11,7 @@ from errors import UserError
 from planner.figures import metrics_names, rank_figures
 from planner.layouts import RECOMPUTE_CHOICES, refusal, valid_layouts, with_grad_accum
 from planner.efficiency import MOE_IMBALANCE, STACKS
+from planner.residuals import BANDS
 from planner.machines import machine
 from planner.memory import memory_need
 from planner.shapes import Layout, Workload
@@ -172,6 +173,36 @@ def reason(row, best):
     return f"{delta:+.3g} ms ({100 * delta / b['step_ms']:+.0f}%): {words}"
 
 
+GENERATIONS = {"ampere": "A100", "hopper": "H100", "ada": "L4", "volta": "V100"}
+
+
+def band(gpu, stack):
+    """(lowest, highest predicted / published step of the published runs of this kind, runs,
+    the kind in words) from planner/residuals.py: the GPU's generation and the stack; a
+    kind with fewer than 3 runs widens to the generation's; None where no run is of it."""
+    rows = BANDS.get((gpu.generation, stack))
+    words = f"{GENERATIONS.get(gpu.generation, gpu.generation)}s, {stack} kernels"
+    if not rows or rows[2] < 3:
+        same = [b for (g, _), b in BANDS.items() if g == gpu.generation]
+        if not same:
+            return None
+        rows = (min(b[0] for b in same), max(b[1] for b in same), sum(b[2] for b in same))
+        words = f"{GENERATIONS.get(gpu.generation, gpu.generation)}s, every stack"
+    return rows + (words,)
+
+
+def likely(ms, b):
+    """The step's likely range in ms: the prediction over the band's ratios."""
+    return (ms / b[1], ms / b[0]) if b else None
+
+
+def band_words(b):
+    if b is None:
+        return "no published run of this kind to say how far off it may be"
+    return (f"published runs of this kind ({b[3]}, {b[2]} runs) were predicted at "
+            f"{b[0]:.2f}-{b[1]:.2f}x their measured steps")
+
+
 def header(cfg, w, gpu):
     compute = f"mfu {cfg.plan.mfu:g} assumed" if cfg.plan.mfu else f"{cfg.plan.stack} kernels"
     print(f"plan: GPT {w.n_layer} layers x {w.n_embd} wide, {w.n_head} heads, vocab {w.vocab}, "
@@ -180,6 +211,9 @@ def header(cfg, w, gpu):
           f"{gpu.peak[w.precision] / 1e12:g} TFLOP/s {w.precision}, {gpu.hbm_gbps:g} GB/s memory, "
           f"{compute}; {gpu.intra_node_gbps:g} GB/s in a node, {gpu.nics_per_node} x "
           f"{gpu.inter_node_gbps:g} GB/s network cards a node)")
+    if gpu.generation not in ("ampere", "hopper"):
+        print(f"{gpu.name}: no published efficiency of its generation ({gpu.generation}) is used: "
+              "the A100's matmul and attention shares of its peak are assumed")
     if w.foreign:
         print(f"replaying another system's block (model.py trains GPT-2's): {w.kv_heads or w.n_head} "
               f"K/V heads, MLP {w.ffn} wide{' gated (SwiGLU)' if w.gated else ''}"
@@ -229,6 +263,11 @@ def plan(cfg):
           + (f" + {len(recomputed)} recomputing where they need it" if recomputed else "")
           + (f" + {len(variants)} hybrid-sharded or offloaded where that wins" if variants else "")
           + f", {len(fits)} fit in memory")
+    b = None if cfg.plan.mfu else band(gpu, cfg.plan.stack)
+    print("likely ms: step ms over how far off the model was where " + band_words(b)
+          if b else f"likely ms: none, {band_words(b)}")
+    for r in rows:
+        r["band"] = b
     print_table(fits[:cfg.plan.top], best, w.experts)
     fewer = fewer_gpus(cfg, w, gpu, world, best)
     if fewer:
@@ -244,13 +283,15 @@ def plan(cfg):
 def print_table(rows, best, experts):
     """The ranked layouts; with experts, ep and the all-to-all's milliseconds too."""
     moe = ("ep", "a2a ms") if experts else ()
-    head = ("rank", "layout", "step ms", "MFU") + moe + ("state GB", "activ. GB", "need GB",
-                                                          "comm GB", "vs the first")
+    head = ("rank", "layout", "step ms", "likely ms", "MFU") + moe + (
+        "state GB", "activ. GB", "need GB", "comm GB", "vs the first")
     table = [head]
     for i, r in enumerate(rows):
         fig, t = r["fig"], r["time"]
         cells = (str(r["layout"].ep), f"{t['ep']:.3g}") if experts else ()
+        span = likely(t["step_ms"], r.get("band"))
         table.append((str(i + 1), r["layout"].name(), f"{t['step_ms']:.3g}",
+                      f"{span[0]:.3g}-{span[1]:.3g}" if span else "-",
                       f"{100 * t['mfu']:.0f}%") + cells +
                      (f"{fig['state_bytes'] / GB:.3g}", f"{fig['activation_bytes'] / GB:.3g}",
                       f"{r['need'] / GB:.3g}", f"{sum(fig['comm'].values()) / GB:.3g}",
@@ -310,6 +351,7 @@ def evaluate_given(cfg, w, gpu, world):
     row = {"layout": L, "fig": fig, "need": memory_need(w, L, fig)}
     row["time"] = step_time(w, L, fig, gpu, cfg.plan)
     row["fits"] = row["need"] <= gpu.memory_gb * GB
+    row["band"] = None if cfg.plan.mfu else band(gpu, cfg.plan.stack)
     return row
 
 
@@ -317,7 +359,11 @@ def print_breakdown(row, gpu, world):
     """plan.search=false: one layout's step, part by part, and its memory per rank."""
     t, fig = row["time"], row["fig"]
     print(f"layout: {row['layout'].name()} on {world} GPUs")
-    print(f"step {t['step_ms']:.4g} ms, MFU {100 * t['mfu']:.1f}%")
+    b = row.get("band")
+    span = likely(t["step_ms"], b)
+    print(f"step {t['step_ms']:.4g} ms, MFU {100 * t['mfu']:.1f}%"
+          + (f"; likely {span[0]:.4g}-{span[1]:.4g} ms ({band_words(b)})" if span
+             else f" ({band_words(b)})"))
     for k, words in PARTS.items():
         if t[k] or k in ("compute", "bubble"):
             print(f"  {words:<26} {t[k]:>10.4g} ms")
@@ -346,6 +392,9 @@ def write_json(path, rows, fits, gpu, world, gpu_per_node):
             item["moe_imbalance"] = MOE_IMBALANCE  # the all-to-all's and experts' time assumes it
         if "time" in r:
             item["step_ms"] = r["time"]["step_ms"]
+            if r.get("band"):  # over the published runs of this kind (planner/residuals.py)
+                item["step_ms_likely"] = list(likely(r["time"]["step_ms"], r["band"]))
+                item["published_kind"] = r["band"][3]
             item["mfu"] = r["time"]["mfu"]
             item["step_ms_parts"] = {k: r["time"][k] for k in PARTS}
             item["vs_first"] = reason(r, fits[0]) if rank.get(id(r), 1) > 1 else "fastest"

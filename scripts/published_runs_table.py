@@ -1,8 +1,10 @@
 """docs/published-runs-table.md: every row of planner/published_runs.py replayed with
 `mode=plan plan.search=false`, predicted beside published seconds per iteration, and for
-every run that ran, the memory the plan says it needs beside the GPU's:
+every run that ran, the memory the plan says it needs beside the GPU's; and
+planner/residuals.py, the spread of those ratios by kind (GPU generation, stack) that
+mode=plan prints beside its predictions:
 
-    python -m scripts.published_runs_table          # writes the page
+    python -m scripts.published_runs_table          # writes the page and residuals.py
     python -m scripts.published_runs_table --print  # prints the table and the summary
 
 tests/test_published_runs.py replays the same rows and fails when the page's predicted
@@ -102,10 +104,38 @@ def summary(replayed):
 OTHER_STACKS = ("llm-foundry", "DeepSpeed", "torchtitan")  # rows added by issue 53
 
 
+RESIDUALS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "planner",
+                         "residuals.py")
+
+
+def kind(row):
+    """A published run's kind: its GPU's generation and its stack (plan.stack)."""
+    from planner.machines import PRESETS
+    return PRESETS[row["gpu"]].generation, row["kernels"]
+
+
+def bands(replayed):
+    """{(generation, stack): (lowest ratio, highest ratio, runs)} over the replayed rows."""
+    out = {}
+    for row, _, predicted, published in replayed:
+        out.setdefault(kind(row), []).append(predicted / published)
+    return {k: (round(min(v), 2), round(max(v), 2), len(v)) for k, v in sorted(out.items())}
+
+
+def residuals_module(replayed):
+    text = open(RESIDUALS).read()
+    head = text[:text.index("BANDS = ")]
+    lines = [f"    {k!r}: {v!r}," for k, v in bands(replayed).items()]
+    return head + "BANDS = {\n" + "\n".join(lines) + "\n}\n"
+
+
 def write_page():
     replayed = list(rows())
     with open(PAGE, "w") as f:
         f.write(HEAD + "\n".join(summary(replayed)) + "\n\n" + markdown(replayed) + "\n")
+    module = residuals_module(replayed)
+    with open(RESIDUALS, "w") as f:
+        f.write(module)
     return replayed
 
 
@@ -116,4 +146,4 @@ if __name__ == "__main__":
         print("\n".join(summary(replayed)))
     else:
         write_page()
-        print(f"wrote {os.path.relpath(PAGE)}")
+        print(f"wrote {os.path.relpath(PAGE)} and {os.path.relpath(RESIDUALS)}")

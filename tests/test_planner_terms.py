@@ -393,3 +393,23 @@ def test_the_search_chooses_interleaveds_virtual_stages(tmp_path):
           if o.get("parallel.pp_schedule") == "interleaved"}
     assert Vs == {2, 3, 4}, Vs
     assert bubble("interleaved", 2, 4, 4) < bubble("interleaved", 2, 4, 3) < bubble("interleaved", 2, 4, 2)
+
+
+def test_a_prediction_is_printed_with_the_spread_of_its_kind_on_published_runs():
+    """mode=plan states its uncertainty: beside the step, the range the published runs of
+    its kind (GPU generation and stack: planner/residuals.py) put around it, the step over
+    their highest and lowest predicted / published ratios; a GPU without published runs
+    or measured efficiencies says so in one line."""
+    import re
+    from planner.residuals import BANDS
+    row, text = _given("trainer.activation_checkpointing=false")
+    lo, hi, runs = BANDS[("ampere", "eager")]
+    ms = row["time"]["step_ms"]
+    line = next(ln for ln in text.splitlines() if ln.startswith("step "))
+    print(line)
+    got = re.search(r"likely ([\d.]+)-([\d.]+) ms \(published runs of this kind \(A100s, eager "
+                    rf"kernels, {runs} runs\) were predicted at {lo:.2f}-{hi:.2f}x", line)
+    assert got and math.isclose(float(got.group(1)), ms / hi, rel_tol=1e-3) \
+        and math.isclose(float(got.group(2)), ms / lo, rel_tol=1e-3), line
+    _, l4 = _given("plan.gpu=L4", "plan.gpu_memory_gb=80")
+    assert "no published run of this kind" in l4 and "L4: no published efficiency" in l4

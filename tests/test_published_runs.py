@@ -76,11 +76,12 @@ def close(shown, value, digits=3):
 def test_every_published_run_is_predicted_within_25_percent():
     assert len(RUNS) >= 12 and all(row["source"] for row in RUNS)
     documented = docs_table()
-    misses, wrong_mfu, stale, checked = [], [], [], 0
+    misses, wrong_mfu, stale, checked, replayed = [], [], [], 0, []
     for row in RUNS:
         got = replay(row)["time"]
         predicted = got["step_ms"] / 1000
         published = published_seconds(row)
+        replayed.append((row, None, predicted, published))
         ratio = predicted / published
         peak = peak_flops(row["gpu"], row["precision"])
         mfu = model_flops(row) / (predicted * row["gpus"] * peak)
@@ -110,6 +111,10 @@ def test_every_published_run_is_predicted_within_25_percent():
     assert not wrong_mfu, f"MFU not model FLOPs / (step x GPUs x the precision's peak) <= 1 " \
         f"in {len(wrong_mfu)} rows: " + "; ".join(wrong_mfu[:3])
     assert not stale, "python -m scripts.published_runs_table: " + "; ".join(stale)
+    # the spread mode=plan prints beside a prediction is these rows' (planner/residuals.py)
+    from planner.residuals import BANDS
+    from scripts.published_runs_table import bands
+    assert bands(replayed) == BANDS, ("python -m scripts.published_runs_table", bands(replayed))
 
 
 def test_every_run_that_ran_is_predicted_to_fit_and_published_peaks_are_met():
