@@ -22,6 +22,7 @@ accounting the runs report in metrics.jsonl:
     efficiency.py the kernels' and collectives' seconds from the shapes (the constants)
     step_time.py per step: the stated time model (compute, bubble, links), MFU
     published_runs.py published training runs the time model is checked against
+    residuals.py how far off it was on them, by kind (generated; printed beside a prediction)
     figures.py   the fullest rank's figures, under metrics.jsonl's names
     report.py    ranking, the table, `plan.out` JSON; `plan(cfg)` is the mode's entry
     dryrun.py    mode=dryrun: a layout's first step on a few ranks of the planned world,

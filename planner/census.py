@@ -42,8 +42,9 @@ def census(shape, tp, ep=1):
     from parallel import model_plan as plan
     from parallel.comm import CommCounter
     from parallel.tensor_parallel.apply import apply_tensor_parallel
-    n_layer, n_head, n_embd, vocab, block, bias, *moe = shape
-    experts, top_k, every, hidden = moe or (0, 2, 1, 0)
+    n_layer, n_head, n_embd, vocab, block, bias, *more = shape
+    experts, top_k, every, hidden, kv_heads, ffn, gated, untied = \
+        tuple(more) + (0, 2, 1, 0, 0, 0, False, False)[len(more):]
     with shapes_only():
         model = GPT(GPTConfig(n_layer=n_layer, n_head=n_head, n_embd=n_embd, bias=bias,
                               vocab_size=vocab, block_size=block, moe_experts=experts,
@@ -60,4 +61,27 @@ def census(shape, tp, ep=1):
         replicated = bool(placements and placements[n].tp_replicated)
         out.append(Param(n, p.numel() // ep if cut else p.numel(), groups[n], replicated, cut,
                          tp > 1 and moe_param(n)))
+    if kv_heads or ffn or gated or untied:
+        out = foreign_block(out, n_head, n_embd, vocab, tp, kv_heads, ffn or 4 * n_embd, gated,
+                            untied)
     return tuple(out)
+
+
+def foreign_block(params, n_head, C, vocab, tp, kv_heads, H, gated, untied):
+    """GPT-2's census resized to another system's block (plan.kv_heads, ffn_hidden,
+    gated_ffn, untied_head; no model here builds it, so the sizes are counted, not
+    allocated): q|k|v of C + 2 x K/V heads' width, the MLP's first product H (2 H gated:
+    gate and up fused) and its second H x C, split over TP as GPT-2's; an untied LM head
+    (vocabulary-parallel under TP) after the final LayerNorm (the last stage's)."""
+    kv = 2 * (kv_heads or n_head) * (C // n_head)
+    fc = H * (2 if gated else 1)
+    size = {".attn.c_attn.weight": C * (C + kv) // tp, ".attn.c_attn.bias": (C + kv) // tp,
+            ".mlp.c_fc.weight": C * fc // tp, ".mlp.c_fc.bias": fc // tp,
+            ".mlp.c_proj.weight": H * C // tp}
+    out = []
+    for q in params:
+        end = next((e for e in size if q.name.endswith(e)), None)
+        out.append(Param(q.name, size[end], q.group, q.replicated) if end else q)
+    if untied:
+        out.append(Param("transformer.ln_f.lm_head.weight", -(-vocab // tp) * C, 0, False))
+    return out

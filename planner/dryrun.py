@@ -173,6 +173,10 @@ def dryrun(cfg, device=None):
     if cfg.plan.nodes < 1 or cfg.plan.gpus_per_node < 1:
         raise UserError(f"plan.nodes={cfg.plan.nodes} and plan.gpus_per_node="
                         f"{cfg.plan.gpus_per_node} must be >= 1")
+    p = cfg.plan
+    if p.kv_heads or p.ffn_hidden or p.gated_ffn or p.untied_head:
+        raise UserError("dryrun: plan.kv_heads, ffn_hidden, gated_ffn and untied_head describe "
+                        "another system's block, which model.py does not build: mode=plan only")
     sizes = check_layout(cfg, world)  # the rules a run on that world checks, and its grid
     if cfg.parallel.ep > 1 and cfg.parallel.ep_impl != "alltoall":
         raise UserError(f"dryrun: parallel.ep_impl={cfg.parallel.ep_impl} routes by choices the "

@@ -3,8 +3,8 @@
 A layout is a factorisation world = dp x pp x cp x tp (parallel/grid.py's dimensions)
 times the data-parallel strategy (`single` when nothing averages gradients, else
 `ddp_bucket` or `fsdp` stage 1, 2 or 3), sequence parallelism, the pipeline schedule
-(gpipe, 1f1b, interleaved with 2 chunks per rank, zb1p, zbv) and micro-batches (P, 2P,
-4P, 8P), activation checkpointing, and for a model with experts the expert-parallel
+(gpipe, 1f1b, interleaved with 2, 3 or 4 chunks per rank, zb1p, zbv) and micro-batches (P, 2P,
+4P, 8P), and for a model with experts the expert-parallel
 degree (parallel.ep: each divisor of model.moe_experts that divides dp x cp). Whether one can run is not decided here: each
 candidate goes through parallel/layout.check_layout, the rules every training run
 checks (heads divisible by tp, stages no more than layers, ZeRO-3 refused with
@@ -17,7 +17,13 @@ from errors import UserError
 from parallel.layout import check_layout
 from planner.shapes import Layout
 
-SCHEDULE_CHOICES = (("gpipe", 1), ("1f1b", 1), ("interleaved", 2), ("zb1p", 1), ("zbv", 2))
+# the schedules and their chunks a rank (parallel.pp_virtual_stages): interleaved's virtual
+# stages are a choice (2, 3 or 4: fewer bubbles, more sends), as Megatron's runs chose them
+SCHEDULE_CHOICES = (("gpipe", 1), ("1f1b", 1), ("interleaved", 2), ("interleaved", 3),
+                    ("interleaved", 4), ("zb1p", 1), ("zbv", 2))
+# trainer.activation_checkpointing_mode and _every of the recompute variants the search tries
+# (planner/report.py's with_recompute: where a layout needs them)
+RECOMPUTE_CHOICES = (("full", 1), ("selective", 1), ("full", 2), ("selective", 2))
 
 
 def divisors(n):
@@ -68,9 +74,8 @@ def candidates(world, n_layer, experts=0):
                     for kind, stage in strategies:
                         for ep in eps:
                             for schedule, V, M in pipes:
-                                for ckpt in (False, True):
-                                    yield Layout(kind, stage, dp, pp, cp, tp, sp, schedule, V, M,
-                                                 1, ckpt, ep=ep)
+                                yield Layout(kind, stage, dp, pp, cp, tp, sp, schedule, V, M, 1,
+                                             False, ep=ep)
 
 
 def valid_layouts(cfg, world):

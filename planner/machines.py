@@ -7,16 +7,22 @@ and links, per GPU:
 
 - A100 SXM 40/80 GB: NVIDIA A100 Tensor Core GPU data sheet (2021): NVLink 3 at
   600 GB/s per GPU, both directions together, so 300 GB/s each way; DGX A100 user
-  guide: 8 x 200 Gb/s HDR InfiniBand for 8 GPUs = 25 GB/s per GPU to other nodes.
+  guide: 8 x 200 Gb/s HDR InfiniBand network cards a node, 25 GB/s each.
 - H100 SXM 80 GB: NVIDIA H100 Tensor Core GPU data sheet (2023): NVLink 4 at 900 GB/s
-  both ways (450 each way); DGX H100 user guide: 8 x 400 Gb/s NDR ConnectX-7 for 8
-  GPUs = 50 GB/s per GPU to other nodes.
+  both ways (450 each way); DGX H100 user guide: 8 x 400 Gb/s NDR ConnectX-7 a node,
+  50 GB/s each.
 - L4 24 GB: NVIDIA L4 data sheet (2023): no NVLink, PCIe Gen4 x16 at 64 GB/s both
   ways (32 each way); Google Cloud g2-standard-96 (8 L4): 100 Gb/s of network per
-  machine = 1.56 GB/s per GPU.
+  machine, one 12.5 GB/s card.
 - V100 SXM2 32 GB: NVIDIA V100 data sheet (2020): NVLink 2 at 300 GB/s both ways
-  (150 each way); DGX-1 user guide: 4 x 100 Gb/s EDR InfiniBand for 8 GPUs =
-  6.25 GB/s per GPU. No bf16 units (fp16 only).
+  (150 each way); DGX-1 user guide: 4 x 100 Gb/s EDR InfiniBand a node, 12.5 GB/s
+  each. No bf16 units (fp16 only).
+
+Across nodes NCCL runs one ring (channel) per network card a node has, so a group
+with g ranks on each node drives g cards (the node's cards shared by the node's
+groups of that dimension), not one: `nics_per_node` (`plan.nics_per_node`) and one
+card's GB/s (`inter_node_gbps`, `plan.inter_node_gbps`); planner/step_time.py's
+`_link` prices it.
 
 For parallel.offload, each GPU's link to its host (PCIe, each way, what a copy reaches:
 Gen3 x16 12, Gen4 25, Gen5 50 GB/s) and the host memory traffic its rank's AdamW gets
@@ -46,12 +52,14 @@ class Machine:
     memory_gb: float            # per GPU, GB (1e9 bytes)
     peak: dict                  # precision -> FLOP/s (a precision missing: no units for it)
     intra_node_gbps: float      # GB/s each way, GPU to GPU in one node
-    inter_node_gbps: float      # GB/s each way, GPU to another node
+    inter_node_gbps: float      # GB/s each way of one network card (to other nodes)
     pcie_gbps: float            # GB/s each way, GPU to its host (parallel.offload's copies)
     host_gbps: float            # GB/s of host memory traffic one GPU's rank gets for the host's AdamW
     hbm_gbps: float             # GB/s of the GPU's own memory (element-wise kernels, the optimizer)
     intra_latency_us: float     # one hop of a collective inside a node
     inter_latency_us: float     # one hop across nodes
+    nics_per_node: int = 8      # network cards a node (NCCL: one ring each)
+    generation: str = "ampere"  # the GPU's architecture (planner/efficiency.py's tables)
 
 
 def _peaks(model_name):
@@ -60,11 +68,11 @@ def _peaks(model_name):
 
 
 PRESETS = {m.name: m for m in [
-    Machine("A100-40GB", 40, _peaks("A100"), 300, 25, 25, 50, 1555, 3, 10),
-    Machine("A100-80GB", 80, _peaks("A100"), 300, 25, 25, 50, 2039, 3, 10),
-    Machine("H100-80GB", 80, _peaks("H100"), 450, 50, 50, 75, 3350, 3, 10),
-    Machine("L4", 24, _peaks("L4"), 32, 1.5625, 25, 40, 300, 6, 10),
-    Machine("V100-32GB", 32, _peaks("V100"), 150, 6.25, 12, 19, 900, 3, 10),
+    Machine("A100-40GB", 40, _peaks("A100"), 300, 25, 25, 50, 1555, 3, 10, 8, "ampere"),
+    Machine("A100-80GB", 80, _peaks("A100"), 300, 25, 25, 50, 2039, 3, 10, 8, "ampere"),
+    Machine("H100-80GB", 80, _peaks("H100"), 450, 50, 50, 75, 3350, 3, 10, 8, "hopper"),
+    Machine("L4", 24, _peaks("L4"), 32, 12.5, 25, 40, 300, 6, 10, 1, "ada"),
+    Machine("V100-32GB", 32, _peaks("V100"), 150, 12.5, 12, 19, 900, 3, 10, 4, "volta"),
 ]}
 
 
@@ -85,4 +93,5 @@ def machine(pcfg) -> Machine:
                    pcfg.inter_node_gbps or m.inter_node_gbps,
                    pcfg.pcie_gbps or m.pcie_gbps, pcfg.host_gbps or m.host_gbps,
                    pcfg.hbm_gbps or m.hbm_gbps, pcfg.intra_latency_us or m.intra_latency_us,
-                   pcfg.inter_latency_us or m.inter_latency_us)
+                   pcfg.inter_latency_us or m.inter_latency_us, pcfg.nics_per_node or m.nics_per_node,
+                   m.generation)

@@ -29,7 +29,7 @@ from dataclasses import replace
 
 from parallel.pipeline_parallel.schedules import SCHEDULES, build
 from planner.efficiency import imbalance
-from planner.shapes import F32, Layout, Workload, act_bytes, micro_rows
+from planner.shapes import F32, Layout, Workload, act_bytes, logit_bytes, micro_rows, res_bytes
 from planner.stages import shard_pieces, stage, units
 
 
@@ -89,25 +89,28 @@ def block_activations(w: Workload, L: Layout, rows: int, experts=False, busiest=
     """(saved bytes of block `index` for one micro-batch, the part the weight gradients
     keep until W under a split backward); experts: a mixture-of-experts block's, its
     expert rows `busiest` x the even split."""
-    n, C, e = rows * (w.block // L.cp), w.n_embd, act_bytes(w)
+    n, C, e, r = rows * (w.block // L.cp), w.n_embd, act_bytes(w), res_bytes(w)
     t, s = L.tp, (L.tp if L.sp else 1)
     heads_t = w.n_head // t * rows * (w.block // L.cp)   # attention's log-sum-exp, per head row
     mode = L.recompute(index)
     if mode == "full":  # a checkpointed block keeps its input only
-        return n * C * F32 // s, 0
+        return n * C * r // s, 0
+    qkv = C + 2 * w.kv_width                  # q|k|v's width (GQA: fewer K/V heads)
     if mode == "selective" and not experts:  # its input and the matmuls' outputs: q|k|v and
         # attention out (split over TP), c_fc's (4 C, split), both projections' (full rows)
-        return n * C * F32 // s + n * C * e * (3 + 1 + 4) // t + 2 * n * C * e + heads_t * F32, 0
-    residual = 2 * n * C * F32 // s + 4 * n * F32 // s   # both LayerNorms' inputs and statistics
+        return n * C * r // s + n * e * (qkv + C + w.fc_out) // t + 2 * n * C * e \
+            + heads_t * F32, 0
+    residual = 2 * n * C * r // s + 4 * n * F32 // s   # both LayerNorms' inputs and statistics
     lin_in = n * C * (e if w.precision != "fp32" else F32)  # c_attn's (c_fc's) input, gathered
-    split = n * C * e * (3 + 1) // t                      # q|k|v, attention out
+    split = n * e * (qkv + C) // t                        # q|k|v, attention out
     # what a split backward's W keeps until it runs: the linears' inputs, and a LayerNorm's
     # input with both LayerNorms' statistics (measured: tests/test_planner.py)
-    weights = lin_in + n * C * e // t + n * C * F32 // s + 4 * n * F32 // s
+    weights = lin_in + n * C * e // t + n * C * r // s + 4 * n * F32 // s
     if experts:
         mlp, mlp_weights = expert_activations(w, L, rows, n, busiest)
-    else:  # c_fc's input, its output and GELU's (4 C each)
-        mlp, mlp_weights = lin_in + n * C * e * 8 // t, lin_in + n * C * e * 4 // t
+    else:  # c_fc's input, its output and GELU's (4 C each; gated: gate|up 2 H, SiLU's
+        # and the product's H each), c_proj's input (GELU's output, the product) for W
+        mlp, mlp_weights = lin_in + n * e * 2 * w.fc_out // t, lin_in + n * e * w.ffn // t
     return residual + lin_in + split + mlp + heads_t * F32, weights + mlp_weights
 
 
@@ -134,10 +137,11 @@ def end_activations(w: Workload, L: Layout, rows: int, first: bool, last: bool):
     total = 0
     if first:  # token ids (int64) the embedding keeps, positions; TP: its mask (bool)
         total += 8 * n + 8 * (w.block // L.cp) + (n if L.tp > 1 else 0)
-    if last:  # final LayerNorm, LM head input, the loss's softmax and targets
+    if last:  # final LayerNorm, LM head input, the loss's softmax (or logits) and targets
         vocab = -(-w.padded_vocab // L.tp)
-        total += n * C * F32 // s + 2 * n * F32 // s + n * C * F32
-        total += n * vocab * F32 + 8 * n + (n if L.tp > 1 else 0)
+        r = res_bytes(w)
+        total += n * C * r // s + 2 * n * F32 // s + n * C * r
+        total += n * vocab * logit_bytes(w) + 8 * n + (n if L.tp > 1 else 0)
     return total
 
 
@@ -156,12 +160,12 @@ def activation_bytes(w: Workload, L: Layout, p: int, busiest=1.0) -> int:
     if L.pp == 1:
         return size[0]
     n = rows * (w.block // L.cp)
-    keep = {c: blocks(c, 1) + (n * w.n_embd * F32 if c == last_chunk else 0)
+    keep = {c: blocks(c, 1) + (n * w.n_embd * res_bytes(w) if c == last_chunk else 0)
             + (8 * n + 8 * (w.block // L.cp) if c == 0 else 0) for c in st.chunks}
     # split backward: W keeps the graph below the weights' gradients; what lies above them
     # (the last chunk's loss: its softmax, the targets) lives as long as the pipeline still
     # holds the chunk's output, until its next F has run or its next B starts
-    top = {c: (n * -(-w.padded_vocab // L.tp) * F32 + 8 * n + (n if L.tp > 1 else 0))
+    top = {c: (n * -(-w.padded_vocab // L.tp) * logit_bytes(w) + 8 * n + (n if L.tp > 1 else 0))
            if c == last_chunk else 0 for c in st.chunks}
     split = SCHEDULES[L.schedule].split_backward
     live = peak = 0
@@ -188,9 +192,12 @@ def activation_bytes(w: Workload, L: Layout, p: int, busiest=1.0) -> int:
 def memory_need(w: Workload, L: Layout, fig: dict) -> int:
     """Bytes the rank needs at its peak: state, saved activations, and what the meter
     does not see: one block recomputed at a time under checkpointing, the logits'
-    gradient on the last stage, fsdp stage 3's gathered units (this one and the
-    prefetched next); under expert parallelism the busiest rank's expert rows
-    (efficiency.MOE_IMBALANCE x the even split's that `activation_bytes` counts)."""
+    gradient on the last stage (shapes.logit_bytes: fp32 from autocast's loss, the
+    logits' dtype from a fused one), fsdp stage 3's gathered units (this one and the
+    prefetched next, in the model's dtype); under expert parallelism the busiest rank's
+    expert rows (efficiency.MOE_IMBALANCE x the even split's that `activation_bytes`
+    counts). Not counted: the allocator's fragmentation and the libraries' workspaces
+    (a published peak of reserved memory includes them: docs/planner.md)."""
     need = fig["state_bytes"] + fig["activation_bytes"]
     rows = micro_rows(w, L)
     st = stage(w, L, fig["pp_rank"])
@@ -200,14 +207,15 @@ def memory_need(w: Workload, L: Layout, fig: dict) -> int:
         need += block_activations(w, replace(L, ckpt=False), rows, moe, busiest)[0]
     elif busiest > 1:
         need += activation_bytes(w, L, fig["pp_rank"], busiest) - fig["activation_bytes"]
-    if st.last:
-        need += rows * (w.block // L.cp) * -(-w.padded_vocab // L.tp) * F32
+    if st.last:  # the logits' gradient (fp32 from autocast's loss, a fused loss's in their dtype)
+        need += rows * (w.block // L.cp) * -(-w.padded_vocab // L.tp) * logit_bytes(w)
     if L.dp_kind == "fsdp" and L.zero_stage == 3:
-        full = []  # a block's units (its experts with the rest) are gathered together
+        full = []  # a block's units (its experts with the rest) are gathered together, in
+        # the model's dtype (a bf16 model's FSDP gathers bf16 parameters)
         for u in units(st, L, L.shards):
             if u.with_previous:
-                full[-1] += u.padded * F32
+                full[-1] += u.padded * w.model_bytes
             else:
-                full.append(u.padded * F32)
+                full.append(u.padded * w.model_bytes)
         need += sum(sorted(full, reverse=True)[:2])
     return need

@@ -63,7 +63,7 @@ def _nanogpt_blog(vocab, seconds, what):
             "batch": 96, "layout": {"parallel.dp": "ddp_bucket", "trainer.grad_accum": 1,
                                     "trainer.activation_checkpointing": False,
                                     "plan.kernel_slowdown": PYTORCH_KERNELS},
-            "recompute": "none", "flash": True, "published": (seconds, "s/iter"),
+            "recompute": "none", "flash": True, "kernels": "compiled", "published": (seconds, "s/iter"),
             "note": "\"flash_attention kernel: ~113ms\", \"flash_attention + padded vocab: "
                     "~87ms\" per batch; \"All code was run on an 8 x NVIDIA Corporation A100 "
                     "server with 80 GB HBM [A100 SXM4 80GB]\" (DDP over the 8 assumed: the "
@@ -89,7 +89,7 @@ def _megatron(params, heads, hidden, layers, tp, pp, gpus, batch, tflops):
                       "bias": True},
             "batch": batch, "layout": layout, "recompute": "full",
             "published": (tflops, "TFLOP/s/GPU"),
-            "flash": False,
+            "flash": False, "kernels": "fused",
             "note": "16-bit mixed precision (A100: the same peak for fp16 and bf16)"}
 
 
@@ -112,6 +112,7 @@ def _korthikanti(size, heads, hidden, layers, tp, pp, batch, micro, V, seconds, 
                       "bias": True},
             "batch": batch, "layout": layout,
             "recompute": "selective (attention scores)" if selective else "full", "flash": False,
+            "kernels": "fused",
             "published": (seconds, "s/iter"),
             "note": f"micro-batch {micro}" + (f", {V} virtual stages (interleaved)" if V > 1 else "")
             + ("; sequence parallelism" if selective else "")}
@@ -138,10 +139,122 @@ def _mcore(params, layers, heads, hidden, tp, pp, gpus, batch, tflops):
             "gpus_per_node": 8, "precision": "bf16",
             "model": {"n_layer": layers, "n_head": heads, "n_embd": hidden, "vocab": 131072,
                       "block": 4096, "bias": True},
-            "batch": batch, "layout": layout, "recompute": "none", "flash": True,
+            "batch": batch, "layout": layout, "recompute": "none", "flash": True, "kernels": "fused",
             "published": (tflops, "TFLOP/s/GPU"), "flops": "megatron-core",
             "note": "micro-batch 1, 1F1B, no recomputation assumed; sequence parallelism with "
                     "TP (required by --tp-comm-overlap); Transformer Engine's fused attention"}
+
+
+# ------------------------------------------------------------------ other stacks (issue 53)
+
+LLM_FOUNDRY = ("mosaicml/llm-foundry scripts/train/benchmarking/README.md (MPT training benchmarks "
+               "on the MosaicML platform; tables as of commit 5e85bd62d, 2024-01-06, rows measured "
+               "2023-06 to 2024-01), model shapes: scripts/train/yamls/pretrain/mpt-*.yaml")
+MPT_SHAPES = {"125m": (12, 12, 768), "350m": (24, 16, 1024), "760m": (24, 12, 1536),
+              "1b": (24, 16, 2048), "3b": (32, 20, 2560), "7b": (32, 32, 4096),
+              "13b": (40, 40, 5120), "30b": (48, 56, 7168), "70b": (80, 64, 8192)}
+
+
+def _mpt(size, seq, gpus, gpu, micro, accum, batch, tokens_per_s, shard, ckpt, mp):
+    """A row of llm-foundry's MPT throughput tables: Composer on PyTorch FSDP (FULL_SHARD =
+    ZeRO-3, SHARD_GRAD_OP = ZeRO-2), amp bf16, FlashAttention (attn_impl: flash), flash-
+    attn's fused CrossEntropyLoss (MPT's default loss_fn, llmfoundry/models/mpt), no
+    tensor or pipeline parallelism; the MPT benchmark shape is GPT-2's (learned positions,
+    biases, tied embedding, 4 x MLP with GELU; NumParams agrees to 0.01%) with vocabulary
+    50,368. `mp`: FSDP mixed precision, PURE (bf16 parameters gathered and bf16 gradients
+    reduced) or DEFAULT (Composer's: bf16 parameters, fp32 reduction). The A100 clusters:
+    "1600 Gbps node-node interconnect (RoCE)", 8 x 200 Gb/s a node; the H100 one's network
+    is not stated (8 x 400 Gb/s assumed, the H100 preset)."""
+    layers, heads, width = MPT_SHAPES[size]
+    layout = {"parallel.dp": "fsdp", "parallel.zero_stage": {"FULL_SHARD": 3, "SHARD_GRAD_OP": 2}[shard],
+              "trainer.grad_accum": accum, "trainer.activation_checkpointing": ckpt,
+              "plan.param_gather_bytes": 2, "plan.grad_reduce_bytes": 2 if mp == "PURE" else 4,
+              "plan.loss_kernel": "fused"}
+    return {"name": f"llm-foundry MPT-{size} {seq} ({gpus} x {gpu.split('-')[0]}"
+                    + (" 40GB" if gpu == "A100-40GB" else "") + ")",
+            "source": LLM_FOUNDRY, "stack": "llm-foundry", "gpu": gpu, "gpus": gpus,
+            "gpus_per_node": 8, "precision": "bf16",
+            "model": {"n_layer": layers, "n_head": heads, "n_embd": width, "vocab": 50368,
+                      "block": seq, "bias": True},
+            "batch": batch, "layout": layout, "recompute": "full" if ckpt else "none", "flash": True,
+            "kernels": "eager",
+            "published": (tokens_per_s, "tokens/s"), "ran": True,
+            "note": f"micro-batch {micro} x {accum} accumulation x {gpus} GPUs = {batch} sequences; "
+                    f"{shard}, mixed precision {mp}, activation checkpointing {ckpt}",
+            "cannot": "PyTorch eager (no torch.compile); FSDP's limit_all_gathers and prefetch "
+                      "(gathers assumed hidden behind compute); low-precision LayerNorm; the torch "
+                      "and flash-attn versions of each run are not stated"}
+
+
+BLOOM = ("bigscience-workshop/bigscience train/tr11-176B-ml/README.md (\"Important checkpoints\": "
+         "iteration 85376, 2022-06) and tr11-176B-ml.slurm: Megatron-DeepSpeed with DeepSpeed's "
+         "BF16_Optimizer, PyTorch 1.11, 48 nodes of 8 A100 80GB, 4 x 100 Gb/s Omni-Path a node")
+MTNLG = ("Smith et al. 2022, Using DeepSpeed and Megatron to Train Megatron-Turing NLG 530B "
+         "(arXiv 2201.11990; NVIDIA/Microsoft blog 2021-10-11, quoted in r/mlscaling q5wsww): "
+         "\"batch size 1920 on 280, 350, and 420 DGX A100 servers ... iteration time of 60.1, "
+         "50.2, and 44.4 seconds\"; 8-way tensor and 35-way pipeline parallelism (cli99/"
+         "llm-analysis examples/megatron-turing-nlg)")
+
+
+def _mtnlg(nodes, seconds):
+    """MT-NLG 530B (105 x 20480, 128 heads, 2048 tokens) on Selene's DGX A100 80GB nodes
+    (8 x 200 Gb/s HDR each), DeepSpeed's pipeline engine and ZeRO-1 with Megatron's tensor
+    parallelism, batch 1920. Not in the excerpt read: micro-batch, schedule, recomputation
+    and vocabulary: micro-batch 1, 1F1B, full recomputation and GPT-2's BPE padded to 51,200
+    assumed (Narayanan et al.'s, the same kernels and tokenizer)."""
+    gpus = nodes * 8
+    dp = gpus // 280
+    return {"name": f"MT-NLG 530B ({nodes} nodes)", "source": MTNLG, "stack": "DeepSpeed",
+            "gpu": "A100-80GB", "gpus": gpus, "gpus_per_node": 8, "precision": "bf16",
+            "model": {"n_layer": 105, "n_head": 128, "n_embd": 20480, "vocab": 51200,
+                      "block": 2048, "bias": True},
+            "batch": 1920, "layout": {"parallel.tp": 8, "parallel.pp": 35, "parallel.dp": "fsdp",
+                                      "parallel.zero_stage": 1, "parallel.microbatches": 1920 // dp,
+                                      "parallel.pp_schedule": "1f1b", "trainer.grad_accum": 1,
+                                      "trainer.activation_checkpointing": True,
+                                      "plan.param_gather_bytes": 2},
+            "recompute": "full", "flash": False, "kernels": "fused", "published": (seconds, "s/iter"),
+            "ran": True,
+            "note": f"{gpus} GPUs: tp 8 x pp 35 x dp {dp}; micro-batch 1 assumed",
+            "cannot": "micro-batch, schedule and recomputation not in the excerpt read (assumed); "
+                      "DeepSpeed's pipeline engine's own schedule"}
+
+
+TORCHTITAN = ("pytorch/torchtitan benchmarks/llama3_h100_202412_torchtitan.md (2024-12: torch "
+              "1963fc8 2024-12-23, torchtitan 9dec370 2024-12-26; train_configs/llama3_8b.toml and "
+              "torchtitan/parallelisms/parallelize_llama.py of that date)")
+
+
+def _torchtitan(gpus, tps, memory_gib, compiled):
+    """torchtitan's Llama 3.1 8B, FSDP (FSDP2: bf16 parameters gathered, fp32 gradient
+    reduction), the loss F.cross_entropy on fp32 logits outside the compiled blocks
+    (torch.compile compiles each block), local batch 2 of 8,192 tokens, selective activation checkpointing
+    ('op': every other matmul's output recomputed), on Grand Teton hosts of 8 H100 96GB
+    HBM2e (2.4 TB/s) at a 500 W power limit, 400 Gb/s RDMA a GPU. Llama 3.1 8B: 32 x 4096,
+    32 heads, 8 K/V heads, SwiGLU 14,336, vocabulary 128,256, untied head, RMSNorm, RoPE."""
+    return {"name": f"torchtitan Llama 3.1 8B FSDP{' + compile' if compiled else ''} ({gpus} x H100)",
+            "source": TORCHTITAN, "stack": "torchtitan", "gpu": "H100-80GB", "gpus": gpus,
+            "gpus_per_node": 8, "precision": "bf16",
+            "model": {"n_layer": 32, "n_head": 32, "n_embd": 4096, "vocab": 128256, "block": 8192,
+                      "bias": False},
+            "arch": {"plan.kv_heads": 8, "plan.ffn_hidden": 14336, "plan.gated_ffn": True,
+                     "plan.untied_head": True},
+            "batch": 2 * gpus,
+            "layout": {"parallel.dp": "fsdp", "parallel.zero_stage": 3, "trainer.grad_accum": 1,
+                       "trainer.activation_checkpointing": True,
+                       "trainer.activation_checkpointing_every": 2,
+                       "plan.gpu_memory_gb": 96, "plan.hbm_gbps": 2400,
+                       "plan.param_gather_bytes": 2, "plan.loss_kernel": "eager"},
+            "recompute": "op-level selective (as full on every 2nd block)", "flash": True,
+            "kernels": "compiled" if compiled else "eager",
+            "published": (tps, "tokens/s/GPU"), "ran": True, "memory_gb": memory_gib * 2**30 / 1e9,
+            "note": f"Table {1 if gpus == 8 else 3}: {tps:,} TPS/GPU, {memory_gib} GiB; local batch "
+                    f"2, global {2 * gpus}; " + ("torch.compile" if compiled else "eager"),
+            "cannot": "op-level selective checkpointing (every other matmul recomputed) replayed as "
+                      "every 2nd block fully recomputed (the same share of the forward's matmuls "
+                      "again, plus their attention); the 500 W power limit (its peak is \"between "
+                      "SXM and NVL\", unknown: the SXM peak assumed); RoPE and RMSNorm priced as "
+                      "GPT-2's learned positions (33.5M parameters more) and LayerNorm"}
 
 
 RUNS = [
@@ -178,7 +291,7 @@ RUNS = [
                "bias": True},
      "batch": 512, "layout": {"parallel.dp": "fsdp", "parallel.zero_stage": 1,
                               "trainer.grad_accum": 1, "trainer.activation_checkpointing": False},
-     "recompute": "none", "flash": True, "published": (0.300, "s/iter"),
+     "recompute": "none", "flash": True, "kernels": "fused", "published": (0.300, "s/iter"),
      "note": "-b 64 x 8 GPUs = 524,288 tokens a step, ZeRO-1 (-z 1), no recomputation (-r 0): "
              "\"steps in ~300ms/iter\""},
     {"name": "llm.c GPT-2 1558M", "source": LLMC_1558M, "gpu": "H100-80GB", "gpus": 8,
@@ -187,7 +300,8 @@ RUNS = [
                "bias": True},
      "batch": 1024, "layout": {"parallel.dp": "fsdp", "parallel.zero_stage": 1,
                                "trainer.grad_accum": 8, "trainer.activation_checkpointing": False},
-     "recompute": "none", "flash": True, "published": (24 * 3600 / 32000, "s/iter"),
+     "recompute": "none", "flash": True, "kernels": "fused",
+     "published": (24 * 3600 / 32000, "s/iter"),
      "note": "derived: 24 hours / 32,000 steps; -b 16 x 8 GPUs x 8 accumulation = 1,048,576 "
              "tokens (-d), ZeRO-1, -r 0"},
     {"name": "llm.c GPT-2 124M (H100)", "source": LLMC_124M_H100, "gpu": "H100-80GB", "gpus": 8,
@@ -196,7 +310,7 @@ RUNS = [
                "bias": True},
      "batch": 512, "layout": {"parallel.dp": "fsdp", "parallel.zero_stage": 1,
                               "trainer.grad_accum": 1, "trainer.activation_checkpointing": False},
-     "recompute": "none", "flash": True, "published": (0.140, "s/iter"),
+     "recompute": "none", "flash": True, "kernels": "fused", "published": (0.140, "s/iter"),
      "note": "\"The mean per-step time was 140ms\"; 10.26B tokens at 524,288 a step (-b 64 x 8 "
              "GPUs, ZeRO-1 -z 1, as discussion #481 runs it); GELU recomputation (-r), if "
              "on, is one element-wise kernel more, not modelled"},
@@ -207,7 +321,7 @@ RUNS = [
      "batch": 480, "layout": {"parallel.dp": "ddp_bucket", "trainer.grad_accum": 5,
                               "trainer.activation_checkpointing": False,
                               "plan.kernel_slowdown": PYTORCH_KERNELS},
-     "recompute": "none", "flash": True, "published": (0.562, "s/iter"),
+     "recompute": "none", "flash": True, "kernels": "compiled", "published": (0.562, "s/iter"),
      "note": "nanoGPT issue #110 (8 x A100, train.py of 2023-02-02): \"iter 1631 ... time "
              "561.94ms\" to 567.31; 12 x 1024 tokens x 5 accumulation steps per GPU x 8 GPUs; "
              "GPT-2's vocabulary unpadded (model.py's vocab_size = 50257 until 2023-02-04); "
@@ -215,6 +329,56 @@ RUNS = [
              "600,000 iterations (0.576 s) agrees; 40 GB A100s assumed (the README's)"},
     _nanogpt_blog(50257, 0.113, "unpadded vocabulary"),
     _nanogpt_blog(50304, 0.087, "padded vocabulary"),
+    # llm-foundry (Composer + PyTorch FSDP), MPT: A100 80GB, one node
+    _mpt("125m", 2048, 8, "A100-80GB", 32, 2, 512, 1133901, "FULL_SHARD", False, "DEFAULT"),
+    _mpt("1b", 2048, 8, "A100-80GB", 14, 4, 448, 164109, "FULL_SHARD", False, "DEFAULT"),
+    _mpt("7b", 2048, 8, "A100-80GB", 6, 2, 96, 37130, "FULL_SHARD", False, "DEFAULT"),
+    _mpt("13b", 2048, 8, "A100-80GB", 2, 3, 48, 18097, "FULL_SHARD", False, "DEFAULT"),
+    _mpt("30b", 2048, 8, "A100-80GB", 3, 21, 504, 7330, "FULL_SHARD", True, "DEFAULT"),
+    _mpt("7b", 65536, 8, "A100-80GB", 1, 2, 16, 8108, "FULL_SHARD", True, "DEFAULT"),
+    _mpt("70b", 2048, 64, "A100-80GB", 8, 4, 2048, 26274, "FULL_SHARD", True, "PURE"),
+    # A100 40GB
+    _mpt("125m", 2048, 128, "A100-40GB", 26, 1, 3328, 15863837, "FULL_SHARD", False, "PURE"),
+    _mpt("1b", 2048, 8, "A100-40GB", 8, 8, 512, 154171, "FULL_SHARD", False, "PURE"),
+    _mpt("3b", 2048, 64, "A100-40GB", 6, 1, 384, 623167, "FULL_SHARD", False, "PURE"),
+    _mpt("7b", 2048, 128, "A100-40GB", 18, 1, 2304, 463749, "FULL_SHARD", True, "PURE"),
+    _mpt("13b", 2048, 16, "A100-40GB", 10, 1, 160, 31900, "FULL_SHARD", True, "PURE"),
+    # H100 80GB
+    _mpt("760m", 2048, 8, "H100-80GB", 24, 2, 384, 505177, "FULL_SHARD", False, "DEFAULT"),
+    _mpt("1b", 2048, 8, "H100-80GB", 14, 1, 112, 363645, "FULL_SHARD", False, "DEFAULT"),
+    _mpt("7b", 2048, 8, "H100-80GB", 6, 1, 48, 85144, "FULL_SHARD", False, "DEFAULT"),
+    _mpt("7b", 65536, 8, "H100-80GB", 1, 2, 16, 15654, "FULL_SHARD", True, "DEFAULT"),
+    _mpt("13b", 2048, 128, "H100-80GB", 16, 1, 2048, 650264, "FULL_SHARD", True, "DEFAULT"),
+    _mpt("3b", 2048, 512, "H100-80GB", 8, 1, 4096, 11092218, "SHARD_GRAD_OP", False, "DEFAULT"),
+    _mpt("70b", 2048, 512, "H100-80GB", 8, 1, 4096, 515636, "FULL_SHARD", True, "DEFAULT"),
+    # DeepSpeed (Megatron-DeepSpeed): BLOOM, MT-NLG
+    {"name": "BLOOM 176B", "source": BLOOM, "stack": "DeepSpeed", "gpu": "A100-80GB", "gpus": 384,
+     "gpus_per_node": 8, "precision": "bf16", "network": (4, 12.5),
+     "model": {"n_layer": 70, "n_head": 112, "n_embd": 14336, "vocab": 250880, "block": 2048,
+               "bias": True},
+     "batch": 2048, "layout": {"parallel.tp": 4, "parallel.pp": 12, "parallel.dp": "fsdp",
+                               "parallel.zero_stage": 1, "parallel.microbatches": 128,
+                               "parallel.pp_schedule": "1f1b", "trainer.grad_accum": 1,
+                               "trainer.activation_checkpointing": True,
+                               "plan.param_gather_bytes": 2},
+     "recompute": "full", "flash": False, "kernels": "fused", "published": (104.70, "s/iter"),
+     "ran": True,
+     "memory_gb": 60,
+     "note": "\"elapsed time per iteration (s): 104.70 ... TFLOPs: 149.77\" at GBS 2048; TP 4, "
+             "PP 12, DP 8, micro-batch 2 (128 a pipeline), --checkpoint-activations, bf16, "
+             "vocabulary padded to 250,880; \"one copy of the model takes 48 GPUs (using 60 GB "
+             "of memory on each GPU)\" (bigscience.notion.site BigScience-176B-Model)",
+     "cannot": "ALiBi and the embedding LayerNorm; the embedding counted as a pipeline layer "
+               "('type:transformer|embedding': 5 blocks on the first and last stage); "
+               "CUDA_LAUNCH_BLOCKING=1; dropout 0.1; DeepSpeed's 1F1B engine"},
+    _mtnlg(280, 60.1),
+    _mtnlg(350, 50.2),
+    _mtnlg(420, 44.4),
+    # torchtitan (PyTorch FSDP2, eager and torch.compile), Llama 3.1 8B
+    _torchtitan(8, 5762, 82.4, False),
+    _torchtitan(8, 6667, 77.0, True),
+    _torchtitan(128, 5605, 67.0, False),
+    _torchtitan(128, 6514, 62.0, True),
 ]
 
 
@@ -233,20 +397,34 @@ def published_seconds(row) -> float:
     value, unit = row["published"]
     if unit == "s/iter":
         return value
+    if unit == "tokens/s":  # the whole cluster's tokens a second
+        return row["batch"] * row["model"]["block"] / value
+    if unit == "tokens/s/GPU":
+        return row["batch"] * row["model"]["block"] / (value * row["gpus"])
     if unit == "TFLOP/s/GPU":  # achieved FLOPs counting the recomputation (hardware FLOPs)
         return megatron_flops(row, row["recompute"] == "full") / (value * 1e12 * row["gpus"])
     raise ValueError(unit)
 
 
+def network_keys(row) -> dict:
+    """A row's network where it is not the preset's: (network cards a node, GB/s each)."""
+    if "network" not in row:
+        return {}
+    nics, gbps = row["network"]
+    return {"plan.nics_per_node": nics, "plan.inter_node_gbps": gbps}
+
+
 def overrides(row) -> list:
     """The command-line overrides that replay `row` with `mode=plan plan.search=false`."""
     m = row["model"]
-    keys = {"mode": "plan", "plan.search": False, "plan.flash_attention": row["flash"], "plan.gpu": row["gpu"],
+    keys = {"mode": "plan", "plan.search": False, "plan.flash_attention": row["flash"],
+            "plan.stack": row["kernels"], "plan.gpu": row["gpu"],
             "plan.gpus_per_node": row["gpus_per_node"],
             "plan.nodes": max(1, row["gpus"] // row["gpus_per_node"]),
             "model.n_layer": m["n_layer"], "model.n_head": m["n_head"], "model.n_embd": m["n_embd"],
             "model.bias": m["bias"], "plan.vocab_size": m["vocab"], "data.block_size": m["block"],
             "data.tokenizer": "gpt2", "trainer.batch_size": row["batch"],
             "trainer.precision": row["precision"], "parallel.tp": 1, "parallel.pp": 1,
-            "parallel.sequence_parallel": False, **row["layout"]}
+            "parallel.sequence_parallel": False, **network_keys(row), **row.get("arch", {}),
+            **row["layout"]}
     return [f"{k}={str(v).lower() if isinstance(v, bool) else v}" for k, v in keys.items()]

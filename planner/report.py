@@ -9,8 +9,9 @@ import time
 
 from errors import UserError
 from planner.figures import metrics_names, rank_figures
-from planner.layouts import valid_layouts, with_grad_accum, refusal
-from planner.efficiency import MOE_IMBALANCE
+from planner.layouts import RECOMPUTE_CHOICES, refusal, valid_layouts, with_grad_accum
+from planner.efficiency import MOE_IMBALANCE, STACKS
+from planner.residuals import BANDS
 from planner.machines import machine
 from planner.memory import memory_need
 from planner.shapes import Layout, Workload
@@ -32,9 +33,13 @@ def workload(cfg) -> Workload:
             from char_dataset import build_tokenizer, load_text
             vocab = build_tokenizer("char", load_text(cfg.data.path)).vocab_size
     m = cfg.model
+    p = cfg.plan
+    stack = p.stack or ("compiled" if cfg.trainer.compile else "eager")
     return Workload(m.n_layer, m.n_head, m.n_embd, vocab, cfg.data.block_size,
                     cfg.trainer.batch_size, cfg.trainer.precision, m.bias, m.moe_experts,
-                    m.moe_top_k, m.moe_every, m.moe_hidden, m.vocab_pad_to)
+                    m.moe_top_k, m.moe_every, m.moe_hidden, m.vocab_pad_to, p.kv_heads,
+                    p.ffn_hidden, p.gated_ffn, p.untied_head, p.param_gather_bytes,
+                    p.loss_kernel or ("eager" if stack == "eager" else "fused"))
 
 
 def check(cfg, gpu):
@@ -54,9 +59,31 @@ def check(cfg, gpu):
         raise UserError(f"plan.param_gather_bytes={p.param_gather_bytes} must be 4 (fp32 parameters "
                         "gathered, as this product does) or 2 (a bf16 copy, as Megatron's distributed "
                         "optimizer does)")
+    if p.stack not in ("",) + STACKS:
+        raise UserError(f"plan.stack={p.stack!r} must be one of {', '.join(STACKS)} (or empty: this "
+                        "product's own, eager or compiled by trainer.compile)")
+    if p.loss_kernel not in ("", "fused", "eager"):
+        raise UserError(f"plan.loss_kernel={p.loss_kernel!r} must be fused or eager (or empty: "
+                        "eager under plan.stack=eager, else fused)")
+    if p.grad_reduce_bytes not in (2, 4):
+        raise UserError(f"plan.grad_reduce_bytes={p.grad_reduce_bytes} must be 4 (fp32 gradients "
+                        "reduced, this product's default) or 2 (bf16)")
+    foreign = p.kv_heads or p.ffn_hidden or p.gated_ffn or p.untied_head
+    if foreign and cfg.model.moe_experts:
+        raise UserError("plan.kv_heads, ffn_hidden, gated_ffn and untied_head replay dense blocks "
+                        "only: not with model.moe_experts")
+    if p.kv_heads and (p.kv_heads < 0 or cfg.model.n_head % p.kv_heads
+                       or p.kv_heads % cfg.parallel.tp):
+        raise UserError(f"plan.kv_heads={p.kv_heads} must divide model.n_head={cfg.model.n_head} "
+                        f"and be divisible by parallel.tp={cfg.parallel.tp}")
+    if p.ffn_hidden < 0 or p.ffn_hidden % cfg.parallel.tp:
+        raise UserError(f"plan.ffn_hidden={p.ffn_hidden} must be >= 0 and divisible by parallel.tp")
+    if p.untied_head and (cfg.parallel.pp > 1 or p.search):
+        raise UserError("plan.untied_head is not modelled under a pipeline: replay it with "
+                        "plan.search=false and parallel.pp=1")
     if min(p.gpu_memory_gb, p.peak_bf16_tflops, p.peak_fp32_tflops, p.intra_node_gbps,
            p.inter_node_gbps, p.pcie_gbps, p.host_gbps, p.hbm_gbps, p.intra_latency_us,
-           p.inter_latency_us) < 0 or p.top < 1:
+           p.inter_latency_us, p.nics_per_node) < 0 or p.top < 1:
         raise UserError("plan.gpu_memory_gb, plan.peak_*_tflops, plan.*_gbps and plan.*_latency_us "
                         "must be >= 0 "
                         "(0 = the preset's), plan.top >= 1")
@@ -80,6 +107,24 @@ def evaluate(cfg, w, L, gpu, world):
                 return row
         ga *= 2
     return first
+
+
+def with_recompute(cfg, w, rows, gpu, world):
+    """Rows of each layout's recompute variants (layouts.RECOMPUTE_CHOICES: full,
+    selective, full on every 2nd block, selective on every 2nd), tried only where the
+    layout without recompute needs gradient accumulation or does not fit: where it fits
+    in one pass, recomputing only adds compute (each variant would be slower at the same
+    grad_accum), so it cannot win."""
+    out = []
+    for row in rows:
+        L = row["layout"]
+        if L.ckpt or ("time" in row and row["layout"].grad_accum == 1):
+            continue
+        for mode, every in RECOMPUTE_CHOICES:
+            variant = dataclasses.replace(L, grad_accum=1, ckpt=True, ckpt_mode=mode, ckpt_every=every)
+            if not refusal(cfg, variant, world):
+                out.append(evaluate(cfg, w, variant, gpu, world))
+    return out
 
 
 def hybrid_and_offloaded(cfg, w, rows, gpu, world):
@@ -128,13 +173,51 @@ def reason(row, best):
     return f"{delta:+.3g} ms ({100 * delta / b['step_ms']:+.0f}%): {words}"
 
 
+GENERATIONS = {"ampere": "A100", "hopper": "H100", "ada": "L4", "volta": "V100"}
+
+
+def band(gpu, stack):
+    """(lowest, highest predicted / published step of the published runs of this kind, runs,
+    the kind in words) from planner/residuals.py: the GPU's generation and the stack; a
+    kind with fewer than 3 runs widens to the generation's; None where no run is of it."""
+    rows = BANDS.get((gpu.generation, stack))
+    words = f"{GENERATIONS.get(gpu.generation, gpu.generation)}s, {stack} kernels"
+    if not rows or rows[2] < 3:
+        same = [b for (g, _), b in BANDS.items() if g == gpu.generation]
+        if not same:
+            return None
+        rows = (min(b[0] for b in same), max(b[1] for b in same), sum(b[2] for b in same))
+        words = f"{GENERATIONS.get(gpu.generation, gpu.generation)}s, every stack"
+    return rows + (words,)
+
+
+def likely(ms, b):
+    """The step's likely range in ms: the prediction over the band's ratios."""
+    return (ms / b[1], ms / b[0]) if b else None
+
+
+def band_words(b):
+    if b is None:
+        return "no published run of this kind to say how far off it may be"
+    return (f"published runs of this kind ({b[3]}, {b[2]} runs) were predicted at "
+            f"{b[0]:.2f}-{b[1]:.2f}x their measured steps")
+
+
 def header(cfg, w, gpu):
-    compute = f"mfu {cfg.plan.mfu:g} assumed" if cfg.plan.mfu else "efficiency model"
+    compute = f"mfu {cfg.plan.mfu:g} assumed" if cfg.plan.mfu else f"{cfg.plan.stack} kernels"
     print(f"plan: GPT {w.n_layer} layers x {w.n_embd} wide, {w.n_head} heads, vocab {w.vocab}, "
           f"{w.block} tokens, global batch {w.batch}, {w.precision}; {cfg.plan.nodes} x "
           f"{cfg.plan.gpus_per_node} {gpu.name} ({gpu.memory_gb:g} GB, "
           f"{gpu.peak[w.precision] / 1e12:g} TFLOP/s {w.precision}, {gpu.hbm_gbps:g} GB/s memory, "
-          f"{compute}; {gpu.intra_node_gbps:g} GB/s in a node, {gpu.inter_node_gbps:g} across)")
+          f"{compute}; {gpu.intra_node_gbps:g} GB/s in a node, {gpu.nics_per_node} x "
+          f"{gpu.inter_node_gbps:g} GB/s network cards a node)")
+    if gpu.generation not in ("ampere", "hopper"):
+        print(f"{gpu.name}: no published efficiency of its generation ({gpu.generation}) is used: "
+              "the A100's matmul and attention shares of its peak are assumed")
+    if w.foreign:
+        print(f"replaying another system's block (model.py trains GPT-2's): {w.kv_heads or w.n_head} "
+              f"K/V heads, MLP {w.ffn} wide{' gated (SwiGLU)' if w.gated else ''}"
+              f"{', untied LM head' if w.untied else ''}; planned, not runnable here")
     if w.experts:
         print(f"experts: {w.n_layer // w.every} of {w.n_layer} blocks, {w.experts} experts of "
               f"{w.expert_hidden} wide, {w.top_k} active a token (MFU counts those); the busiest "
@@ -145,6 +228,8 @@ def plan(cfg):
     started = time.perf_counter()
     gpu = machine(cfg.plan)
     check(cfg, gpu)
+    if not cfg.plan.stack:  # this product's own: PyTorch eager, or Inductor's kernels
+        cfg.plan = dataclasses.replace(cfg.plan, stack="compiled" if cfg.trainer.compile else "eager")
     world = cfg.plan.nodes * cfg.plan.gpus_per_node
     w = workload(cfg)
     if not cfg.plan.search:
@@ -162,6 +247,8 @@ def plan(cfg):
         raise UserError(f"no layout runs this model on {world} GPUs: "
                         f"{next(why for _, why in layouts)}")
     rows = [evaluate(cfg, w, L, gpu, world) for L in valid]
+    recomputed = with_recompute(cfg, w, rows, gpu, world)
+    rows += recomputed
     variants = hybrid_and_offloaded(cfg, w, rows, gpu, world)
     rows += variants
     fits = sorted((r for r in rows if "time" in r), key=lambda r: (r["time"]["step_ms"], sum(r["fig"]["comm"].values()), r["need"]))
@@ -173,8 +260,14 @@ def plan(cfg):
     best = fits[0]
     header(cfg, w, gpu)
     print(f"{len(layouts)} combinations, {len(valid)} run (parallel/layout.py's rules)"
+          + (f" + {len(recomputed)} recomputing where they need it" if recomputed else "")
           + (f" + {len(variants)} hybrid-sharded or offloaded where that wins" if variants else "")
           + f", {len(fits)} fit in memory")
+    b = None if cfg.plan.mfu else band(gpu, cfg.plan.stack)
+    print("likely ms: step ms over how far off the model was where " + band_words(b)
+          if b else f"likely ms: none, {band_words(b)}")
+    for r in rows:
+        r["band"] = b
     print_table(fits[:cfg.plan.top], best, w.experts)
     fewer = fewer_gpus(cfg, w, gpu, world, best)
     if fewer:
@@ -190,13 +283,15 @@ def plan(cfg):
 def print_table(rows, best, experts):
     """The ranked layouts; with experts, ep and the all-to-all's milliseconds too."""
     moe = ("ep", "a2a ms") if experts else ()
-    head = ("rank", "layout", "step ms", "MFU") + moe + ("state GB", "activ. GB", "need GB",
-                                                          "comm GB", "vs the first")
+    head = ("rank", "layout", "step ms", "likely ms", "MFU") + moe + (
+        "state GB", "activ. GB", "need GB", "comm GB", "vs the first")
     table = [head]
     for i, r in enumerate(rows):
         fig, t = r["fig"], r["time"]
         cells = (str(r["layout"].ep), f"{t['ep']:.3g}") if experts else ()
+        span = likely(t["step_ms"], r.get("band"))
         table.append((str(i + 1), r["layout"].name(), f"{t['step_ms']:.3g}",
+                      f"{span[0]:.3g}-{span[1]:.3g}" if span else "-",
                       f"{100 * t['mfu']:.0f}%") + cells +
                      (f"{fig['state_bytes'] / GB:.3g}", f"{fig['activation_bytes'] / GB:.3g}",
                       f"{r['need'] / GB:.3g}", f"{sum(fig['comm'].values()) / GB:.3g}",
@@ -241,7 +336,9 @@ def given_layout(cfg, world) -> Layout:
     return Layout(p.dp, p.zero_stage if p.dp == "fsdp" else 0, dp, p.pp, p.cp, p.tp,
                   p.sequence_parallel, p.pp_schedule if pipe else "1f1b", V if pipe else 1,
                   p.microbatches if pipe else 1, t.grad_accum, t.activation_checkpointing,
-                  p.dp_replicate, p.offload, p.ep)
+                  p.dp_replicate, p.offload, p.ep,
+                  ckpt_mode=t.activation_checkpointing_mode,
+                  ckpt_every=t.activation_checkpointing_every)
 
 
 def evaluate_given(cfg, w, gpu, world):
@@ -254,6 +351,7 @@ def evaluate_given(cfg, w, gpu, world):
     row = {"layout": L, "fig": fig, "need": memory_need(w, L, fig)}
     row["time"] = step_time(w, L, fig, gpu, cfg.plan)
     row["fits"] = row["need"] <= gpu.memory_gb * GB
+    row["band"] = None if cfg.plan.mfu else band(gpu, cfg.plan.stack)
     return row
 
 
@@ -261,7 +359,11 @@ def print_breakdown(row, gpu, world):
     """plan.search=false: one layout's step, part by part, and its memory per rank."""
     t, fig = row["time"], row["fig"]
     print(f"layout: {row['layout'].name()} on {world} GPUs")
-    print(f"step {t['step_ms']:.4g} ms, MFU {100 * t['mfu']:.1f}%")
+    b = row.get("band")
+    span = likely(t["step_ms"], b)
+    print(f"step {t['step_ms']:.4g} ms, MFU {100 * t['mfu']:.1f}%"
+          + (f"; likely {span[0]:.4g}-{span[1]:.4g} ms ({band_words(b)})" if span
+             else f" ({band_words(b)})"))
     for k, words in PARTS.items():
         if t[k] or k in ("compute", "bubble"):
             print(f"  {words:<26} {t[k]:>10.4g} ms")
@@ -290,6 +392,9 @@ def write_json(path, rows, fits, gpu, world, gpu_per_node):
             item["moe_imbalance"] = MOE_IMBALANCE  # the all-to-all's and experts' time assumes it
         if "time" in r:
             item["step_ms"] = r["time"]["step_ms"]
+            if r.get("band"):  # over the published runs of this kind (planner/residuals.py)
+                item["step_ms_likely"] = list(likely(r["time"]["step_ms"], r["band"]))
+                item["published_kind"] = r["band"][3]
             item["mfu"] = r["time"]["mfu"]
             item["step_ms_parts"] = {k: r["time"][k] for k in PARTS}
             item["vs_first"] = reason(r, fits[0]) if rank.get(id(r), 1) > 1 else "fastest"

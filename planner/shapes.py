@@ -80,8 +80,7 @@ class Layout:
         if self.grad_accum > 1:
             text += f" ga{self.grad_accum}"
         if self.ckpt:
-            text += " ckpt" + (" selective" if self.ckpt_mode == "selective" else "") \
-                + (f" every{self.ckpt_every}" if self.ckpt_every > 1 else "")
+            text += f" ckpt {self.ckpt_mode}" + (f" every{self.ckpt_every}" if self.ckpt_every > 1 else "")
         return text
 
 
@@ -101,6 +100,24 @@ class Workload:
     every: int = 1        # model.moe_every
     hidden: int = 0       # model.moe_hidden (0: 4 x n_embd)
     vocab_pad_to: int = 1  # model.vocab_pad_to: the LM head computes padded_vocab logits
+    # Another system's block, for replaying its runs (plan.kv_heads, plan.ffn_hidden,
+    # plan.gated_ffn, plan.untied_head; model.py trains none of them): grouped-query
+    # attention's K/V heads (0: n_head), the MLP's hidden width (0: 4 n_embd), a gated MLP
+    # (SwiGLU: three matrices, the first two fused), an LM head of its own (not the embedding)
+    kv_heads: int = 0
+    ffn_hidden: int = 0
+    gated: bool = False
+    untied: bool = False
+    # The model's own dtype, what compute reads (plan.param_gather_bytes): 4 = this
+    # product's fp32 parameters under autocast (the residual stream and LayerNorms in
+    # fp32); 2 = a bf16 model (FSDP's param_dtype, Megatron's bf16 parameters beside fp32
+    # master weights): residual stream, LayerNorm inputs and ZeRO-3's gathered units in bf16
+    model_bytes: int = 4
+    # the loss's kernel (plan.loss_kernel): "eager" = autocast's fp32 cross-entropy, the
+    # log-softmax saved in fp32 and an fp32 gradient (this product); "fused" = one kernel
+    # keeping the logits in their dtype and writing their gradient in it (flash-attn's
+    # CrossEntropyLoss, Megatron's and llm.c's fused loss)
+    loss: str = "eager"
 
     @property
     def padded_vocab(self) -> int:
@@ -110,7 +127,39 @@ class Workload:
     @property
     def shape(self):  # the model census builds: the padded rows are parameters it allocates
         return (self.n_layer, self.n_head, self.n_embd, self.padded_vocab, self.block, self.bias,
-                self.experts, self.top_k, self.every, self.hidden)
+                self.experts, self.top_k, self.every, self.hidden, self.kv_heads, self.ffn_hidden,
+                self.gated, self.untied)
+
+    @property
+    def foreign(self) -> bool:
+        """A block model.py does not build (plan.kv_heads, ffn_hidden, gated_ffn, untied_head)."""
+        return bool(self.kv_heads or self.ffn_hidden or self.gated or self.untied)
+
+    @property
+    def kv_width(self) -> int:
+        """Width of the keys (and of the values): K/V heads x head size."""
+        return (self.kv_heads or self.n_head) * (self.n_embd // self.n_head)
+
+    @property
+    def ffn(self) -> int:
+        """The MLP's hidden width."""
+        return self.ffn_hidden or 4 * self.n_embd
+
+    @property
+    def fc_out(self) -> int:
+        """Outputs of the MLP's first product: H, or 2 H gated (gate and up, fused)."""
+        return self.ffn * (2 if self.gated else 1)
+
+    def flops_per_token(self) -> float:
+        """Training FLOPs a token (telemetry/mfu.py's 6 N + 12 L C T; the N of this block)."""
+        from telemetry.mfu import flops_per_token
+        if not self.foreign:
+            return flops_per_token(self.gpt_config())
+        C, L, T, H = self.n_embd, self.n_layer, self.block, self.ffn
+        matrices = C * (C + 2 * self.kv_width) + C * C + C * H * (3 if self.gated else 2)
+        biases = (C + 2 * self.kv_width) + C + self.fc_out + C + 4 * C if self.bias else 2 * C
+        final = 2 * C if self.bias else C
+        return 6 * (self.vocab * C + L * (matrices + biases) + final) + 12 * L * C * T
 
     def gpt_config(self) -> dict:
         """model.py's GPTConfig fields of this workload (telemetry/mfu.py's input)."""
@@ -138,3 +187,15 @@ def micro_rows(w: Workload, L: Layout) -> int:
 def act_bytes(w):
     """Bytes of one element TP's collectives and saved matmul outputs carry."""
     return F32 if w.precision == "fp32" else 2
+
+
+def res_bytes(w):
+    """Bytes of one element of the residual stream (and the LayerNorms' inputs): fp32
+    under autocast over fp32 parameters (this product), the compute dtype in a bf16 model."""
+    return act_bytes(w) if w.model_bytes == 2 else F32
+
+
+def logit_bytes(w):
+    """Bytes a logit keeps for the loss's backward, and its gradient: fp32 from autocast's
+    cross-entropy (eager), the logits' own dtype from a fused loss kernel."""
+    return F32 if w.loss == "eager" else act_bytes(w)

@@ -8,7 +8,7 @@ overlaps the backward counted only beyond it. `step_time`'s docstring states eve
 assumption; MFU is an output.
 
 May import: planner.shapes, planner.stages, planner.traffic, planner.efficiency,
-telemetry.mfu, parallel's pipeline simulator.
+parallel's pipeline simulator.
 """
 
 import math
@@ -16,10 +16,9 @@ from functools import lru_cache
 
 from parallel.pipeline_parallel.simulator import unit_time
 from planner.efficiency import LINK_EFF, NET_EFF, collective_seconds, compute_seconds, imbalance
-from planner.shapes import F32, Layout, Workload, micro_rows
+from planner.shapes import F32, Layout, Workload, micro_rows, res_bytes
 from planner.stages import shard_pieces, stage, units
 from planner.traffic import comm_by_dim, moe_layers
-from telemetry.mfu import flops_per_token
 
 GRID = ("dp_replicate", "dp", "pp", "cp", "tp")  # parallel/grid.py's DIMS, slowest- to fastest-varying
 
@@ -77,12 +76,52 @@ def group_spans_nodes(L: Layout, dim, gpus_per_node):
     return (last // L.cp) * L.pp * L.cp * L.tp + (last % L.cp) * L.tp >= gpus_per_node
 
 
-def _link(L, dim, machine, G):
+def group_ranks(L: Layout, dim):
+    """The ranks of rank 0's group over traffic.py's `dim` (parallel/grid.py's rank order;
+    an expert-parallel group's slots as grid.carve_experts lays them)."""
+    if dim in ("ep", "edp"):
+        slots = range(L.ep) if dim == "ep" else range(0, L.shards, L.ep)
+        return [(s // L.cp) * L.pp * L.cp * L.tp + (s % L.cp) * L.tp for s in slots]
+    sizes = {"dp_replicate": L.R, "dp": L.dp // L.R, "pp": L.pp, "cp": L.cp, "tp": L.tp}
+    ranks = [0]
+    for d in SPAN[dim]:
+        stride = 1
+        for faster in GRID[GRID.index(d) + 1:]:
+            stride *= sizes[faster]
+        ranks = [r + c * stride for r in ranks for c in range(sizes[d])]
+    return ranks
+
+
+@lru_cache(maxsize=None)
+def ranks_per_node(L: Layout, dim, G) -> int:
+    """How many ranks of rank 0's group over `dim` sit on its node (of G GPUs)."""
+    return sum(r < G for r in group_ranks(L, dim))
+
+
+def nic_share(machine, G) -> float:
+    """GB/s of network one GPU's own sends get: the node's cards over its G GPUs."""
+    return machine.inter_node_gbps * machine.nics_per_node / G
+
+
+def _link(L, dim, machine, G, kind="all_reduce"):
     """(GB/s, per-hop latency in us, the share of the bandwidth a collective reaches) of
-    the link the group over `dim` crosses."""
-    far = group_spans_nodes(L, dim, G)
-    return (machine.inter_node_gbps, machine.inter_latency_us, NET_EFF) if far else \
-        (machine.intra_node_gbps, machine.intra_latency_us, LINK_EFF)
+    the link the group over `dim` crosses. Inside a node, NVLink (or PCIe). Across nodes:
+    NCCL runs one ring (channel) per network card, so a collective of a group with g
+    ranks on each node drives the node's cards' g / G share (the node's G / g groups of
+    that dimension share them: tp = 8 leaves each data-parallel group one card, tp = 1
+    gives it all 8), each at NET_EFF, and never faster than the NVLink its ring also
+    crosses inside the node (NCCL's ring and tree algorithms, NVIDIA/nccl issue #1277:
+    two HGX H100 nodes' 8 x 400 Gb/s reach ~360 GB/s of bus bandwidth); a send or an
+    all-to-all goes out through the sender's own share of the cards."""
+    if not group_spans_nodes(L, dim, G):
+        return machine.intra_node_gbps, machine.intra_latency_us, LINK_EFF
+    share = nic_share(machine, G)
+    if kind in ("send", "all_to_all", "all_to_all_counts"):
+        return share, machine.inter_latency_us, NET_EFF
+    g = ranks_per_node(L, dim, G)
+    network = share * g * NET_EFF
+    nvlink = machine.intra_node_gbps * LINK_EFF
+    return min(network, nvlink), machine.inter_latency_us, 1.0
 
 
 def _count(w, L, st, dim, kind, payload):
@@ -116,17 +155,18 @@ def rank_params(w: Workload, L: Layout, p: int, r: int) -> int:
     return sum(q.numel for q in st.params)
 
 
-def slowest_stage(w: Workload, L: Layout, fig: dict, machine, flash: bool) -> dict:
+def slowest_stage(w: Workload, L: Layout, fig: dict, machine, flash: bool,
+                  stack: str = "fused") -> dict:
     """The compute of the pipeline stage that takes longest (it sets every stage's pace:
     the last one also runs the LM head and the loss), by kind (efficiency.compute_seconds)."""
-    stages = [compute_seconds(w, L, p, machine, rank_params(w, L, p, fig["dp_rank"]), flash)
-              for p in range(L.pp)]
+    stages = [compute_seconds(w, L, p, machine, rank_params(w, L, p, fig["dp_rank"]), flash,
+                              stack) for p in range(L.pp)]
     return max(stages, key=lambda kinds: sum(kinds.values()))
 
 
 def model_flops(w: Workload) -> float:
     """The step's model FLOPs (telemetry/mfu.flops_per_token x tokens; no recomputation)."""
-    return flops_per_token(w.gpt_config()) * w.batch * w.block
+    return w.flops_per_token() * w.batch * w.block
 
 
 def step_time(w: Workload, L: Layout, fig: dict, machine, pcfg) -> dict:
@@ -153,8 +193,10 @@ def step_time(w: Workload, L: Layout, fig: dict, machine, pcfg) -> dict:
       collective costs its first (or last) chunk, 1/tp of it, plus what the step's
       matrix products cannot cover; `plan.param_gather_overlap`, ZeRO-1/2's parameter
       all-gather waited for by the next step's first forward, so it costs only what
-      outlasts one pass's forward; `plan.param_gather_bytes=2`, that gather moving a
-      bf16 copy (Megatron's distributed optimizer) instead of our fp32 parameters;
+      outlasts one pass's forward; `plan.param_gather_bytes=2`, the parameter
+      all-gathers (ZeRO-1/2's, ZeRO-3's) moving a bf16 copy (Megatron's distributed
+      optimizer, FSDP's bf16 param_dtype) instead of our fp32 parameters;
+      `plan.grad_reduce_bytes=2`, the gradient reductions in bf16 (FSDP's reduce_dtype);
     - `plan.kernel_slowdown`: every kernel of the step that many times slower than the
       efficiency model's fused ones (a stack that fuses less: nanoGPT's PyTorch step);
     - parallel.offload: the host's AdamW and the PCIe copies (host_seconds).
@@ -169,7 +211,8 @@ def step_time(w: Workload, L: Layout, fig: dict, machine, pcfg) -> dict:
         backward = compute * 2 / 3 / (L.grad_accum * L.M)
     else:
         kinds = {kind: seconds * pcfg.kernel_slowdown for kind, seconds in
-                 slowest_stage(w, L, fig, machine, pcfg.flash_attention).items()}
+                 slowest_stage(w, L, fig, machine, pcfg.flash_attention,
+                               pcfg.stack or "eager").items()}
         compute = sum(kinds.values())
         backward = (compute - kinds["optimizer"]) * (2 / 3) / (L.grad_accum * L.M)
     matmul = compute if pcfg.mfu else kinds["matmul"]
@@ -184,15 +227,18 @@ def step_time(w: Workload, L: Layout, fig: dict, machine, pcfg) -> dict:
     for (dim, kind), payload in comm_by_dim(w, L, fig["pp_rank"], fig["dp_rank"]).items():
         if dim == "norm":
             continue
-        gbps, latency, eff = _link(L, dim, machine, G)
+        gbps, latency, eff = _link(L, dim, machine, G, "send" if dim in ("pp", "cp") else kind)
         if dim == "pp":  # per schedule pass, the fill and drain path's 2(P x V - 1) messages
-            one = micro_rows(w, L) * (w.block // L.cp // (L.tp if L.sp else 1)) * w.n_embd * F32
+            one = micro_rows(w, L) * (w.block // L.cp // (L.tp if L.sp else 1)) * w.n_embd \
+                * res_bytes(w)
             n = L.grad_accum * 2 * (L.pp * L.V - 1)
             parts["pp"] += collective_seconds("send", n * one, 2, n, gbps, latency, eff)
             continue
         param_gather = dim in ("dp", "edp") and kind == "all_gather" and L.zero_stage in (1, 2)
-        if param_gather:  # ZeRO-1/2's gather of the updated parameters
+        if dim in ("dp", "edp") and kind == "all_gather":  # parameters (ZeRO-1/2 after the step, 3)
             payload = payload * pcfg.param_gather_bytes // F32
+        elif dim in ("dp", "edp", "dpr"):  # gradients: reduce-scatters, all-reduces
+            payload = payload * pcfg.grad_reduce_bytes // F32
         seconds = collective_seconds(kind, payload, size[dim], _count(w, L, st, dim, kind, payload),
                                      gbps, latency, eff)
         if param_gather:

@@ -15,7 +15,7 @@ May import: planner.shapes, planner.stages, parallel (model_plan, pipeline sched
 
 from parallel import model_plan as plan
 from parallel.pipeline_parallel.schedules import chunk_ranks, messages
-from planner.shapes import F32, Layout, Workload, act_bytes, micro_rows
+from planner.shapes import F32, Layout, Workload, act_bytes, micro_rows, res_bytes
 from planner.stages import shard_elements, stage, units
 
 
@@ -68,9 +68,9 @@ def comm_by_dim(w: Workload, L: Layout, p: int, r: int) -> dict:
             add("tp", "all_reduce", passes * 3 * n_tok * F32)
     # context parallelism: the ring (forward cp-1 hops of K|V; backward cp-1 of K|V with
     # their gradients, then the gradients home)
-    if L.cp > 1:
-        kv_fwd = 2 * n_tok * (w.n_embd // L.tp) * act_bytes(w)
-        kv = 2 * n_tok * (w.n_embd // L.tp) * F32
+    if L.cp > 1:  # keys and values at their own width: K/V heads x head size (GQA: fewer)
+        kv_fwd = 2 * n_tok * (w.kv_width // L.tp) * act_bytes(w)
+        kv = 2 * n_tok * (w.kv_width // L.tp) * F32
         add("cp", "send", passes * layers * ((L.cp - 1) * kv_fwd + (L.cp - 1) * 2 * kv + kv))
     # mixture of experts (forward collectives again in a checkpointed block's recompute):
     # each sequence's choices per expert summed over its cp x tp ranks (the balance loss);
@@ -85,13 +85,14 @@ def comm_by_dim(w: Workload, L: Layout, p: int, r: int) -> dict:
         rows_k_c = n_tok // L.tp * w.top_k * w.n_embd
         add("ep", "all_to_all_counts", forwards * w.experts * 8)
         add("ep", "all_to_all", 2 * (forwards + passes * moe) * rows_k_c * act_bytes(w))
-    # pipeline: activations forward and gradients back across ranks (fp32 residual stream)
+    # pipeline: activations forward and gradients back across ranks (the residual stream)
     if L.pp > 1:
         ranks = chunk_ranks(L.schedule, L.pp, L.V)
         crossings = sum(dst != p for c in st.chunks for kind in "FB"
                         for dst, _ in messages((kind, c, 0), ranks)[1])
         shards = L.tp if L.sp else 1
-        add("pp", "send", L.grad_accum * L.M * crossings * rows * (tokens // shards) * w.n_embd * F32)
+        add("pp", "send", L.grad_accum * L.M * crossings * rows * (tokens // shards) * w.n_embd
+            * res_bytes(w))
     # data parallelism over dp x cp (fsdp: shards over a replica group's dp x cp, and under
     # HSDP each unit's gradient shard is all-reduced once a step across the R groups)
     # (expert parallelism: a block's experts over the N / ep ranks holding the same ones,

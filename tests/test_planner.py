@@ -324,7 +324,7 @@ def test_plan_search_false_evaluates_exactly_the_configured_layout(tmp_path, cap
                       f"plan.out={out}", *keys], 1))
     text = capsys.readouterr().out
     print(text)
-    assert "layout: dp2x2 tp2sp pp2 fsdp1 interleaved V2 M4 ga2 ckpt on 16 GPUs\n" in text
+    assert "layout: dp2x2 tp2sp pp2 fsdp1 interleaved V2 M4 ga2 ckpt full on 16 GPUs\n" in text
     assert re.search(r"step [\d.]+ ms, MFU [\d.]+%", text)
     for part in ("compute", "pipeline bubble", "TP collectives", "pipeline sends",
                  "exposed gradient sync"):

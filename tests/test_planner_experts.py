@@ -88,9 +88,10 @@ def test_the_plan_searches_ep_and_states_the_all_to_all(tmp_path, capsys):
     head = next(ln for ln in text.splitlines() if ln.split()[:2] == ["rank", "layout"])
     assert re.search(r"MFU +ep +a2a ms +state GB", head), head
     rows = [re.split(r"\s{2,}", ln.strip()) for ln in text.splitlines() if re.match(r"\s+\d+\s{2}", ln)]
-    assert any(" ep" in r[1] and float(r[5]) > 0 for r in rows), "no ep layout in the table"
+    # rank, layout, step ms, likely ms, MFU, ep, a2a ms, ...
+    assert any(" ep" in r[1] and float(r[6]) > 0 for r in rows), "no ep layout in the table"
     for r in rows:  # the ep column is the layout's
-        assert r[4] == (re.search(r" ep(\d+)", r[1]) or [None, "1"])[1], r
+        assert r[5] == (re.search(r" ep(\d+)", r[1]) or [None, "1"])[1], r
     dense = tmp_path / "dense.json"
     capsys.readouterr()
     plan(load_config(["mode=plan", "plan.nodes=1", "plan.gpus_per_node=8", "plan.top=3",
@@ -142,15 +143,17 @@ def test_expert_state_is_divided_by_ep(kind, stage):
 def test_the_all_to_all_takes_the_ep_groups_link_and_the_imbalance():
     """ep 8 on 8 GPUs a node: the all-to-all's part is MOE_IMBALANCE x its collectives over
     NVLink (the group fits a node); with 4 GPUs a node the same group spans 2 nodes and
-    pays the network's bandwidth and latency instead."""
+    pays the network's bandwidth and latency instead: each GPU's share of the node's
+    network cards (an all-to-all's sends leave through the sender's own)."""
     from planner.efficiency import LINK_EFF, NET_EFF
     w = moe_workload(batch=256)
     L = Layout("ddp_bucket", dp=8, ep=8)
     fig = rank_figures(w, L)["fullest"]
     by_dim = comm_by_dim(w, L, 0, 0)
     moe, passes = 4, 1
+    from planner.step_time import nic_share
     for G, gbps, latency, eff in ((8, H100.intra_node_gbps, H100.intra_latency_us, LINK_EFF),
-                                  (4, H100.inter_node_gbps, H100.inter_latency_us, NET_EFF)):
+                                  (4, nic_share(H100, 4), H100.inter_latency_us, NET_EFF)):
         t = step_time(w, L, fig, H100, PlanConfig(gpus_per_node=G))
         seconds = collective_seconds("all_to_all", by_dim["ep", "all_to_all"], 8, 4 * passes * moe,
                                      gbps, latency, eff) \

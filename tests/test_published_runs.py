@@ -22,32 +22,44 @@ import re
 
 from harness import REPO
 from planner.published_runs import RUNS, megatron_flops, published_seconds
-from scripts.published_runs_table import replay
+from scripts.published_runs_table import OTHER_STACKS, replay
 from telemetry.mfu import flops_per_token, peak_flops
 
 WITHIN = 0.25
+# Rows from stacks the time model was not set on (issue 53: llm-foundry, DeepSpeed,
+# torchtitan): how many must be within 25% (raised with each correction; all of them
+# are replayed and printed, and each one's memory is reported beside its GPU's)
+OTHER_STACKS_WITHIN = 23
 
 
 def docs_table():
-    """{run name: (predicted s, published s, predicted MFU %)} from docs/published-runs.md's
-    table."""
-    text = open(os.path.join(REPO, "docs", "published-runs.md")).read()
+    """{run name: (predicted s, published s, predicted MFU %)} from docs/published-runs-table.md."""
+    text = open(os.path.join(REPO, "docs", "published-runs-table.md")).read()
     out = {}
     for line in text.splitlines():
         cells = [c.strip() for c in line.strip().strip("|").split("|")]
-        if len(cells) == 10 and re.fullmatch(r"[\d.]+", cells[6]):
+        if len(cells) == 12 and re.fullmatch(r"[\d.]+", cells[7]):
             out[cells[0].replace(" (not checked)", "")] = (
-                float(cells[6]), float(cells[7]), float(cells[9].rstrip("%")))
+                float(cells[7]), float(cells[8]), float(cells[10].rstrip("%")))
     return out
 
 
 def model_flops(row) -> float:
     """A step's model FLOPs as a run counts them for its MFU (telemetry/mfu.py: 6 N + 12 L C T
-    a token, no recomputation)."""
+    a token, no recomputation); another system's block (`arch`: K/V heads, a SwiGLU MLP of
+    its own width, an untied head) by the same count of its own matrices."""
     m = row["model"]
     gpt = {"n_embd": m["n_embd"], "n_layer": m["n_layer"], "block_size": m["block"],
            "vocab_size": m["vocab"], "bias": m["bias"]}
-    return flops_per_token(gpt) * row["batch"] * m["block"]
+    arch = row.get("arch")
+    if not arch:
+        return flops_per_token(gpt) * row["batch"] * m["block"]
+    C, L, T, V = m["n_embd"], m["n_layer"], m["block"], m["vocab"]
+    kv = 2 * arch["plan.kv_heads"] * C // m["n_head"]
+    H = arch["plan.ffn_hidden"]
+    per_layer = C * (C + kv) + C * C + (3 if arch["plan.gated_ffn"] else 2) * C * H + 2 * C
+    assert not m["bias"]  # the RMSNorm blocks replayed (two norms' weights a layer, the final one)
+    return (6 * (V * C + L * per_layer + C) + 12 * L * C * T) * row["batch"] * T
 
 
 def head_flops(row) -> float:
@@ -64,11 +76,12 @@ def close(shown, value, digits=3):
 def test_every_published_run_is_predicted_within_25_percent():
     assert len(RUNS) >= 12 and all(row["source"] for row in RUNS)
     documented = docs_table()
-    misses, wrong_mfu, stale, checked = [], [], [], 0
+    misses, wrong_mfu, stale, checked, replayed = [], [], [], 0, []
     for row in RUNS:
         got = replay(row)["time"]
         predicted = got["step_ms"] / 1000
         published = published_seconds(row)
+        replayed.append((row, None, predicted, published))
         ratio = predicted / published
         peak = peak_flops(row["gpu"], row["precision"])
         mfu = model_flops(row) / (predicted * row["gpus"] * peak)
@@ -81,16 +94,51 @@ def test_every_published_run_is_predicted_within_25_percent():
                 misses.append(f"{row['name']}: {ratio:.2f}")
         if abs(got["mfu"] / mfu - 1) > 1e-9 or not 0 < got["mfu"] <= 1:
             wrong_mfu.append(f"{row['name']}: {got['mfu']:.4g}, own count {mfu:.4g}")
-        shown = documented.get(row["name"])
+        shown = documented.get(row["name"])  # docs/published-runs-table.md
         if shown is None or abs(shown[0] / predicted - 1) > 0.005 + 0.5e-3 / predicted \
                 or not close(shown[1], published) or shown[2] != round(100 * got["mfu"]):
-            stale.append(f"{row['name']}: docs/published-runs.md says {shown}, the model "
+            stale.append(f"{row['name']}: docs/published-runs-table.md says {shown}, the model "
                          f"{predicted:.4g} s, published {published:.4g} s, MFU {100 * got['mfu']:.1f}%")
     assert checked >= 12, checked
-    assert not misses, "outside 25% of the published figure: " + ", ".join(misses)
+    others = [m for m in misses if m.split(":")[0] in {r["name"] for r in RUNS
+                                                       if r.get("stack") in OTHER_STACKS}]
+    calibrated = [m for m in misses if m not in others]
+    n_other = sum(r.get("stack") in OTHER_STACKS for r in RUNS)
+    print(f"other stacks: {n_other - len(others)} of {n_other} within 25%; outside: {others}")
+    assert n_other >= 20 and len({r.get("stack") for r in RUNS} & set(OTHER_STACKS)) >= 3
+    assert not calibrated, "outside 25% of the published figure: " + ", ".join(calibrated)
+    assert n_other - len(others) >= OTHER_STACKS_WITHIN, others
     assert not wrong_mfu, f"MFU not model FLOPs / (step x GPUs x the precision's peak) <= 1 " \
         f"in {len(wrong_mfu)} rows: " + "; ".join(wrong_mfu[:3])
     assert not stale, "python -m scripts.published_runs_table: " + "; ".join(stale)
+    # the spread mode=plan prints beside a prediction is these rows' (planner/residuals.py)
+    from planner.residuals import BANDS
+    from scripts.published_runs_table import bands
+    assert bands(replayed) == BANDS, ("python -m scripts.published_runs_table", bands(replayed))
+
+
+def test_every_run_that_ran_is_predicted_to_fit_and_published_peaks_are_met():
+    """Memory (issue 53, item 6): every published run that ran (`ran`) is predicted to fit
+    its GPU (before the corrections, 12 that really ran were refused: MPT-7B at 65,536
+    tokens needed 89 GB on 80); where the source gives the peak (`memory_gb`: torchtitan's
+    reserved GiB, BLOOM's 60 GB), the prediction is within 20% of it. The allocator's
+    fragmentation and the libraries' workspaces are not counted: a reserved peak sits
+    above the need."""
+    from scripts.published_runs_table import load_gpu_gb
+    refused, off = [], []
+    for row in RUNS:
+        if not row.get("ran"):
+            continue
+        got = replay(row)
+        need, gpu = got["need"] / 1e9, float(load_gpu_gb(row))
+        print(f"{row['name']:<52} needs {need:6.1f} GB of {gpu:g}"
+              + (f", published peak {row['memory_gb']:.1f}" if "memory_gb" in row else ""))
+        if need > gpu:
+            refused.append(f"{row['name']}: {need:.1f} > {gpu:g}")
+        if "memory_gb" in row and abs(need / row["memory_gb"] - 1) > 0.20:
+            off.append(f"{row['name']}: {need:.1f} against {row['memory_gb']:.1f}")
+    assert not refused, refused
+    assert not off, off
 
 
 def test_published_flops_are_the_models_with_the_head_counted_once():
