@@ -175,6 +175,9 @@ RAW_COLLECTIVES = {  # "file:function:collective" -> why it may bypass parallel/
         "an object collective on grid.host_group (the snapshot's id)",
     "checkpoint/snapshot_writer.py:save_sharded:all_gather_object":
         "an object collective on grid.host_group (the parts' indexes for the manifest)",
+    "parallel/grid.py:ProcessGrid.first_line:all_gather_object":
+        "an object collective on grid.host_group (a damaged snapshot's line, only when a "
+        "rank has one)",
 }
 
 
