@@ -12,7 +12,7 @@
 # carries it (`carry: ["peers"]`). There, this script:
 #   - takes the image's interpreter (PYTHON, else python3, else python) and its torch;
 #   - installs the kit's wheels whose module does not import into KIT_SITE (default
-#     /tmp/kit-site) and puts that on PYTHONPATH: no registry there;
+#     a new temporary folder) and puts that on PYTHONPATH: no registry there;
 #   - records the commit the kit hashed (a copy without .git: MINGPT_COMMIT), checked
 #     against the files, and the machine, torch and APIs (gpu_kit.py --check) in
 #     $OUT/session.txt;
@@ -41,7 +41,7 @@ export OMP_NUM_THREADS=${OMP_NUM_THREADS:-8} PYTHONUNBUFFERED=1 WANDB_MODE=disab
 session() {  # everything the part does; its output also lands in $OUT/<part>.log
 
   # the kit's wheels, for the modules that do not import here (one `pip install`, offline)
-  local site=${KIT_SITE:-/tmp/kit-site} wanted=() module wheel cpu=() status=0
+  local site=${KIT_SITE:-$(mktemp -d -t kit-site.XXXXXX)} wanted=() module wheel cpu=() status=0
   if [[ -f $KIT/wheels/modules.txt ]]; then
     while read -r module wheel; do
       [[ -n $module ]] || continue
