@@ -1,7 +1,7 @@
 """`python -m bench.gpu_vs_nanogpt --nanogpt PATH`: nanoGPT's own bench.py against our
 `single` at the same shape (bench/README.md).
 
-    python -m bench.gpu_vs_nanogpt --nanogpt ../nanoGPT                 # -> docs/bench/gpu-vs-nanogpt/<cuda|cpu>/
+    python -m bench.gpu_vs_nanogpt --nanogpt ../nanoGPT                 # -> runs/bench/gpu-vs-nanogpt/<cuda|cpu>/
     python -m bench.gpu_vs_nanogpt --nanogpt ../nanoGPT --block 64 --batch 1 --rounds 3   # CPU
 
 PATH is a checkout of karpathy/nanoGPT; its bench.py runs there as it is (bench/nanogpt_runner.py),
@@ -54,7 +54,7 @@ def parse_args(argv):
     p.add_argument("--threads", type=int, default=os.cpu_count() or 1,
                    help="OMP threads of each side's one process (%(default)s: every CPU)")
     p.add_argument("--timeout", type=float, default=1800, help="seconds before a run counts as hung (%(default)s)")
-    p.add_argument("--out", default="", help="output directory (default docs/bench/gpu-vs-nanogpt/<cuda|cpu>)")
+    p.add_argument("--out", default="", help="output directory (default runs/bench/gpu-vs-nanogpt/<cuda|cpu>)")
     p.add_argument("--runs-dir", default="", help="keep our jobs' run directories here (default: deleted)")
     args = p.parse_args(argv)
     if why := nano.checkout_error(args.nanogpt):
@@ -251,7 +251,7 @@ def main(argv=None):
            "our_overrides": overrides, "summary": summarize(rounds), "rounds": rounds}
     # one folder per device kind, so a GPU's run sits beside the CPU's committed one (and a
     # docs/bench/<name>/results.json one level up would be read as bench.run's by test_bench)
-    out = args.out or os.path.join("docs", "bench", "gpu-vs-nanogpt", s["device"])
+    out = args.out or os.path.join("runs", "bench", "gpu-vs-nanogpt", s["device"])
     paths = report.write_results(out, doc, markdown(doc))
     print("\n" + open(paths["md"]).read())
     print("wrote " + ", ".join(paths.values()))

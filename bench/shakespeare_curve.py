@@ -56,7 +56,7 @@ def parse_args(argv):
     p.add_argument("--device", default="auto", help="auto (a GPU if there is one) | cpu | cuda")
     p.add_argument("--compile", choices=("auto", "true", "false"), default="auto",
                    help="torch.compile both (auto: on a GPU, as nanoGPT does)")
-    p.add_argument("--out", default="bench/results/shakespeare_curve", help="results folder")
+    p.add_argument("--out", default="runs/bench/shakespeare_curve", help="results folder")
     return p.parse_args(argv)
 
 
