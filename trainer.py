@@ -50,6 +50,7 @@ from checkpoint.sync_snapshot import SyncSnapshots
 from fault_tolerance.one_group import OneGroup
 from fault_tolerance.replica_group import QuorumLost
 from launch.hang_report import HangReport
+from launch import preemption
 from launch.preemption import EndOfStep
 from parallel.comm import collective_failure, timed_out
 from parallel.compile import compile_events
@@ -126,7 +127,8 @@ class Trainer:
         """The steps up to trainer.max_steps; a collective that gave up waiting ends it with
         where every rank was and which are behind (launch/hang_report.py)."""
         try:
-            return self.steps()
+            with preemption.stepping(self.progress):  # Ctrl-C: after the step; again: at once
+                return self.steps()
         except Exception as e:
             failure = collective_failure(e, self.cfg.parallel.timeout_s)
             if failure is None:
@@ -171,6 +173,17 @@ class Trainer:
                 error = self.batches.read_ahead(self.step, group.next_shares(), group.replicas)
                 self.end_of_step.after_step(self.step, saved, error)
         return self.step
+
+    def progress(self):
+        """(steps done, trainer.max_steps, the step of the snapshot a new run would resume
+        from or 0, whether this is the main rank): a second Ctrl-C's line."""
+        try:
+            from checkpoint.snapshot_reader import open_snapshot
+            snapshot = open_snapshot(self.snapshot_path)
+            committed = snapshot.meta["step"] if snapshot else 0
+        except Exception:  # noqa: BLE001  (a line about stopping: the write's last start)
+            committed = self.saved_at
+        return self.step, self.t.max_steps, committed, self.grid.is_main
 
     def evaluate(self):
         """Mean val loss over fixed windows, in micro-batches of the training size."""
