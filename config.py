@@ -262,9 +262,41 @@ def validate(cfg: Config, world_size: int):
             raise UserError(message)
     check_keys(p)  # parallel/rules.py KEYS
     ft_config.check(cfg)  # fault_tolerance/config.py
+    check_filesystems(cfg)
     if cfg.mode in ("sample", "export", "prepare", "plan", "dryrun", "lighthouse"):  # no layout
         return  # of this job to check (dryrun checks its world: planner/dryrun.py)
     cfg.sizes = check_layout(cfg, world_size)  # parallel/layout.py: the grid, every rule
+
+
+# the package fsspec needs for a URL scheme (its own message says it less plainly); the
+# optional ones of this project are in requirements-dev.txt
+FILESYSTEM_PACKAGES = {"s3": "s3fs", "s3a": "s3fs", "gs": "gcsfs", "gcs": "gcsfs",
+                       "http": "aiohttp", "https": "aiohttp", "az": "adlfs", "abfs": "adlfs",
+                       "abfss": "adlfs", "hf": "huggingface_hub"}
+
+
+def check_filesystems(cfg: Config):
+    """A path or URL whose fsspec filesystem cannot be imported here (s3:// without s3fs):
+    one line naming the package to install, before anything starts, not an ImportError
+    when the path is first opened."""
+    import fsspec
+    paths = [("data.path", cfg.data.path), ("data.tokens_path", cfg.data.tokens_path),
+             ("trainer.run_dir", cfg.trainer.run_dir), ("trainer.snapshot_path", cfg.trainer.snapshot_path),
+             ("model.init_from", cfg.model.init_from), ("export.path", cfg.export.path)]
+    for key, path in paths:
+        protocol = fsspec.core.split_protocol(path)[0] if path else None
+        if protocol in (None, "file", "local"):
+            continue
+        try:
+            fsspec.get_filesystem_class(protocol)
+        except ImportError as e:
+            package = FILESYSTEM_PACKAGES.get(protocol)
+            raise UserError(f"{key}={path} needs " + (
+                f"{package}, which is not installed here: pip install {package} "
+                "(requirements-dev.txt has it)" if package else
+                f"fsspec's {protocol} filesystem, which cannot be imported here: {e}")) from None
+        except ValueError:  # no fsspec filesystem of that name: the path's own error says it
+            continue
 
 
 def resolved_yaml(cfg: Config) -> str:

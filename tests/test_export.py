@@ -24,7 +24,7 @@ from model import GPT, GPTConfig
 from checkpoint.snapshot_reader import open_snapshot
 from checkpoint.snapshot_writer import save_sharded
 
-transformers = pytest.importorskip("transformers")  # a test-time dependency (requirements.txt)
+transformers = pytest.importorskip("transformers")  # a test-time dependency (requirements-dev.txt)
 
 
 def our_model(snapshot_dir):
