@@ -11,9 +11,11 @@
     python main.py --help                          # the modes and every key with its default
 
 Every failure a user can fix is a UserError: printed as one line on every
-rank, exit status 2. SIGTERM or SIGUSR1 (a cluster preempting the job) stops
-every rank after the same step, with a snapshot of it: exit status 75
-(launch/preemption.py). Checks that every rank can make on its own (config, data,
+rank, exit status 2 (under torchrun also written into its error file, so that its
+failure summary shows the line: launch/exit.py). SIGTERM or SIGUSR1 (a cluster
+preempting the job) stops every rank after the same step, with a snapshot of it:
+exit status 75; so does a first Ctrl-C, exit status 130, and a second stops at once
+(launch/preemption.py; what each prints: docs/stopping.md). Checks that every rank can make on its own (config, data,
 snapshot) run before the first collective that could leave a rank waiting;
 the ranks then agree that all of them got through before going on.
 """
