@@ -25,7 +25,8 @@ def assert_clean_failure(result, *needles):
     assert result.returncode != 0, result.stdout
     printed = 0
     for rank in range(8):  # whichever ranks printed before torchrun stopped them
-        lines = [ln for ln in result.stderr.splitlines() if f"error on rank {rank}:" in ln]
+        # (torchrun's summary quotes a line again, indented: `traceback : error on rank 0: ...`)
+        lines = [ln for ln in result.stderr.splitlines() if ln.startswith(f"error on rank {rank}:")]
         assert len(lines) <= 1, f"rank {rank} printed more than one error line:\n{result.stderr}"
         for line in lines:
             printed += 1
