@@ -74,7 +74,9 @@ def open_data(cfg: DataConfig, saved_tokenizer=None, saved_by="the snapshot", co
                         f"{describe_state(saved_tokenizer)}: its token ids mean other text. Use "
                         f"tokens prepared with the tokenizer of {saved_by}"
                         + (", or a new trainer.snapshot_path" if saved_by.startswith("the snapshot") else ""))
-    tokenizer = build_tokenizer(None, saved=state, source=f"the tokens at {cfg.tokens_path}")
+    # gpt2: its files are read when text is first encoded or decoded (a prompt, a sample)
+    tokenizer = build_tokenizer(None, saved=state, source=f"the tokens at {cfg.tokens_path}",
+                                vocab_size=corpus.vocab_size)
     return (tokenizer, *corpus.splits(cfg.block_size, tokenizer.vocab_size))
 
 

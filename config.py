@@ -86,6 +86,7 @@ class Config:
     plan: PlanConfig = field(default_factory=PlanConfig)  # mode=plan: the target cluster (planner/config.py)
     ft: FTConfig = field(default_factory=FTConfig)  # fault-tolerant replica groups, mode=lighthouse (fault_tolerance/)
     sizes: typing.ClassVar[dict] = None  # not a key: the grid's {dim: degree}, set by validate
+    given: typing.ClassVar[frozenset] = frozenset()  # not a key: those on the command line
 
 
 def load_config(overrides, world_size: int, yaml_path: str = DEFAULT_YAML) -> Config:
@@ -98,17 +99,19 @@ def load_config(overrides, world_size: int, yaml_path: str = DEFAULT_YAML) -> Co
             yaml_path = given = o.split("=", 1)[1]
     for o in rest:
         if "=" not in o:
+            hint = _key_hint(o, "VALUE")
             raise UserError(f"command-line argument {o!r} is not key=value "
-                            "(e.g. trainer.max_steps=100)")
+                            + (f"(did you mean {hint}?)" if hint else "(e.g. trainer.max_steps=100)"))
     try:
         schema = _schema()
         cfg = OmegaConf.merge(schema, OmegaConf.load(yaml_path), _parse_overrides(schema, rest))
         cfg = OmegaConf.to_object(cfg)
         cfg.config = given  # as the user named it: hints quote it back
+        cfg.given = frozenset(o.split("=", 1)[0] for o in rest)
     except FileNotFoundError:
         raise UserError(f"config file not found: {yaml_path}") from None
     except OmegaConfBaseException as e:
-        raise UserError(f"bad config: {_first_line(e)}") from None
+        raise UserError(_override_error(rest) or f"bad config: {_first_line(e)}") from None
     except Exception as e:  # a YAML syntax error, a directory instead of a file, ...
         raise UserError(f"cannot read config file {yaml_path}: {_first_line(e)}") from None
     if cfg.trainer.precision == "auto":  # resolved once, here: what runs is what is recorded
@@ -146,6 +149,35 @@ def _parse_overrides(schema, overrides):
     return parsed
 
 
+def _key_hint(word, value):
+    """`section.key=value` for a word that names a key by its last part only, or with
+    dashes (nanoGPT's `--max_steps`, argparse's `--max-steps`): the keys it may mean, or
+    "" when it names none."""
+    bare = word.lstrip("-").replace("-", "_")
+    names = [k.name for k in describe_keys()]
+    found = [bare] if bare in names and bare != word else \
+        [n for n in names if n.rsplit(".", 1)[-1] == bare.rsplit(".", 1)[-1]]
+    return " or ".join(f"{n}={value}" for n in found)
+
+
+def _override_error(overrides):
+    """Our one line for the first override omegaconf refused, where we can say more than it
+    does: a key that is not one (with the keys it may mean), a list written without
+    brackets. None: omegaconf's own message says it."""
+    keys = {k.name: k for k in describe_keys()}
+    for item in overrides:
+        key, value = item.split("=", 1)
+        if key not in keys:
+            hint = _key_hint(key, value)
+            if hint:
+                return f"unknown key {key!r}: did you mean {hint}?"
+            continue
+        if keys[key].type.startswith("list[") and not value.strip().startswith("["):
+            return (f"{key}={value}: {key} is a {keys[key].type}, written in brackets: "
+                    f"{key}=[2,2] ({keys[key].meaning})")
+    return None
+
+
 def _first_line(e):
     # omegaconf appends "full_key: ..., object_type=..." lines; the first says it all
     lines = [ln.strip() for ln in str(e).splitlines() if ln.strip()]
@@ -169,9 +201,10 @@ def validate(cfg: Config, world_size: int):
          f">= 1; got {t.activation_checkpointing_mode!r}, {t.activation_checkpointing_every}"),
         (t.max_skipped_steps >= 1,
          f"trainer.max_skipped_steps must be >= 1, got {t.max_skipped_steps}"),
-        (m.n_layer >= 1 and m.n_head >= 1 and m.n_embd >= 1, "model sizes must be positive"),
+        *[(getattr(m, k) >= 1, f"model.{k} must be >= 1, got {getattr(m, k)}")
+          for k in ("n_layer", "n_head", "n_embd")],
         (m.vocab_pad_to >= 1, f"model.vocab_pad_to must be >= 1 (1: no padding), got {m.vocab_pad_to}"),
-        (m.n_embd % m.n_head == 0,
+        (m.n_head < 1 or m.n_embd % m.n_head == 0,
          f"model.n_embd={m.n_embd} is not divisible by model.n_head={m.n_head}"),
         (0.0 <= m.dropout < 1.0, f"model.dropout must be in [0, 1), got {m.dropout}"),
         (m.moe_experts >= 0 and m.moe_every >= 1 and m.moe_hidden >= 0,
@@ -186,6 +219,10 @@ def validate(cfg: Config, world_size: int):
         (d.block_size >= 1, f"data.block_size must be >= 1, got {d.block_size}"),
         (d.tokenizer in ("char", "gpt2"), f"data.tokenizer must be char or gpt2, got {d.tokenizer!r}"),
         (0.0 < d.val_fraction < 1.0, f"data.val_fraction must be in (0, 1), got {d.val_fraction}"),
+        (not (cfg.mode == "train" and d.tokens_path and "data.val_fraction" in cfg.given),
+         f"data.val_fraction={d.val_fraction} is not read with data.tokens_path: prepared tokens "
+         "keep the split mode=prepare gave them (their index.json); to split otherwise, "
+         "prepare them again into another data.tokens_path with it"),
         (d.sampler in SAMPLERS, f"data.sampler must be one of {sorted(SAMPLERS)}, got {d.sampler!r}"),
         (d.sampler != "randperm" or not d.tokens_path,
          "data.sampler=randperm (the old order: a permutation of every window in memory) is only "
@@ -225,9 +262,41 @@ def validate(cfg: Config, world_size: int):
             raise UserError(message)
     check_keys(p)  # parallel/rules.py KEYS
     ft_config.check(cfg)  # fault_tolerance/config.py
+    check_filesystems(cfg)
     if cfg.mode in ("sample", "export", "prepare", "plan", "dryrun", "lighthouse"):  # no layout
         return  # of this job to check (dryrun checks its world: planner/dryrun.py)
     cfg.sizes = check_layout(cfg, world_size)  # parallel/layout.py: the grid, every rule
+
+
+# the package fsspec needs for a URL scheme (its own message says it less plainly); the
+# optional ones of this project are in requirements-dev.txt
+FILESYSTEM_PACKAGES = {"s3": "s3fs", "s3a": "s3fs", "gs": "gcsfs", "gcs": "gcsfs",
+                       "http": "aiohttp", "https": "aiohttp", "az": "adlfs", "abfs": "adlfs",
+                       "abfss": "adlfs", "hf": "huggingface_hub"}
+
+
+def check_filesystems(cfg: Config):
+    """A path or URL whose fsspec filesystem cannot be imported here (s3:// without s3fs):
+    one line naming the package to install, before anything starts, not an ImportError
+    when the path is first opened."""
+    import fsspec
+    paths = [("data.path", cfg.data.path), ("data.tokens_path", cfg.data.tokens_path),
+             ("trainer.run_dir", cfg.trainer.run_dir), ("trainer.snapshot_path", cfg.trainer.snapshot_path),
+             ("model.init_from", cfg.model.init_from), ("export.path", cfg.export.path)]
+    for key, path in paths:
+        protocol = fsspec.core.split_protocol(path)[0] if path else None
+        if protocol in (None, "file", "local"):
+            continue
+        try:
+            fsspec.get_filesystem_class(protocol)
+        except ImportError as e:
+            package = FILESYSTEM_PACKAGES.get(protocol)
+            raise UserError(f"{key}={path} needs " + (
+                f"{package}, which is not installed here: pip install {package} "
+                "(requirements-dev.txt has it)" if package else
+                f"fsspec's {protocol} filesystem, which cannot be imported here: {e}")) from None
+        except ValueError:  # no fsspec filesystem of that name: the path's own error says it
+            continue
 
 
 def resolved_yaml(cfg: Config) -> str:
@@ -327,7 +396,14 @@ def help_text() -> str:
         "",
         "The configuration is gpt2_train_cfg.yaml (or config=FILE, same schema), then each",
         "key=value on the command line (omegaconf dot-list). Unknown keys, wrong types and",
-        "impossible layouts stop every rank with one line (exit status 2).",
+        "impossible layouts stop every rank with one line, `error on rank R: ...`, exit",
+        "status 2. Under torchrun the ranks' lines are followed by torchrun's own report,",
+        "about 50 lines: a traceback of its frames ending in ChildFailedError, then a summary",
+        "whose \"Root Cause\" shows our line as the failed rank's traceback; torchrun exits 1.",
+        "Ctrl-C: the step in progress ends, its snapshot is written, and one line says the",
+        "step the same command resumes from (exit status 130; torchrun adds its warnings",
+        "and a SignalException traceback, exit 1); a second Ctrl-C stops at once.",
+        "Each, as printed: docs/stopping.md.",
         "",
         "modes (mode=...):",
         *[f"  {name:<9} {meaning}" for name, meaning in MODES.items()],

@@ -11,9 +11,11 @@
     python main.py --help                          # the modes and every key with its default
 
 Every failure a user can fix is a UserError: printed as one line on every
-rank, exit status 2. SIGTERM or SIGUSR1 (a cluster preempting the job) stops
-every rank after the same step, with a snapshot of it: exit status 75
-(launch/preemption.py). Checks that every rank can make on its own (config, data,
+rank, exit status 2 (under torchrun also written into its error file, so that its
+failure summary shows the line: launch/exit.py). SIGTERM or SIGUSR1 (a cluster
+preempting the job) stops every rank after the same step, with a snapshot of it:
+exit status 75; so does a first Ctrl-C, exit status 130, and a second stops at once
+(launch/preemption.py; what each prints: docs/stopping.md). Checks that every rank can make on its own (config, data,
 snapshot) run before the first collective that could leave a rank waiting;
 the ranks then agree that all of them got through before going on.
 """
@@ -41,7 +43,7 @@ from fault_tolerance import lighthouse, replica_group
 from launch import preemption
 from launch.hang_report import hang_dir, nccl_flight_recorder
 from launch.devices import cuda_index, local_rank_from_env, pick_device  # noqa: F401 (tests: main.cuda_index)
-from launch.exit import flush_and_exit
+from launch.exit import flush_and_exit, tell_launcher
 from model import GPT, GPTConfig, shapes_only
 from parallel.comm import collective_failure
 from parallel.parallelize import parallelize
@@ -288,23 +290,28 @@ def main(argv, rank, world_size, local_rank):
         print("---- sample ----\n" + generate_text(model, tokenizer, cfg.sample), flush=True)
 
 
-def run(argv, rank, world_size, local_rank) -> int:
-    """main(), and the exit status for every way it can end."""
+def run(argv, rank, world_size, local_rank, error_file=None) -> int:
+    """main(), and the exit status for every way it can end. error_file: torchrun's
+    TORCHELASTIC_ERROR_FILE for this rank, where the line (a crash's traceback) goes too,
+    so that torchrun's failure summary shows it (launch/exit.py tell_launcher)."""
     try:
         main(argv, rank, world_size, local_rank)
     except UserError as e:
         where = f" on rank {rank}" if world_size > 1 else ""
         sys.stderr.flush()  # one write of the whole line, so ranks' lines never interleave
         os.write(2, f"error{where}: {e}\n".encode())
+        tell_launcher(error_file, f"error{where}: {e}")
         return 2
     except preemption.Preempted as e:  # the snapshot of the last step done is written
         if rank == 0:
             print(str(e), flush=True)
-        return preemption.EXIT_STATUS
+        tell_launcher(error_file, str(e))
+        return e.status  # 75 (a preemption) or 130 (Ctrl-C)
     except KeyboardInterrupt:
-        return 130
-    except BaseException:
+        return preemption.INTERRUPTED
+    except BaseException as e:
         traceback.print_exc()
+        tell_launcher(error_file, f"{type(e).__name__}: {e}", traceback.format_exc())
         return 1
     return 0
 
@@ -317,7 +324,8 @@ def run_and_exit():
         sys.stdout.flush()
         flush_and_exit(0)
     flush_and_exit(run(sys.argv[1:], int(os.environ.get("RANK", 0)),
-                       int(os.environ.get("WORLD_SIZE", 1)), local_rank_from_env()))
+                       int(os.environ.get("WORLD_SIZE", 1)), local_rank_from_env(),
+                       os.environ.get("TORCHELASTIC_ERROR_FILE")))
 
 
 if __name__ == "__main__":

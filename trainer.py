@@ -51,6 +51,7 @@ from errors import UserError
 from fault_tolerance.one_group import OneGroup
 from fault_tolerance.replica_group import QuorumLost
 from launch.hang_report import HangReport
+from launch import preemption
 from launch.preemption import EndOfStep
 from parallel.comm import collective_failure, timed_out
 from parallel.compile import compile_events
@@ -136,7 +137,8 @@ class Trainer:
         # each rank's watchdog: on NCCL no timeout reaches this thread (launch/hang_report.py)
         watch = self.hangs.watch() if self.grid.world_size > 1 else None
         try:
-            return self.steps()
+            with preemption.stepping(self.progress):  # Ctrl-C: after the step; again: at once
+                return self.steps()
         except Exception as e:
             failure = collective_failure(e, self.cfg.parallel.timeout_s)
             if failure is None:
@@ -184,6 +186,17 @@ class Trainer:
                 error = self.batches.read_ahead(self.step, group.next_shares(), group.replicas)
                 self.end_of_step.after_step(self.step, saved, error)
         return self.step
+
+    def progress(self):
+        """(steps done, trainer.max_steps, the step of the snapshot a new run would resume
+        from or 0, whether this is the main rank): a second Ctrl-C's line."""
+        try:
+            from checkpoint.snapshot_reader import open_snapshot
+            snapshot = open_snapshot(self.snapshot_path)
+            committed = snapshot.meta["step"] if snapshot else 0
+        except Exception:  # noqa: BLE001  (a line about stopping: the write's last start)
+            committed = self.saved_at
+        return self.step, self.t.max_steps, committed, self.grid.is_main
 
     def evaluate(self):
         """Mean val loss over fixed windows, in micro-batches of the training size."""

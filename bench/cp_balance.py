@@ -1,7 +1,7 @@
 """`python -m bench.cp_balance`: per-rank causal attention time of context parallelism's
 zigzag split against a contiguous split (bench/README.md).
 
-    python -m bench.cp_balance                  # T=2048, cp 2 and 4 -> docs/bench/cp_balance/
+    python -m bench.cp_balance                  # T=2048, cp 2 and 4 -> runs/bench/cp_balance/
     python -m bench.cp_balance --seq 256 --repeats 2 --out "$(mktemp -d)"   # smoke test, seconds
 
 The sequence is cut into 2 x cp chunks of c = T / (2 cp) tokens. Zigzag (ours): rank r
@@ -203,7 +203,7 @@ def main(argv=None):
     p.add_argument("--heads", type=int, default=4, help="(%(default)s)")
     p.add_argument("--head-dim", type=int, default=32, help="(%(default)s)")
     p.add_argument("--repeats", type=int, default=15, help="(%(default)s)")
-    p.add_argument("--out", default=os.path.join("docs", "bench", "cp_balance"))
+    p.add_argument("--out", default=os.path.join("runs", "bench", "cp_balance"))
     args = p.parse_args(argv)
     sizes = [int(n) for n in args.cp.split(",")]
     if any(args.seq % (2 * n) for n in sizes):

@@ -177,7 +177,7 @@ def main(argv=None):
     p.add_argument("--steps", type=int, default=20)
     p.add_argument("--rounds", type=int, default=5)
     p.add_argument("--set", action="append", default=[], help="extra key=value for the trainings")
-    p.add_argument("--out", default="docs/bench/data")
+    p.add_argument("--out", default="runs/bench/data")
     args, overrides = p.parse_known_args(argv)
     if args.worker_prepare:
         return worker_prepare(overrides)

@@ -219,7 +219,7 @@ def main(argv=None):
     p.add_argument("--warmup", type=int, default=5, help="steps not timed")
     p.add_argument("--rounds", type=int, default=2)
     p.add_argument("--kill-at", type=int, default=10, help="recovery: group 1 killed after this step")
-    p.add_argument("--out", default="docs/bench/fault_tolerance")
+    p.add_argument("--out", default="runs/bench/fault_tolerance")
     args = p.parse_args(argv)
     command, load_before, jobs = report.command_line("-m bench.fault_tolerance", argv), os.getloadavg(), []
     with tempfile.TemporaryDirectory(prefix="bench-ft-") as tmp:

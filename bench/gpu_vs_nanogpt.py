@@ -1,7 +1,7 @@
 """`python -m bench.gpu_vs_nanogpt --nanogpt PATH`: nanoGPT's own bench.py against our
 `single` at the same shape (bench/README.md).
 
-    python -m bench.gpu_vs_nanogpt --nanogpt ../nanoGPT                 # -> docs/bench/gpu-vs-nanogpt/<cuda|cpu>/
+    python -m bench.gpu_vs_nanogpt --nanogpt ../nanoGPT                 # -> runs/bench/gpu-vs-nanogpt/<cuda|cpu>/
     python -m bench.gpu_vs_nanogpt --nanogpt ../nanoGPT --block 64 --batch 1 --rounds 3   # CPU
 
 PATH is a checkout of karpathy/nanoGPT; its bench.py runs there as it is (bench/nanogpt_runner.py),
@@ -61,7 +61,7 @@ def parse_args(argv):
                         "fits as the last one did, a run is killed when the budget ends")
     p.add_argument("--rows", default="", metavar="FILE",
                    help="append each run's figures to FILE as a JSON line as soon as it ends")
-    p.add_argument("--out", default="", help="output directory (default docs/bench/gpu-vs-nanogpt/<cuda|cpu>)")
+    p.add_argument("--out", default="", help="output directory (default runs/bench/gpu-vs-nanogpt/<cuda|cpu>)")
     p.add_argument("--runs-dir", default="", help="keep our jobs' run directories here (default: deleted)")
     args = p.parse_args(argv)
     if why := nano.checkout_error(args.nanogpt):
@@ -230,7 +230,7 @@ def main(argv=None):
     how = "-m bench.gpu_vs_nanogpt" if __package__ else "bench/gpu_vs_nanogpt.py"
     # one folder per device kind, so a GPU's run sits beside the CPU's committed one (and a
     # docs/bench/<name>/results.json one level up would be read as bench.run's by test_bench)
-    out = args.out or os.path.join("docs", "bench", "gpu-vs-nanogpt", s["device"])
+    out = args.out or os.path.join("runs", "bench", "gpu-vs-nanogpt", s["device"])
 
     def left():  # seconds of the budget left (the run's own timeout where there is none)
         return args.timeout if not args.budget_s else max(

@@ -1,6 +1,6 @@
 """`python -m bench.run`: own and reference strategies side by side (bench/README.md).
 
-    python -m bench.run --preset ddp                      # -> docs/bench/ddp-default/
+    python -m bench.run --preset ddp                      # -> runs/bench/ddp-default/
     python -m bench.run --preset fsdp --model thin12 --rounds 6
     python -m bench.run --model tiny --variants single,torch_ddp --steps 8 --rounds 1
 
@@ -46,13 +46,13 @@ def parse_args(argv):
     p.add_argument("--steps", type=int, default=30, help="optimizer steps per job (%(default)s)")
     p.add_argument("--warmup", type=int, default=5, help="steps dropped at the start of each job (%(default)s)")
     p.add_argument("--timeout", type=float, default=900, help="seconds before a job counts as hung (%(default)s)")
-    p.add_argument("--out", default="", help="output directory (default docs/bench/<preset>-<model>)")
+    p.add_argument("--out", default="", help="output directory (default runs/bench/<preset>-<model>; the committed results: --out docs/bench/...)")
     p.add_argument("--runs-dir", default="", help="keep the jobs' run directories here "
                    "(default: a temporary directory, deleted at the end)")
     args = p.parse_args(argv)
     if not 0 <= args.warmup < args.steps:
         p.error(f"--warmup ({args.warmup}) must be smaller than --steps ({args.steps})")
-    args.out = args.out or os.path.join("docs", "bench",
+    args.out = args.out or os.path.join("runs", "bench",
                                         f"{'custom' if args.variants else args.preset}-{args.model}")
     return args
 

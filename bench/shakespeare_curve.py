@@ -58,7 +58,7 @@ def parse_args(argv):
     p.add_argument("--device", default="auto", help="auto (a GPU if there is one) | cpu | cuda")
     p.add_argument("--compile", choices=("auto", "true", "false"), default="auto",
                    help="torch.compile both (auto: on a GPU, as nanoGPT does)")
-    p.add_argument("--out", default="bench/results/shakespeare_curve", help="results folder")
+    p.add_argument("--out", default="runs/bench/shakespeare_curve", help="results folder")
     p.add_argument("--budget-s", type=float, default=0,
                    help="seconds for both runs (0: no limit): ours gets half of it when nanoGPT "
                         "runs too, nanoGPT what is left; a run past its share is stopped and its "

@@ -108,7 +108,7 @@ def main(argv=None):
     p.add_argument("--nproc", default="1,2,4")
     p.add_argument("--strategies", default=",".join(STRATEGIES))
     p.add_argument("--repeats", type=int, default=3)
-    p.add_argument("--out", default="docs/bench/snapshot")
+    p.add_argument("--out", default="runs/bench/snapshot")
     args, overrides = p.parse_known_args(argv)
     if args.worker:
         return worker(overrides, args.dir, args.repeats)

@@ -223,7 +223,7 @@ def main(argv=None):
     p.add_argument("--save-every", type=int, default=6)
     p.add_argument("--warmup", type=int, default=4, help="steps before the window (not a save step)")
     p.add_argument("--rounds", type=int, default=3)
-    p.add_argument("--out", default="docs/bench/snapshot_async")
+    p.add_argument("--out", default="runs/bench/snapshot_async")
     args, overrides = p.parse_known_args(argv)
     if args.worker:
         return worker(overrides)

@@ -122,6 +122,10 @@ def readme(gpt, kind):
             f"{'' if gpt.get('bias', True) else '; trained without biases (model.bias=false): the biases here are zeros'}.\n\n"
             "```python\nfrom transformers import GPT2LMHeadModel\n"
             "model = GPT2LMHeadModel.from_pretrained(\"THIS_DIRECTORY\")\n```\n\n"
+            f"The context is {gpt['block_size']} tokens (`n_positions`): the model has no position "
+            f"past it, so prompt and generated tokens together must stay within {gpt['block_size']} "
+            f"(`model.generate(ids, max_length={gpt['block_size']})`), or feed it only the last "
+            f"{gpt['block_size']} tokens at each step, as minGPT-parallel's `mode=sample` does.\n\n"
             "`activation_function` is `gelu` (exact GELU, as trained), not GPT-2's `gelu_new`.\n"
             "minGPT-parallel fine-tunes from this folder with `model.init_from=THIS_DIRECTORY`.\n\n")
     if kind == "char":

@@ -37,6 +37,13 @@ def check(cfg):
     if f.timeout_s <= 0:
         raise UserError(f"ft.timeout_s must be > 0, got {f.timeout_s}")
     host_port(f.lighthouse)
+    if (cfg.mode == "train" and f.enabled) or cfg.mode == "lighthouse":
+        try:
+            import torchft  # noqa: F401  (an optional package: requirements-dev.txt)
+        except ImportError:
+            asked = "mode=lighthouse" if cfg.mode == "lighthouse" else "ft.enabled=true"
+            raise UserError(f"{asked} needs torchft, which is not installed here: "
+                            "pip install torchft==0.2.0 (requirements-dev.txt has it)") from None
 
 
 def host_port(address):

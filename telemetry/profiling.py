@@ -13,6 +13,7 @@ end-of-step agreement; each step is one range named `train step <n>`.
 same steps (steps 1..K when profile_from is 0), dumped per rank to
 `<run_dir>/profile/memory-rank<R>.pickle` for PyTorch's memory viewer
 (pytorch.org/memory_viz). On another device the main rank says once that it is CUDA only.
+When the window closes the main rank prints one line saying where the files went.
 
 Each rank writes its own files (every node has its own ranks' files when run_dir is
 not shared); nothing here is a collective.
@@ -35,7 +36,8 @@ def memory_snapshot_name(rank):
 
 class StepProfiler:
     def __init__(self, tcfg, grid):
-        self.rank, self.device = grid.rank, grid.device
+        self.rank, self.device, self.is_main = grid.rank, grid.device, grid.is_main
+        self.world_size = grid.world_size
         self.dir = os.path.join(tcfg.run_dir, "profile")
         self.first = tcfg.profile_from
         self.steps = max(1, tcfg.profile_steps)
@@ -50,13 +52,15 @@ class StepProfiler:
         self.recording = False
         self.range = None  # the current step's record_function
         self.in_step = False  # between before_step and after_step
+        self.current = None  # the step running (before_step's)
+        self.stopped_at = None  # the last step in the window (close: the one it ended in)
 
     def before_step(self, step):
         """Called with the number of the step about to run (1 = the first); again for a
         redone try of it (a replica group failed in it), which stays in the first one's."""
         if self.in_step:
             return
-        self.in_step = True
+        self.in_step, self.current = True, step
         if self.prof is not None:
             self.range = torch.profiler.record_function(f"train step {step}")
             self.range.__enter__()
@@ -82,6 +86,7 @@ class StepProfiler:
             self.range.__exit__(None, None, None)
             self.range = None
         if self.recording and (step >= self.first + self.steps - 1 or last):
+            self.stopped_at = step
             self._stop()
 
     def _stop(self):
@@ -96,8 +101,20 @@ class StepProfiler:
         if self.memory:
             torch.cuda.memory._dump_snapshot(os.path.join(self.dir, memory_snapshot_name(self.rank)))
             torch.cuda.memory._record_memory_history(enabled=None)
+        if self.is_main:  # where the files went: each rank writes its own, the same names
+            print(self.written(), flush=True)
+
+    def written(self):
+        """The line that says where the window's files went."""
+        last = self.world_size - 1
+        names = ([trace_name(0)] if self.profile else []) + \
+            ([memory_snapshot_name(0)] if self.memory else [])
+        each = "" if not last else f" (one per rank, rank00000 to rank{last:05d})"
+        what = " and ".join(os.path.join(self.dir, n) for n in names)
+        return f"profile: steps {self.first} to {self.stopped_at} written to {what}{each}"
 
     def close(self):
         """A run that ends (or fails) inside the window still leaves what it recorded."""
         if self.recording:
+            self.stopped_at = self.current
             self._stop()

@@ -8,6 +8,7 @@ damage the reader's opening finds (as every rank's does) are checked in process 
 three of them have gone through the whole job."""
 
 import json
+import re
 import shutil
 
 import pytest
@@ -25,7 +26,8 @@ def assert_clean_failure(result, *needles):
     assert result.returncode != 0, result.stdout
     printed = 0
     for rank in range(8):  # whichever ranks printed before torchrun stopped them
-        lines = [ln for ln in result.stderr.splitlines() if f"error on rank {rank}:" in ln]
+        # (torchrun's summary quotes a line again, indented: `traceback : error on rank 0: ...`)
+        lines = [ln for ln in result.stderr.splitlines() if ln.startswith(f"error on rank {rank}:")]
         assert len(lines) <= 1, f"rank {rank} printed more than one error line:\n{result.stderr}"
         for line in lines:
             printed += 1
@@ -34,6 +36,17 @@ def assert_clean_failure(result, *needles):
     assert printed >= 1, result.stderr
     # no traceback from our code (torchrun's launcher adds its own failure summary)
     assert not our_frames(result.stderr), result.stderr
+
+
+def assert_root_cause_is_our_line(result, *needles):
+    """Under torchrun: its failure summary's root cause carries the failed rank's line as
+    its traceback (main.py writes it into TORCHELASTIC_ERROR_FILE, as torch's @record
+    would), not torchrun's "To enable traceback see: ..."; torchrun itself exits 1."""
+    assert result.returncode == 1, result.stderr[-3000:]
+    cause = re.search(r"^Root Cause \(first observed failure\):\n(?:  .*\n|\[0\]:\n)*?"
+                      r"  traceback : (error on rank \d: .*)$", result.stderr, re.M)
+    assert cause and all(n in cause.group(1) for n in needles), result.stderr[-3000:]
+    assert "To enable traceback" not in result.stderr, result.stderr[-3000:]
 
 
 @pytest.mark.parametrize("name,content,needle,fresh", [
@@ -49,6 +62,8 @@ def test_bad_data(tmp_path, name, content, needle, fresh):
         path.write_bytes(content)
     result = run_job(tmp_path / "job", 2, [f"data.path={path}"], fresh=fresh)
     assert_clean_failure(result, needle, str(path))
+    if fresh:
+        assert_root_cause_is_our_line(result, needle, str(path))
 
 
 @pytest.fixture(scope="module")
@@ -162,6 +177,7 @@ def test_snapshot_of_another_model_shape_is_refused(good_snapshot):
 def test_bad_config_under_torchrun(tmp_path):
     result = run_job(tmp_path / "job", 2, ["trainer.batch_size=7"], timeout=120, fresh=True)
     assert_clean_failure(result, "trainer.batch_size=7")
+    assert_root_cause_is_our_line(result, "trainer.batch_size=7")
 
 
 def test_prompt_outside_vocabulary(tmp_path, good_snapshot):

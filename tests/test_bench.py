@@ -77,6 +77,32 @@ def test_bench_reports_compilation_against_eager(bench_run):
     assert "per block (`single_compiled`) against the whole model" in md
 
 
+def test_bench_commands_write_under_runs_by_default(monkeypatch):
+    """Without --out every command writes into the git-ignored runs/bench/, never into the
+    committed docs/bench/ (publishing results is a step of its own: docs/benchmarks.md)."""
+    import argparse
+    import inspect
+    from bench import gpu_vs_nanogpt, run, shakespeare_curve
+
+    class Parsed(Exception):
+        pass
+
+    real, outs = argparse.ArgumentParser.parse_known_args, {"bench.run": run.parse_args([]).out}
+
+    def capture(self, args=None, namespace=None):  # parse_args's too: it calls this
+        outs[self.prog] = real(self, args, namespace)[0].out
+        raise Parsed
+
+    monkeypatch.setattr(argparse.ArgumentParser, "parse_known_args", capture)
+    for module, argv in ((cp_balance, []), (data, []), (fault_tolerance, []), (snapshot, []),
+                         (snapshot_async, []), (shakespeare_curve, ["--data", "x"])):
+        with pytest.raises(Parsed):
+            module.main(argv)
+    print(outs)
+    assert len(outs) == 7 and all(o.startswith(os.path.join("runs", "bench", "")) for o in outs.values()), outs
+    assert 'os.path.join("runs", "bench", "gpu-vs-nanogpt"' in inspect.getsource(gpu_vs_nanogpt.main)
+
+
 def test_unknown_strategy_is_skipped_with_the_configs_reason():
     why, _ = jobs.check(["parallel.dp=no_such_strategy"], 2)
     assert "no_such_strategy" in why

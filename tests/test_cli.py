@@ -53,12 +53,35 @@ def test_the_command_of_a_finished_run_run_again_says_so_and_changes_nothing(tmp
     assert files_of(run_dir) == before
 
 
+# what requirements-dev.txt adds to requirements.txt (the optional features' packages and
+# the tests'): the README's first command must train without any of them
+NOT_FOR_TRAINING = ["s3fs", "aiohttp", "torchft", "matplotlib", "transformers", "moto", "pytest"]
+BLOCKER = f"""import sys
+
+class Missing:  # a test's stand-in for an environment without {NOT_FOR_TRAINING}
+    def find_spec(self, name, path=None, target=None):
+        if name.split(".")[0] in {NOT_FOR_TRAINING!r}:
+            raise ModuleNotFoundError(f"No module named {{name!r}}", name=name)
+
+sys.meta_path.insert(0, Missing())
+"""
+
+
+def runtime_only(env, directory):
+    """`env` in which the packages requirements.txt does not list cannot be imported (a
+    sitecustomize.py on PYTHONPATH, which every process of the job reads)."""
+    directory.mkdir(exist_ok=True)
+    (directory / "sitecustomize.py").write_text(BLOCKER)
+    return dict(env, PYTHONPATH=str(directory))
+
+
 @pytest.fixture(scope="module")
 def default_run(tmp_path_factory):
     """The README's first command, shortened: 2 ranks, the default config, wandb offline,
-    in an environment without WANDB_SILENT (what a user has)."""
+    in an environment without WANDB_SILENT (what a user has) and with requirements.txt's
+    packages only (requirements-dev.txt's others unimportable)."""
     workdir = tmp_path_factory.mktemp("default")
-    env = job_env()
+    env = runtime_only(job_env(), tmp_path_factory.mktemp("runtime-only"))
     env.pop("WANDB_SILENT", None)
     result = run_tree(command(2, ["trainer.max_steps=2", "trainer.eval_every=2", "sample.length=20"]),
                       240, "the default run", cwd=workdir, env=env)
@@ -80,6 +103,45 @@ def test_default_run_console_shows_the_programs_lines_not_wandbs(default_run):
     program = [ln for ln in result.stdout.splitlines()
                if ln.startswith(("ProcessGrid(", "step ", "wandb: ", "---- sample ----"))]
     assert len(program) == 4, result.stdout
+
+
+def test_the_default_run_trains_with_requirements_txt_only(default_run):
+    """The run above had none of requirements-dev.txt's own packages (importing one raised):
+    it trained, sampled, and imported none of them."""
+    workdir, result = default_run
+    assert "---- sample ----" in result.stdout and "No module named" not in result.stderr
+
+
+@pytest.mark.parametrize("asked,package", [
+    (["trainer.snapshot_path=s3://bucket/run1"], "s3fs"),
+    (["data.path=https://example.com/corpus.txt"], "aiohttp"),
+    (["ft.enabled=true"], "torchft==0.2.0"),
+    (["mode=lighthouse"], "torchft==0.2.0"),
+])
+def test_a_feature_whose_package_is_missing_is_one_line_naming_it(tmp_path, asked, package):
+    """With requirements.txt only, a run that asks for an optional feature stops with one
+    line naming the package to install (not an ImportError's traceback, at whatever point
+    the package is first imported), exit status 2."""
+    result = run_tree(command(1, asked), 120, f"{asked}", cwd=tmp_path,
+                      env=runtime_only(job_env(), tmp_path / "runtime-only"))
+    lines = result.stderr.splitlines()
+    print(lines)
+    assert result.returncode == 2 and len(lines) == 1, result.stderr[-3000:]
+    assert lines[0].startswith(f"error: {asked[0]} needs ") and \
+        lines[0].endswith(f"pip install {package} (requirements-dev.txt has it)"), lines
+
+
+def test_requirements_txt_holds_what_training_needs_and_dev_the_rest():
+    """requirements.txt (the README's first command) lists no test or optional package;
+    requirements-dev.txt (the second, .ci/run's) includes it and adds each of them."""
+    def names(path):
+        with open(os.path.join(REPO, path)) as f:
+            lines = [ln.split("#")[0].strip() for ln in f]
+        return [re.split(r"[\[=<>~ ]", ln)[0] for ln in lines if ln]
+    runtime, dev = names("requirements.txt"), names("requirements-dev.txt")
+    assert "torch" in runtime and not set(runtime) & set(NOT_FOR_TRAINING), runtime
+    assert dev[0] == "-r" or dev[0].startswith("-r"), dev
+    assert set(NOT_FOR_TRAINING) <= set(dev), dev
 
 
 def test_missing_tokens_of_the_gpt2_preset_hint_the_prepare_command_with_its_config(tmp_path,

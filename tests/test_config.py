@@ -45,6 +45,17 @@ def test_precision_auto_plans_for_the_planned_gpu():
     (["trainer.bogus=1"], 1, "bogus"),
     (["trainer.max_steps=many"], 1, "max_steps"),
     (["trainer.max_steps"], 1, "not key=value"),
+    # nanoGPT's and argparse's spellings: the key they mean (issue 54)
+    (["--max_steps=10"], 1, r"^unknown key '--max_steps': did you mean trainer.max_steps=10\?$"),
+    (["--max-steps=10"], 1, r"did you mean trainer.max_steps=10\?$"),
+    (["--seed=3"], 1, r"did you mean trainer.seed=3 or sample.seed=3\?$"),
+    (["--max_steps"], 1, r"not key=value \(did you mean trainer.max_steps=VALUE\?\)"),
+    (["parallel.pp_layers=3"], 1, r"^parallel.pp_layers=3: parallel.pp_layers is a list\[int\], "
+                                  r"written in brackets: parallel.pp_layers=\[2,2\]"),
+    (["model.n_layer=-1"], 1, "^model.n_layer must be >= 1, got -1$"),
+    (["model.n_head=0"], 1, "^model.n_head must be >= 1, got 0$"),
+    (["data.tokens_path=tok", "data.val_fraction=0.2"], 1,
+     "^data.val_fraction=0.2 is not read with data.tokens_path: .* prepare them again"),
     (["parallel.dp=warp_drive"], 1, "warp_drive"),
     (["parallel.dp=single"], 2, "no data-parallel dimension"),
     (["parallel.dp=single", "parallel.tp=2"], 4, "no data-parallel dimension"),

@@ -137,10 +137,12 @@ def test_pages_keep_their_size():
 
 
 def test_ci_runs_the_readme_test_command_and_the_readme_opens_with_both_commands():
+    """The first installs what training needs (requirements.txt), the second what the tests
+    need besides (requirements-dev.txt, which includes the first)."""
     readme = read("README.md")
     first = FENCE.search(readme).group(0).splitlines()[1:-1]
     assert first == ["pip install -r requirements.txt && torchrun --standalone --nproc_per_node=2 main.py",
-                     "pip install -r requirements.txt && python -m pytest -q"]
+                     "pip install -r requirements-dev.txt && python -m pytest -q"]
     ci = [ln for ln in read(".ci/run").splitlines() if ln and not ln.startswith(("#", "set ", "cd "))]
     assert ci == [first[1]]
 

@@ -24,7 +24,7 @@ from model import GPT, GPTConfig
 from checkpoint.snapshot_reader import open_snapshot
 from checkpoint.snapshot_writer import save_sharded
 
-transformers = pytest.importorskip("transformers")  # a test-time dependency (requirements.txt)
+transformers = pytest.importorskip("transformers")  # a test-time dependency (requirements-dev.txt)
 
 
 def our_model(snapshot_dir):
@@ -85,6 +85,16 @@ def test_export_of_a_sharded_snapshot_gives_our_logits_in_transformers(tmp_path)
     config = json.loads((tmp_path / "hf" / "config.json").read_text())
     assert config["activation_function"] == "gelu" and config["tie_word_embeddings"]
     assert "decode" in (tmp_path / "hf" / "README.md").read_text().lower()
+
+
+def test_exported_readme_says_generation_stays_within_the_context():
+    """The folder's README gives the context (block_size) a generation must stay within:
+    past it the model has no position (transformers' generate runs off the table)."""
+    from checkpoint.export import readme
+    for kind in ("char", "gpt2"):
+        text = readme(dict(n_layer=2, n_head=2, n_embd=16, vocab_size=11, block_size=8), kind)
+        assert "The context is 8 tokens" in text and "must stay within 8" in text, text
+        assert "max_length=8" in text, text
 
 
 def test_export_without_biases_writes_zero_biases(one_rank_grid, tmp_path):

@@ -530,6 +530,10 @@ def test_two_ranks_profile_steps_2_and_3_into_one_trace_each(tmp_path):
                                    "trainer.memory_snapshot=true"])
     assert result.returncode == 0, result.stderr[-3000:]
     assert result.stdout.count("trainer.memory_snapshot is CUDA only") == 1, result.stdout
+    # where the traces went: one line, from rank 0, when the window closes
+    assert result.stdout.count("profile: ") == 1 and (
+        "profile: steps 2 to 3 written to runs/default/profile/trace-rank00000.json (one per "
+        "rank, rank00000 to rank00001)\n") in result.stdout, result.stdout
     profile = tmp_path / "runs" / "default" / "profile"
     assert sorted(os.listdir(profile)) == ["trace-rank00000.json", "trace-rank00001.json"]
     for rank in (0, 1):

@@ -1,5 +1,7 @@
 """In-process checks of the model and the data pipeline (no processes spawned)."""
 
+import json
+
 import pytest
 import torch
 
@@ -103,15 +105,89 @@ def test_short_corpus_error():
         split_tokens("abcabc", tok, DataConfig(block_size=8), "short.txt")
 
 
-def test_gpt2_tokenizer_offline_error(tmp_path, monkeypatch):
-    monkeypatch.setenv("TIKTOKEN_CACHE_DIR", str(tmp_path))  # empty: nothing cached
-
-    def offline(url):  # what read_file_cached meets without a network, online or not
+def offline(monkeypatch):
+    """tiktoken without a network: a download raises, as it does offline."""
+    def no_network(url):
         raise ConnectionError(f"cannot reach {url}")
     import tiktoken.load
-    monkeypatch.setattr(tiktoken.load, "read_file", offline)
-    with pytest.raises(UserError, match="TIKTOKEN_CACHE_DIR"):
+    monkeypatch.setattr(tiktoken.load, "read_file", no_network)
+
+
+def test_gpt2_tokenizer_offline_error(tmp_path, monkeypatch):
+    """The one line says where GPT-2's two files come from and what to name them."""
+    monkeypatch.setenv("TIKTOKEN_CACHE_DIR", str(tmp_path))  # empty: nothing cached
+    monkeypatch.setenv("HF_HOME", str(tmp_path / "hf"))  # no Hugging Face cache either
+    offline(monkeypatch)
+    with pytest.raises(UserError) as e:
         build_tokenizer("gpt2", "text")
+    message = str(e.value)
+    print(message)
+    assert "\n" not in message and "TIKTOKEN_CACHE_DIR" in message and "vocab.json" in message
+    for url, sha, cached in [
+        ("https://openaipublic.blob.core.windows.net/gpt-2/encodings/main/vocab.bpe",
+         "1ce1664773c50f3e", "6d1cbeee0f20b3d9449abfede4726ed8212e3aee"),
+        ("https://openaipublic.blob.core.windows.net/gpt-2/encodings/main/encoder.json",
+         "196139668be63f3b", "6c7ea1a7e38e3a7f062df639a5b80947f075ffe6")]:
+        assert f"({url}, sha256 {sha}...) into TIKTOKEN_CACHE_DIR as {cached}" in message
+
+
+def hugging_face_pair(directory):
+    """The tiny BPE as Hugging Face keeps GPT-2's: vocab.json (here compact, UTF-8) and
+    merges.txt (here without the last line break)."""
+    from data.tokenizer import data_gym_files
+    from harness import TINY_BPE_WORDS
+    files = data_gym_files(TINY_BPE_WORDS)
+    directory.mkdir(parents=True)
+    (directory / "vocab.json").write_text(json.dumps(json.loads(files["encoder.json"]),
+                                                     ensure_ascii=False, separators=(",", ":")))
+    (directory / "merges.txt").write_bytes(files["vocab.bpe"].rstrip(b"\n"))
+    return directory
+
+
+@pytest.mark.parametrize("where", ["TIKTOKEN_CACHE_DIR", "Hugging Face's hub cache"])
+def test_gpt2_tokenizer_takes_hugging_faces_vocab_json_and_merges_txt(tmp_path, monkeypatch, where):
+    """Hugging Face's pair, in TIKTOKEN_CACHE_DIR or in its own hub cache (HF_HOME), is
+    converted into tiktoken's cache: the same tokenizer as tiktoken's pair of the same
+    BPE, its digest too (so tokens and snapshots of either agree), and no download."""
+    monkeypatch.setenv("TIKTOKEN_CACHE_DIR", tiny_gpt2_cache(tmp_path / "tiktoken"))
+    reference = build_tokenizer("gpt2")
+    cache = tmp_path / "cache"
+    monkeypatch.setenv("HF_HOME", str(tmp_path / "hf"))
+    if where == "TIKTOKEN_CACHE_DIR":
+        hugging_face_pair(cache)
+    else:
+        hugging_face_pair(tmp_path / "hf" / "hub" / "models--gpt2" / "snapshots" / "0123abc")
+    monkeypatch.setenv("TIKTOKEN_CACHE_DIR", str(cache))
+    offline(monkeypatch)
+    tok = build_tokenizer("gpt2")
+    text = "KING: the river<|endoftext|> caf\u00e9 \U0001F600   the old crown"
+    assert tok.state() == reference.state() and tok.vocab_size == reference.vocab_size
+    assert tok.encode(text) == reference.encode(text) and tok.decode(tok.encode(text)) == text
+    from data.tokenizer import GPT2_FILES, cache_name
+    assert all((cache / cache_name(n)).is_file() for n in GPT2_FILES)  # tiktoken's names now
+
+
+def test_prepared_gpt2_tokens_train_without_the_bpe_files(tmp_path, monkeypatch):
+    """Training from data.tokens_path reads token ids: with sample.length=0 nothing is
+    encoded or decoded, so the BPE files are not needed (main.read_inputs, every rank's
+    set-up, with none here and no network); a prompt to encode needs them."""
+    import main
+    from config import load_config
+    from data.prepare import prepare
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("TIKTOKEN_CACHE_DIR", tiny_gpt2_cache(tmp_path / "tiktoken"))
+    (tmp_path / "a.txt").write_text(embedded_corpus(20_000))
+    prepare(load_config(["mode=prepare", "data.path=a.txt", "data.tokens_path=tok",
+                         "data.tokenizer=gpt2", "prepare.workers=1"], 1))
+    monkeypatch.setenv("TIKTOKEN_CACHE_DIR", str(tmp_path / "empty"))
+    monkeypatch.setenv("HF_HOME", str(tmp_path / "hf"))
+    offline(monkeypatch)
+    run = ["data.tokens_path=tok", "data.tokenizer=gpt2", "data.block_size=16", "wandb.mode=disabled"]
+    _, tokenizer, train_set, _, gpt, _ = main.read_inputs(load_config(run + ["sample.length=0"], 1), True)
+    x, y = train_set.batch(torch.arange(4))
+    assert gpt.vocab_size == tokenizer.vocab_size and x.shape == (4, 16) and x.max() < gpt.vocab_size
+    with pytest.raises(UserError, match="GPT-2's BPE files are not here"):
+        main.read_inputs(load_config(run + ["sample.length=10"], 1), True)
 
 
 def test_gpt2_tokenizer_loads_tiktoken_cache_files(tmp_path, monkeypatch):

@@ -20,6 +20,7 @@ import pytest
 
 from harness import (TINY, command, job_env, kill_tree, python, read_metrics, run_job, run_metrics,
                      workers_of)
+from launch.process_tree import alive
 from checkpoint.snapshot_reader import open_snapshot
 from test_elastic import rank_of
 
@@ -87,6 +88,10 @@ CASES = {
     # torchrun 2.13, signalled itself: forwards, waits for its workers, then raises
     # SignalException: exit 1. When only a worker exits 75, it reports a failed child: 1.
     "fsdp-SIGTERM-to-torchrun": (2, ["parallel.dp=fsdp"], [], to_launcher(signal.SIGTERM), 1),
+    # Ctrl-C: the terminal's SIGINT reaches torchrun alone (its workers run in sessions of
+    # their own), which forwards it; the same stop, the user's: exit 130, no `preempted` file
+    "ddp_bucket-Ctrl-C-to-torchrun": (2, ["parallel.dp=ddp_bucket"], [],
+                                      to_launcher(signal.SIGINT), 1),
     # SIGUSR1 forwarded by torchrun (--signals-to-handle=...,SIGUSR1): the Slurm test below,
     # whose batch script starts torchrun that way; the stop and resume are the same code
     "ddp_bucket-SIGTERM-to-rank1-only": (2, ["parallel.dp=ddp_bucket"], [],
@@ -106,10 +111,16 @@ def test_signal_snapshots_the_step_reached_and_resumes_exactly(tmp_path, case):
     print(f"{case}: signalled after step {at_step}; exit {code} {seconds:.1f} s later")
 
     assert code == launcher_status, output[-4000:]
-    stopped = re.findall(r"^preempted: SIG\w+ received, stopped after step (\d+) of 30 .*"
-                         r"\(exit status 75\)$", output, re.M)
+    line = (r"^interrupted: Ctrl-C \(SIGINT\) received, stopped after step (\d+) of 30 and wrote "
+            r"its snapshot to \S+; the same command resumes from step \1 \(exit status 130\)$"
+            if "Ctrl-C" in case else
+            r"^preempted: SIG\w+ received, stopped after step (\d+) of 30 .*\(exit status 75\)$")
+    stopped = re.findall(line, output, re.M)
     assert len(stopped) == 1, output[-4000:]  # the main rank says it, once
     step = int(stopped[0])
+    # a job script requeues on `preempted`: never after its user's Ctrl-C
+    marker = os.path.exists(os.path.join(workdir, "runs", "default", "preempted"))
+    assert marker == ("Ctrl-C" not in case), os.listdir(os.path.join(workdir, "runs", "default"))
     metrics = read_metrics(os.path.join(workdir, "runs", "default"))
     assert at_step <= step < 30 and [r["step"] for r in metrics] == list(range(1, step + 1))
     snap = os.path.join(workdir, "runs", "default", "snapshot")
@@ -117,6 +128,9 @@ def test_signal_snapshots_the_step_reached_and_resumes_exactly(tmp_path, case):
     assert "forcefully exiting" not in output  # torchrun never had to SIGKILL a worker
     if case.endswith("rank1-only"):  # rank 1 exited 75, as the failure summary shows
         assert re.search(r"exitcode\s*:\s*75", output), output[-4000:]
+        # with our line as its traceback (TORCHELASTIC_ERROR_FILE), not torchrun's pointer
+        assert re.search(r"traceback : preempted: SIGTERM received, stopped after step", output) \
+            and "To enable traceback" not in output, output[-4000:]
 
     resumed = run_job(workdir, nproc, args)
     assert resumed.returncode == 0, resumed.stderr[-3000:]
@@ -126,6 +140,74 @@ def test_signal_snapshots_the_step_reached_and_resumes_exactly(tmp_path, case):
     assert [r["step"] for r in got] == [r["step"] for r in ref]
     for a, b in zip(ref, got):
         assert abs(a["loss"] - b["loss"]) <= 1e-6 * a["loss"], (a, b)
+
+
+SLOW = ["model.n_layer=4", "model.n_head=4", "model.n_embd=256", "data.block_size=256",
+        "trainer.batch_size=8", "trainer.max_steps=30", "trainer.save_every=2"]  # ~1-3 s a step
+
+
+def twice(sig, gap=0.3):
+    def send(pid):
+        os.kill(pid, sig)
+        time.sleep(gap)
+        os.kill(pid, sig)
+        return True
+    return send
+
+
+def test_a_second_ctrl_c_under_torchrun_stops_every_rank_at_once(tmp_path):
+    """Ctrl-C twice, 0.3 s apart, early in step 3 of slow steps: torchrun turns the second
+    into SIGTERM to its workers (its shutdown starts again), which after a Ctrl-C means
+    now: every rank leaves within seconds, step 3 unsaved, and the main rank's line says
+    the next run resumes from step 2, the snapshot it finds."""
+    workdir = str(tmp_path / "job")
+    code, output, seconds = run_and_signal(workdir, 2, SLOW, [], 2, twice(signal.SIGINT))
+    print(f"exit {code} {seconds:.1f} s after the first Ctrl-C")
+    assert code == 1, output[-4000:]  # torchrun's SignalException
+    assert re.findall(r"^interrupted again: .*$", output, re.M) == [
+        "interrupted again: stopped at once in step 3 of 30, which is lost; the same command "
+        "resumes from step 2, the last snapshot (exit status 130)"], output[-4000:]
+    assert "stopped after step" not in output and "forcefully exiting" not in output
+    assert seconds < 20, output[-4000:]
+    run_dir = os.path.join(workdir, "runs", "default")
+    assert open_snapshot(os.path.join(run_dir, "snapshot")).meta["step"] == 2
+    assert [r["step"] for r in read_metrics(run_dir)] == [1, 2]
+
+
+def test_ranks_whose_torchrun_is_killed_stop_after_the_step(tmp_path):
+    """torchrun SIGKILLed (a third Ctrl-C exits it without a word to its workers, as does
+    kill -9): each worker gets SIGINT from the kernel (PR_SET_PDEATHSIG), ends the step,
+    writes its snapshot and leaves; none trains on unwatched. Real interpreters: a forked
+    rank's parent is the fork server, which lives on."""
+    workdir = str(tmp_path / "job")
+    os.makedirs(workdir)
+    proc = subprocess.Popen(command(2, TINY + ["trainer.max_steps=100000", "parallel.dp=ddp_bucket"]),
+                            cwd=workdir, env=job_env(forked=False), stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    workers = []
+    try:
+        deadline = time.time() + 240
+        while logged_steps(workdir) < 5 and proc.poll() is None and time.time() < deadline:
+            time.sleep(0.01)
+        workers = workers_of(proc.pid)
+        assert len(workers) == 2, (workers, proc.poll())
+        os.kill(proc.pid, signal.SIGKILL)
+        killed = time.time()
+        while any(alive(w) for w in workers) and time.time() < killed + 60:
+            time.sleep(0.05)
+        gone, running = time.time() - killed, [w for w in workers if alive(w)]
+    finally:
+        for pid in workers:
+            if alive(pid):
+                kill_tree(pid)
+        output = proc.communicate()[0]
+    print(f"the workers left {gone:.1f} s after torchrun's SIGKILL")
+    assert not running, f"workers {running} still train 60 s after torchrun's SIGKILL"
+    run_dir = os.path.join(workdir, "runs", "default")
+    steps = [r["step"] for r in read_metrics(run_dir)]
+    assert open_snapshot(os.path.join(run_dir, "snapshot")).meta["step"] == steps[-1] >= 5, steps
+    assert re.search(rf"^interrupted: its launcher \(torchrun\) is gone, stopped after step "
+                     rf"{steps[-1]} of 100000 ", output, re.M), output[-3000:]
 
 
 # srun on one node, with srun's signal handling (srun(1), src/srun/libsrun/srun_job.c):
