@@ -1,6 +1,7 @@
 """The `ft:` section: fault-tolerant replica groups, and the values its keys may take (what
 ft.enabled cannot run with is in parallel/rules.py, FT)."""
 
+import importlib.util
 from dataclasses import dataclass
 
 from errors import UserError
@@ -38,12 +39,19 @@ def check(cfg):
         raise UserError(f"ft.timeout_s must be > 0, got {f.timeout_s}")
     host_port(f.lighthouse)
     if (cfg.mode == "train" and f.enabled) or cfg.mode == "lighthouse":
-        try:
-            import torchft  # noqa: F401  (an optional package: requirements-dev.txt)
-        except ImportError:
+        # found, not imported: importing torchft starts its Rust logger, which reads RUST_LOG
+        # once (replica_group.py sets it to warn before the import)
+        if not _installed("torchft"):  # an optional package: requirements-dev.txt
             asked = "mode=lighthouse" if cfg.mode == "lighthouse" else "ft.enabled=true"
             raise UserError(f"{asked} needs torchft, which is not installed here: "
-                            "pip install torchft==0.2.0 (requirements-dev.txt has it)") from None
+                            "pip install torchft==0.2.0 (requirements-dev.txt has it)")
+
+
+def _installed(package):
+    try:
+        return importlib.util.find_spec(package) is not None
+    except ImportError:  # a finder that refuses it
+        return False
 
 
 def host_port(address):
