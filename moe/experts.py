@@ -35,6 +35,13 @@ class Experts(nn.Module):
         if not getattr(per_expert_mm, "_torchdynamo_disable", False):
             per_expert_mm = torch.compiler.disable(per_expert_mm)
 
+    def before_training(self, device, dtype):
+        """Called by parallel/parallelize.py once the run's device and compute dtype are
+        known: the grouped product is probed now, before any step, so that no step's
+        checkpoint or dispatch mode can see the probe (_outside_the_step stays the guard
+        for a module used without parallelize)."""
+        grouped_probe(device, dtype)
+
     @staticmethod
     def init_rule(kind, n_layer):
         """GPT-2's init, as for the dense MLP: weights N(0, 0.02), the output projection's

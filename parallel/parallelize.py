@@ -36,6 +36,8 @@ are chosen per dimension (`parallel.tp_impl`, `parallel.pp_impl`) and replace ou
 own for it.
 """
 
+import torch
+
 from parallel.checkpointing import checkpoint_blocks
 from parallel.comm import CommCounter
 from parallel.compile import compile_model
@@ -102,3 +104,6 @@ def prepare_compute(model, tp, precision, t):
         checkpoint_blocks(model, tp.random if tp is not None else None,
                           t.activation_checkpointing_mode, t.activation_checkpointing_every)
     precision.configure(t.precision, t.fp16_init_scale, t.fp16_growth_interval)  # 6.
+    for module in model.modules():  # one-time probes, here and not inside a step (moe/experts.py)
+        if hasattr(module, "before_training"):
+            module.before_training(precision.device, precision.dtype or torch.float32)
