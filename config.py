@@ -46,6 +46,7 @@ MODES = {
     "prepare": "tokenize data.path into token shards at data.tokens_path (prepare:)",
     "plan": "predict memory, traffic and step time of every layout on the cluster of plan:",
     "dryrun": "one step of a few ranks of the layout on plan.nodes x plan.gpus_per_node, in this process",
+    "plot": "draw the run directory's metrics as PNGs and one HTML page in trainer.run_dir/plots",
     "lighthouse": "run the fault-tolerant replica groups' lighthouse at ft.lighthouse (ft:)",
 }
 
@@ -74,7 +75,7 @@ class ExportConfig:
 @dataclass
 class Config:
     config: str = ""        # the YAML file read instead of gpt2_train_cfg.yaml (command line only)
-    mode: str = "train"     # train | sample | export | prepare | plan | dryrun | lighthouse (see the modes above)
+    mode: str = "train"     # train | sample | export | prepare | plan | dryrun | plot | lighthouse (see the modes above)
     model: ModelConfig = field(default_factory=ModelConfig)  # the GPT's shape (model.py)
     data: DataConfig = field(default_factory=DataConfig)  # text, tokens, tokenizer (char_dataset.py)
     trainer: TrainerConfig = field(default_factory=TrainerConfig)  # the training loop (trainer.py)
@@ -263,7 +264,7 @@ def validate(cfg: Config, world_size: int):
     check_keys(p)  # parallel/rules.py KEYS
     ft_config.check(cfg)  # fault_tolerance/config.py
     check_filesystems(cfg)
-    if cfg.mode in ("sample", "export", "prepare", "plan", "dryrun", "lighthouse"):  # no layout
+    if cfg.mode in ("sample", "export", "prepare", "plan", "dryrun", "plot", "lighthouse"):  # no layout
         return  # of this job to check (dryrun checks its world: planner/dryrun.py)
     cfg.sizes = check_layout(cfg, world_size)  # parallel/layout.py: the grid, every rule
 
