@@ -28,6 +28,7 @@ from errors import UserError
 from fault_tolerance import config as ft_config
 from fault_tolerance.config import FTConfig
 from launch.devices import precision_for
+from telemetry import tensorboard
 from model import ModelConfig
 from parallel.config import ParallelConfig
 from parallel.layout import check_keys, check_layout
@@ -59,6 +60,11 @@ class WandbConfig:
 
 
 @dataclass
+class MetricsConfig:
+    tensorboard: bool = False  # also write metrics.jsonl's scalars as TensorBoard event files in run_dir/tensorboard (needs tensorboard)
+
+
+@dataclass
 class SampleConfig:
     prompt: str = "\n"      # text the sample starts from
     length: int = 300       # tokens to generate; 0 = no sample after training
@@ -81,6 +87,7 @@ class Config:
     trainer: TrainerConfig = field(default_factory=TrainerConfig)  # the training loop (trainer.py)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)  # the layout (parallel/config.py)
     wandb: WandbConfig = field(default_factory=WandbConfig)  # curves in wandb
+    metrics: MetricsConfig = field(default_factory=MetricsConfig)  # curves in TensorBoard (telemetry/tensorboard.py)
     sample: SampleConfig = field(default_factory=SampleConfig)  # mode=sample and the sample after training
     export: ExportConfig = field(default_factory=ExportConfig)  # mode=export
     prepare: PrepareConfig = field(default_factory=PrepareConfig)  # mode=prepare (data/prepare.py)
@@ -263,6 +270,7 @@ def validate(cfg: Config, world_size: int):
             raise UserError(message)
     check_keys(p)  # parallel/rules.py KEYS
     ft_config.check(cfg)  # fault_tolerance/config.py
+    tensorboard.check(cfg)  # the optional package, before anything starts
     check_filesystems(cfg)
     if cfg.mode in ("sample", "export", "prepare", "plan", "dryrun", "plot", "lighthouse"):  # no layout
         return  # of this job to check (dryrun checks its world: planner/dryrun.py)
