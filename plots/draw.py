@@ -57,7 +57,9 @@ def figures(run_dir):
             fig = stragglers(plt, records, fig)
         out.append((file, title, fig))
     timeline = series.timeline(run_dir)
-    if timeline is not None:  # bench's chart: a panel per run, one run here
+    # an earlier pipeline run's file in a run directory a run without pp started over in
+    if timeline is not None and any("pp_bubble" in r for r in records):
+        # bench's chart: a panel per run, one run here
         fig = bench_charts.pipeline_timeline(plt, {"last step": {"pipeline": {"timeline": timeline}}})
         out.append(("pipeline_timeline.png", "pipeline timeline of the last step", fig))
     return out
@@ -70,6 +72,9 @@ def write_plots(run_dir):
     where = os.path.join(run_dir, "plots")
     drawn = figures(run_dir)
     os.makedirs(where, exist_ok=True)
+    ours = {file for file, *_ in series.CHARTS} | {"pipeline_timeline.png"}
+    for stale in ours & set(os.listdir(where)) - {file for file, _, _ in drawn}:
+        os.remove(os.path.join(where, stale))  # a chart an earlier run in this directory had
     for file, _, fig in drawn:
         fig.tight_layout()
         fig.savefig(os.path.join(where, file), dpi=80)

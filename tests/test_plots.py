@@ -5,6 +5,7 @@ dropped two steps and the resumed run wrote them again), then drawn."""
 
 import json
 import os
+import shutil
 
 import numpy as np
 import pytest
@@ -78,12 +79,18 @@ def test_mode_plot_draws_each_chart_the_run_has_with_its_records(resumed_run):
     assert sorted(p.split('"')[0] for p in page.split('<img src="')[1:]) == pictures
 
 
-def test_a_dense_run_of_one_rank_has_no_collective_pipeline_expert_or_straggler_chart(tmp_path):
-    result = run_job(tmp_path, 1, ["trainer.max_steps=2"])
+def test_a_dense_run_of_one_rank_has_no_collective_pipeline_expert_or_straggler_chart(
+        tmp_path, resumed_run):
+    """Drawn where an earlier pipeline run left its timeline and pictures: neither shows."""
+    from plots.draw import write_plots
+    run_dir = tmp_path / "runs" / "default"
+    shutil.copytree(resumed_run[0], run_dir, ignore=shutil.ignore_patterns("metrics.jsonl"))
+    result = run_job(tmp_path, 1, ["trainer.max_steps=2", "trainer.snapshot_path=fresh"])
     assert result.returncode == 0, result.stderr[-3000:]
-    drawn = plotted(tmp_path / "runs" / "default")
-    assert sorted(drawn) == ["grad_norm.png", "loss.png", "lr.png", "tokens_per_s.png"], \
-        sorted(drawn)
+    _, pictures = write_plots(str(run_dir))
+    left = sorted(f for f in os.listdir(run_dir / "plots") if f.endswith(".png"))
+    assert sorted(pictures) == left == [
+        "grad_norm.png", "loss.png", "lr.png", "tokens_per_s.png"], pictures
 
 
 def test_mode_plot_of_a_run_directory_without_records_is_one_line(tmp_path):
