@@ -36,7 +36,7 @@ def line_chart(plt, title, ylabel, lines):
     return fig
 
 
-def stragglers(plt, records, fig):
+def stragglers(records, fig):
     """busy_spread's points labelled by the rank the others waited for (straggler_rank)."""
     ax = fig.axes[0]
     for r in records:
@@ -46,19 +46,33 @@ def stragglers(plt, records, fig):
     return fig
 
 
+def schedule_bubble(fig, timeline):
+    """The schedule's own bubble (F = B = W: planner/step_time.bubble) as a dashed line on
+    the measured one: the gap is what message latency and uneven stages add."""
+    from planner.step_time import bubble
+    P, M, V = len(timeline["stages"]), timeline["microbatches"], timeline["virtual_stages"]
+    fig.axes[0].axhline(bubble(timeline["schedule"], P, M, V), color="grey", linestyle="--",
+                        label=f"{timeline['schedule']} at unit time (P={P}, M={M}, V={V})")
+    fig.axes[0].legend(fontsize=7, loc="best")
+    return fig
+
+
 def figures(run_dir):
     """[(file name, caption, figure)] of the run's charts (matplotlib's figures, open)."""
     plt = pyplot()
     records = series.read_records(run_dir)
+    timeline = series.timeline(run_dir)
+    # an earlier pipeline run's file in a run directory a run without pp started over in
+    timeline = timeline if any("pp_bubble" in r for r in records) else None
     out = []
     for file, title, ylabel, lines in series.series(records):
         fig = line_chart(plt, title, ylabel, lines)
         if file == "stragglers.png":
-            fig = stragglers(plt, records, fig)
+            fig = stragglers(records, fig)
+        if file == "pp_bubble.png" and timeline is not None:
+            fig = schedule_bubble(fig, timeline)
         out.append((file, title, fig))
-    timeline = series.timeline(run_dir)
-    # an earlier pipeline run's file in a run directory a run without pp started over in
-    if timeline is not None and any("pp_bubble" in r for r in records):
+    if timeline is not None:
         # bench's chart: a panel per run, one run here
         fig = bench_charts.pipeline_timeline(plt, {"last step": {"pipeline": {"timeline": timeline}}})
         out.append(("pipeline_timeline.png", "pipeline timeline of the last step", fig))

@@ -64,6 +64,9 @@ def test_mode_plot_draws_each_chart_the_run_has_with_its_records(resumed_run):
                                        and k.endswith("_bytes") and k != "comm_bytes"),
               "expert_load.png": ["moe_load_h0", "moe_load_h1", "moe_load_max"],
               "stragglers.png": ["busy_spread"]}
+    from parallel.pipeline_parallel.simulator import unit_time
+    schedule = drawn["pp_bubble.png"].pop("1f1b at unit time (P=2, M=2, V=1)")
+    assert schedule[1] == [unit_time("1f1b", 2, 2, 1)[1]] * 2 == pytest.approx([1 / 3] * 2)
     for file, names in fields.items():
         assert sorted(k for k in drawn[file] if k != "boxes") == sorted(names), file
         for name in names:
