@@ -94,6 +94,12 @@ def test_a_dense_run_of_one_rank_has_no_collective_pipeline_expert_or_straggler_
     left = sorted(f for f in os.listdir(run_dir / "plots") if f.endswith(".png"))
     assert sorted(pictures) == left == [
         "grad_norm.png", "loss.png", "lr.png", "tokens_per_s.png"], pictures
+    # on a GPU of the peak table the records carry mfu (never on CPU): its chart then shows it
+    records = [dict(r, mfu=r["tokens_per_s"] / 1e6) for r in read_metrics(run_dir)]
+    with open(run_dir / "metrics.jsonl", "w") as f:
+        f.writelines(json.dumps(r) + "\n" for r in records)
+    assert plotted(run_dir)["mfu.png"]["mfu"] == ([r["step"] for r in records],
+                                                  [r["mfu"] for r in records])
 
 
 def test_mode_plot_of_a_run_directory_without_records_is_one_line(tmp_path):
