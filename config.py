@@ -28,6 +28,7 @@ from errors import UserError
 from fault_tolerance import config as ft_config
 from fault_tolerance.config import FTConfig
 from launch.devices import precision_for
+from telemetry import tensorboard
 from model import ModelConfig
 from parallel.config import ParallelConfig
 from parallel.layout import check_keys, check_layout
@@ -46,6 +47,7 @@ MODES = {
     "prepare": "tokenize data.path into token shards at data.tokens_path (prepare:)",
     "plan": "predict memory, traffic and step time of every layout on the cluster of plan:",
     "dryrun": "one step of a few ranks of the layout on plan.nodes x plan.gpus_per_node, in this process",
+    "plot": "draw the run directory's metrics as PNGs and one HTML page in trainer.run_dir/plots",
     "lighthouse": "run the fault-tolerant replica groups' lighthouse at ft.lighthouse (ft:)",
 }
 
@@ -55,6 +57,11 @@ class WandbConfig:
     mode: str = "offline"   # offline (no account needed; wandb sync uploads later) | online | disabled
     project: str = "mingpt-parallel"  # the wandb project
     name: str = ""          # the wandb run name; "" = the run directory's name
+
+
+@dataclass
+class MetricsConfig:
+    tensorboard: bool = False  # also write metrics.jsonl's scalars as TensorBoard event files in run_dir/tensorboard (needs tensorboard)
 
 
 @dataclass
@@ -74,12 +81,13 @@ class ExportConfig:
 @dataclass
 class Config:
     config: str = ""        # the YAML file read instead of gpt2_train_cfg.yaml (command line only)
-    mode: str = "train"     # train | sample | export | prepare | plan | dryrun | lighthouse (see the modes above)
+    mode: str = "train"     # train | sample | export | prepare | plan | dryrun | plot | lighthouse (see the modes above)
     model: ModelConfig = field(default_factory=ModelConfig)  # the GPT's shape (model.py)
     data: DataConfig = field(default_factory=DataConfig)  # text, tokens, tokenizer (char_dataset.py)
     trainer: TrainerConfig = field(default_factory=TrainerConfig)  # the training loop (trainer.py)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)  # the layout (parallel/config.py)
     wandb: WandbConfig = field(default_factory=WandbConfig)  # curves in wandb
+    metrics: MetricsConfig = field(default_factory=MetricsConfig)  # curves in TensorBoard (telemetry/tensorboard.py)
     sample: SampleConfig = field(default_factory=SampleConfig)  # mode=sample and the sample after training
     export: ExportConfig = field(default_factory=ExportConfig)  # mode=export
     prepare: PrepareConfig = field(default_factory=PrepareConfig)  # mode=prepare (data/prepare.py)
@@ -262,8 +270,9 @@ def validate(cfg: Config, world_size: int):
             raise UserError(message)
     check_keys(p)  # parallel/rules.py KEYS
     ft_config.check(cfg)  # fault_tolerance/config.py
+    tensorboard.check(cfg)  # the optional package, before anything starts
     check_filesystems(cfg)
-    if cfg.mode in ("sample", "export", "prepare", "plan", "dryrun", "lighthouse"):  # no layout
+    if cfg.mode in ("sample", "export", "prepare", "plan", "dryrun", "plot", "lighthouse"):  # no layout
         return  # of this job to check (dryrun checks its world: planner/dryrun.py)
     cfg.sizes = check_layout(cfg, world_size)  # parallel/layout.py: the grid, every rule
 

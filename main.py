@@ -8,6 +8,7 @@
     python main.py mode=plan plan.nodes=8 plan.gpus_per_node=8 plan.gpu=H100-80GB  # layouts
     python main.py mode=dryrun plan.nodes=8 plan.gpus_per_node=8 parallel.tp=4 ...   # try one
     python main.py mode=lighthouse ft.lighthouse=HOST:PORT ft.min_replicas=N  # fault tolerance
+    python main.py mode=plot                       # pictures of the run in run_dir/plots/ (plots/)
     python main.py --help                          # the modes and every key with its default
 
 Every failure a user can fix is a UserError: printed as one line on every
@@ -234,6 +235,13 @@ def sample(cfg):
     print(generate_text(model, tokenizer, cfg.sample), flush=True)
 
 
+def plot(cfg):
+    from plots.draw import write_plots
+    page, pictures = write_plots(cfg.trainer.run_dir)
+    print(f"{len(pictures)} pictures of {cfg.trainer.run_dir} in {os.path.dirname(page)} "
+          f"({', '.join(pictures)}): open {page}", flush=True)
+
+
 def generate_text(model, tokenizer, scfg):
     model.eval()
     prompt = tokenizer.encode(scfg.prompt) or [0]
@@ -249,6 +257,10 @@ def main(argv, rank, world_size, local_rank):
     if cfg.mode in ("sample", "prepare"):  # one process (prepare runs its own pool)
         if rank == 0:
             (sample if cfg.mode == "sample" else prepare)(cfg)
+        return
+    if cfg.mode == "plot":  # reads the run directory only: a finished, running or killed run
+        if rank == 0:
+            plot(cfg)
         return
     if cfg.mode == "plan":  # no process group, no device: predictions only (planner/)
         if rank == 0:

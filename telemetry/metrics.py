@@ -1,6 +1,6 @@
 """What a run reports: metrics.jsonl (one JSON object per logged step, written by the
 main rank only; a resumed run keeps the records up to its snapshot and appends),
-the console line, and wandb (offline by default)."""
+the console line, wandb (offline by default) and TensorBoard (metrics.tensorboard)."""
 
 import json
 import os
@@ -33,13 +33,19 @@ class MetricsLog:
     def __init__(self, cfg, config_dict, active, resumed_step, wandb_id, resumed_record=None):
         """resumed_record: the metrics record the snapshot of resumed_step carries
         (Trainer.save), written back if a kill came between the commit and its line."""
-        self.active, self.run = active, None
+        self.active, self.run, self.tensorboard = active, None, None
         self.tty = active and sys.stdout.isatty()
         if not active:
             return
         os.makedirs(cfg.trainer.run_dir, exist_ok=True)
         self.path = os.path.join(cfg.trainer.run_dir, "metrics.jsonl")
         restored = self._keep_steps_up_to(resumed_step, resumed_record)  # a fresh run starts empty
+        if cfg.metrics.tensorboard:  # from the first step this run writes (restored's included)
+            from telemetry.tensorboard import TensorBoardLog
+            self.tensorboard = TensorBoardLog(cfg.trainer.run_dir,
+                                              resumed_step + (restored is None))
+            if restored is not None:
+                self.tensorboard.write(restored)
         if cfg.wandb.mode != "disabled":
             import wandb
             # silent: wandb's own banner, hints and end-of-run summary (some 30 lines) would
@@ -87,6 +93,8 @@ class MetricsLog:
             f.write(json.dumps(record) + "\n")
         if self.run is not None:
             self.run.log(record, step=record["step"])
+        if self.tensorboard is not None:
+            self.tensorboard.write(record)
         if note:
             print(f"step {record['step']}: {note}", flush=True)
         if console:
@@ -117,6 +125,8 @@ class MetricsLog:
             print(f"\r[{'#' * done}{'.' * (30 - done)}] {step}/{total}", end="", flush=True)
 
     def close(self):
+        if self.tensorboard is not None:
+            self.tensorboard.close()
         if self.run is not None:
             offline = self.run.settings.mode == "offline"
             self.run.finish()

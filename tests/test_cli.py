@@ -55,7 +55,8 @@ def test_the_command_of_a_finished_run_run_again_says_so_and_changes_nothing(tmp
 
 # what requirements-dev.txt adds to requirements.txt (the optional features' packages and
 # the tests'): the README's first command must train without any of them
-NOT_FOR_TRAINING = ["s3fs", "aiohttp", "torchft", "matplotlib", "transformers", "moto", "pytest"]
+NOT_FOR_TRAINING = ["s3fs", "aiohttp", "torchft", "matplotlib", "tensorboard", "transformers", "moto",
+                    "pytest"]
 BLOCKER = f"""import sys
 
 class Missing:  # a test's stand-in for an environment without {NOT_FOR_TRAINING}
@@ -117,6 +118,8 @@ def test_the_default_run_trains_with_requirements_txt_only(default_run):
     (["data.path=https://example.com/corpus.txt"], "aiohttp"),
     (["ft.enabled=true"], "torchft==0.2.0"),
     (["mode=lighthouse"], "torchft==0.2.0"),
+    (["mode=plot"], "matplotlib"),
+    (["metrics.tensorboard=true"], "tensorboard"),
 ])
 def test_a_feature_whose_package_is_missing_is_one_line_naming_it(tmp_path, asked, package):
     """With requirements.txt only, a run that asks for an optional feature stops with one

@@ -134,7 +134,7 @@ def test_precision_auto_plans_for_the_planned_gpu():
     (["parallel.pp_impl=torch", "parallel.pp=2", "trainer.activation_checkpointing=true"], 2,
      "without activation checkpointing"),
     (["mode=export"], 1, "needs export.path"),
-    (["mode=serve"], 1, "mode must be train, sample, export, prepare, plan, dryrun or lighthouse"),
+    (["mode=serve"], 1, "mode must be train, sample, export, prepare, plan, dryrun, plot or lighthouse"),
     # fault-tolerant replica groups (fault_tolerance/config.py)
     (["ft.replicas=2", "ft.replica_id=2"], 1, "ft.replica_id must be in 0..1 \\(ft.replicas=2\\), got 2"),
     (["ft.replica_id=-1"], 1, "ft.replica_id must be in 0..0"),
