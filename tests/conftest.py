@@ -20,6 +20,23 @@ def one_rank_grid():
     dist.destroy_process_group()
 
 
+def pytest_addoption(parser):
+    parser.addoption("--long", action="store_true",
+                     help="also run the long tier (tests marked `long`: tools, benchmarks' "
+                          "commands and the slowest fault scenarios; tests/README.md)")
+
+
+def pytest_collection_modifyitems(config, items):
+    """The suite (the README's command, CI's) leaves the long tier out; `--long` adds it,
+    `--long -m long` runs it alone."""
+    if config.getoption("--long"):
+        return
+    long = [item for item in items if item.get_closest_marker("long")]
+    if long:
+        config.hook.pytest_deselected(items=long)
+        items[:] = [item for item in items if not item.get_closest_marker("long")]
+
+
 def pytest_collection_finish(session):
     """The worker sessions the collected tests' modules declare (`pytestmark =
     pytest.mark.worker_sessions(...)`) start ahead of them on idle CPU (tests/prefetch.py),

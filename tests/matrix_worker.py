@@ -76,7 +76,10 @@ def run(overrides, world):
         loss, norm, _ = compute_step(strategy, micro, step, t, OneGroup(), nullcontext())
         steps.append([float(loss), float(norm)])
     x, y = global_batch(STEPS, t.batch_size, cfg.data.block_size)
-    val = float(strategy.eval_loss(x[mine], y[mine]))
+    # a compiled case evaluates eagerly: the evaluation's own graphs (no grad, eval mode)
+    # would double the case's compile time, and what they add is tests/test_compile.py's
+    with torch.compiler.set_stance("force_eager") if t.compile else nullcontext():
+        val = float(strategy.eval_loss(x[mine], y[mine]))
     state = strategy.state_dict()
     return steps, val, (state if grid.is_main else None)
 

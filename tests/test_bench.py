@@ -35,6 +35,7 @@ def bench_run(tmp_path_factory):
     return out, runs, json.loads((out / "results.json").read_text()), (out / "results.md").read_text()
 
 
+@pytest.mark.long  # the long tier: a benchmark command run (tests/README.md)
 def test_bench_reports_the_jobs_numbers(bench_run):
     out, runs, doc, md = bench_run
     assert (out / "step_time.png").stat().st_size > 0
@@ -60,6 +61,7 @@ def test_bench_reports_the_jobs_numbers(bench_run):
     assert doc["variants"]["torch_ddp"]["loss_rel_diff_vs_single"] <= 1e-5
 
 
+@pytest.mark.long  # the long tier: a benchmark command run (tests/README.md)
 def test_bench_reports_compilation_against_eager(bench_run):
     """Per-block and whole-model compilation beside eager on the tiny model (aot_eager):
     the compilation table carries step 1's compile time as the job logged it, the loss
@@ -176,6 +178,7 @@ def test_ep_textbook_is_the_hand_count():
     assert not book(cfg, 1000, 800, 1, 2)["exchange_bytes"]  # ep 1: every expert on every rank
 
 
+@pytest.mark.long  # the long tier: a benchmark command run (tests/README.md)
 def test_bench_ep_rank0_exchange_bytes_are_the_textbook_count(tmp_path):
     """ep1, ep_allgather, ep (tiny: 2 blocks x 32 wide, 4 experts, top 2, 2 ranks of 32 tokens):
     rank 0's logged exchange at every step is its per-rank textbook count, by hand."""
@@ -213,6 +216,7 @@ def test_cp_balance_accounting_contiguous_imbalanced_zigzag_balanced(N):
     assert contiguous[-1]["causal_work"] / contiguous[0]["causal_work"] == 2 * N - 1
 
 
+@pytest.mark.long  # the long tier: a benchmark command run (tests/README.md)
 def test_cp_balance_times_the_contiguous_blocks_it_claims():
     """The contiguous split's timing runs ring_attention with contiguous_blocks swapped in:
     rank 0 then holds the sequence's first half and computes only its own causal blocks,
@@ -230,6 +234,7 @@ def test_cp_balance_times_the_contiguous_blocks_it_claims():
     assert ring.blocks is not cp_balance.contiguous_blocks  # swapped back afterwards
 
 
+@pytest.mark.long  # the long tier: a benchmark command run (tests/README.md)
 def test_cp_balance_command_writes_its_tables(tmp_path):
     """`python -m bench.cp_balance` end to end on a tiny sequence (seconds): results.md's rows
     are its table functions' rendering of results.json, every rank of both splits timed."""
@@ -263,6 +268,7 @@ def test_committed_results_name_no_path_of_one_machine():
     assert len(files) > 8 and not found, found
 
 
+@pytest.mark.long  # the long tier: a benchmark command run (tests/README.md)
 def test_bench_data_prepare_reports_what_prepare_wrote(tmp_path):
     """bench.data's prepare step on a 1 MB generated corpus, as the command runs it (a
     worker process): its MB and tokens are the index's own (the full command takes

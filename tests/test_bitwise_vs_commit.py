@@ -27,6 +27,8 @@ _spec = importlib.util.spec_from_file_location(
 bitwise = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(bitwise)
 
+pytestmark = pytest.mark.long  # the long tier (tests/README.md): the refactoring tool runs two commits' jobs
+
 
 def test_small_matrix_is_bitwise_the_base_commits(tmp_path):
     try:

@@ -2,6 +2,7 @@
 or while it writes a snapshot) and the job restarts from the last snapshot, exits 0,
 and its losses equal those of a job never killed."""
 
+import pytest
 import glob
 import os
 import random
@@ -14,6 +15,8 @@ from harness import TINY, command, job_env, kill_tree, read_metrics, run_metrics
 
 ARGS = ["parallel.dp=torch_ddp", "trainer.max_steps=30", "trainer.save_every=5",
         "model.n_embd=64", "data.block_size=32", "model.dropout=0.1"]
+
+pytestmark = pytest.mark.long  # the long tier (tests/README.md): kills at a random moment; guards are elsewhere
 
 
 def rank_of(pid):

@@ -119,8 +119,8 @@ def wait_until(what, ok, jobs, timeout=300):
 
 @pytest.mark.parametrize("inside", [
     ["parallel.dp=fsdp", "parallel.zero_stage=3"],
-    ["parallel.dp=single", "parallel.tp=2"],
-    ["parallel.dp=single", "parallel.pp=2", "parallel.microbatches=2"],
+    pytest.param(["parallel.dp=single", "parallel.tp=2"], marks=pytest.mark.long),
+    pytest.param(["parallel.dp=single", "parallel.pp=2", "parallel.microbatches=2"], marks=pytest.mark.long),
 ], ids=["fsdp3", "tp2", "pp2"])
 def test_lost_group_costs_a_step_and_heals_from_its_peer(tmp_path, inside):
     """(The module's first paragraph, for each layout inside a group of 2 ranks.)"""
@@ -224,6 +224,7 @@ DIES_AT = 3  # group 0 dies before the quorum of this step (or of the next it re
 STEPS = 8
 
 
+@pytest.mark.long  # the long tier (tests/README.md)
 def test_three_groups_lose_group_0_and_the_next_writes_the_snapshots(tmp_path):
     """A lighthouse and three replica groups of one rank each, sharing trainer.snapshot_path
     (a snapshot every step), 8 steps. Group 0 SIGKILLs itself before step 3's quorum
@@ -394,6 +395,7 @@ def test_every_group_killed_then_restarted_from_the_shared_snapshot_continues_ex
         assert all(r["ft_live_groups"] == 2 for r in records), records
 
 
+@pytest.mark.long  # the long tier (tests/README.md)
 def test_the_lighthouse_lost_ends_every_group_with_its_last_step_kept(tmp_path):
     """The lighthouse SIGKILLed past step 3 (no periodic snapshot: trainer.save_every is far):
     each group ends within ft.timeout_s plus a margin, with one line and exit status 2, and
@@ -430,6 +432,7 @@ def test_the_lighthouse_lost_ends_every_group_with_its_last_step_kept(tmp_path):
         steps_after(g, last, end, reference)
 
 
+@pytest.mark.long  # the long tier (tests/README.md)
 def test_a_hung_group_is_dropped_and_heals_when_it_resumes(tmp_path):
     """Two replica groups of one rank; group 1 is stopped with SIGSTOP (alive, silent) once
     both train together. Group 0 drops it after ft.timeout_s and trains alone; group 1,
@@ -477,6 +480,7 @@ def test_a_hung_group_is_dropped_and_heals_when_it_resumes(tmp_path):
     assert g1.console().count("ProcessGrid(") == 1  # the same process, continued
 
 
+@pytest.mark.long  # the long tier (tests/README.md)
 def test_a_group_that_does_not_match_is_refused_when_it_joins(tmp_path):
     """Group 0 trains alone (ft.min_replicas=1); group 1 joins with another global batch.
     Healing from group 0, it finds their settings differ: it ends with one line naming

@@ -48,6 +48,8 @@ sys.meta_path.insert(0, NotInTheImage())
 '''
 PART_S = 300
 
+pytestmark = pytest.mark.long  # the long tier (tests/README.md): the device kit's stand-in run
+
 
 @pytest.fixture(scope="module")
 def machine(tmp_path_factory):

@@ -96,6 +96,7 @@ def test_every_row_is_a_layout_main_accepts(mode):
         assert cfg.trainer.device == ("cpu" if mode else "cuda"), name
 
 
+@pytest.mark.long  # the long tier: the GPU script's own run (tests/README.md)
 def test_gpu_smoke_passes_on_cpu(tmp_path):
     script = os.path.join(REPO, "scripts", "gpu_smoke.sh")
     # a `python` first on PATH that fails: the script must run $PYTHON (job_env: the
@@ -126,6 +127,7 @@ def test_gpu_smoke_passes_on_cpu(tmp_path):
     assert "ran on cpu" in out, out
 
 
+@pytest.mark.long  # the long tier: the GPU script's own run (tests/README.md)
 def test_a_deadline_stops_starting_rows_and_each_row_is_written_as_it_ends(tmp_path):
     """SMOKE_DEADLINE (a device call's limit) of 4 s: the reference row's job, which hangs
     (a sitecustomize sleeps in every job's process), is killed when the deadline comes,
@@ -186,6 +188,7 @@ def deadline_at_the_hang(directory, marks, deadline):
     (directory / "sleep").chmod(0o755)
 
 
+@pytest.mark.long  # the long tier: the GPU script's own run (tests/README.md)
 def test_a_hung_worker_is_killed_with_its_job_and_the_row_reruns_with_debug_output(tmp_path):
     """Rank 1 of the ddp_bucket row hangs on purpose (ignoring SIGTERM). The job's
     deadline must kill every process of the job: torchrun starts each worker in a session

@@ -80,6 +80,8 @@ for arg in sys.argv[1:]:
 TINY = ["--layers", "1", "--heads", "1", "--width", "16", "--block", "8", "--batch", "2"]
 ROUNDS = 2
 
+pytestmark = pytest.mark.long  # the long tier (tests/README.md): a benchmark command's own test
+
 
 def stand_in_checkout(path):
     path.mkdir()

@@ -28,7 +28,8 @@ def rank_of(pid):
 
 @pytest.mark.parametrize("layout", [
     ["parallel.dp=ddp_bucket"],
-    ["parallel.dp=ddp_bucket", "parallel.pp=2", "parallel.microbatches=2"],
+    pytest.param(["parallel.dp=ddp_bucket", "parallel.pp=2", "parallel.microbatches=2"],
+                 marks=pytest.mark.long),  # the long tier: the same report through a pipeline
 ], ids=["ddp_bucket", "dp2-pp2-1f1b"])
 def test_a_stopped_rank_is_named_by_the_others_within_the_timeout(tmp_path, layout):
     run_dir = tmp_path / "run"

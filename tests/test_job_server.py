@@ -14,12 +14,15 @@ long-lived torchrun workers. What a test sees from it must be what a fresh job g
 import json
 import os
 
+import pytest
+
 from harness import forked_process, job_server, read_metrics, run_job, snapshot_state, workers_of
 
 JOB = ["parallel.dp=fsdp", "parallel.zero_stage=3", "model.dropout=0.1", "trainer.eval_every=3",
        "trainer.save_every=3"]
 
 
+@pytest.mark.long  # the long tier (tests/README.md)
 def test_a_job_in_the_server_equals_the_same_job_fresh(tmp_path):
     run_job(tmp_path / "before", 2, ["parallel.dp=ddp_bucket"])  # the server has run a job
     server = job_server(2)

@@ -174,6 +174,7 @@ def test_a_second_ctrl_c_under_torchrun_stops_every_rank_at_once(tmp_path):
     assert [r["step"] for r in read_metrics(run_dir)] == [1, 2]
 
 
+@pytest.mark.long  # the long tier (tests/README.md)
 def test_ranks_whose_torchrun_is_killed_stop_after_the_step(tmp_path):
     """torchrun SIGKILLed (a third Ctrl-C exits it without a word to its workers, as does
     kill -9): each worker gets SIGINT from the kernel (PR_SET_PDEATHSIG), ends the step,

@@ -4,6 +4,7 @@ ours against the same preset run directly, nanoGPT's against what a stand-in of 
 train.py printed and was given (the suite has no nanoGPT checkout; the real one ran as
 docs/benchmarks.md says)."""
 
+import pytest
 import json
 import os
 import subprocess
@@ -16,6 +17,8 @@ from config import load_config
 from harness import REPO, job_env, read_metrics, run_job
 
 PRESET = os.path.join(REPO, "configs", "shakespeare-char.yaml")
+
+pytestmark = pytest.mark.long  # the long tier (tests/README.md): a benchmark command's own test
 
 
 def test_preset_is_nanogpts_shakespeare_char():

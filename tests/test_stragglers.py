@@ -16,7 +16,7 @@ import torch
 from harness import REPO, TINY, job_env, python, read_metrics, run_tree
 
 
-@pytest.mark.parametrize("layout", [["parallel.dp=ddp_bucket"],
+@pytest.mark.parametrize("layout", [pytest.param(["parallel.dp=ddp_bucket"], marks=pytest.mark.long),
                                     ["parallel.dp=fsdp", "parallel.zero_stage=3"]],
                          ids=["ddp_bucket", "fsdp3"])
 def test_a_rank_slowed_on_purpose_is_named(tmp_path, layout):
