@@ -19,15 +19,19 @@ import pytest
 
 from harness import assert_parity, run_metrics, save_then_resume, worker_result
 
-COMPILE_SESSION = ("compile_worker.py", 2, 400)
+# the suite compiles one layout of each dimension, the rest are the long tier's (tests/README.md):
+# the combination matrix compiles every dimension's values with the others (test_option_matrix.py)
+SUITE_LAYOUTS = ["single", "ddp_bucket-tinycap", "fsdp3", "tp2", "tp2-sp-recompute-dropout",
+                 "pp2-1f1b-m2", "cp2", "fsdp3-recompute"]
+COMPILE_SESSION = ("compile_worker.py", 2, 400, ",".join(SUITE_LAYOUTS))
 pytestmark = pytest.mark.worker_sessions(COMPILE_SESSION)  # prefetch.py
 
 RTOL = 1e-4  # compilation may reorder floating-point sums (inductor does; aot_eager rarely)
 COMPILED = ["trainer.compile=true", "trainer.compile_backend=aot_eager"]
 
 
-def worker():
-    return worker_result(*COMPILE_SESSION)
+def worker(layout="single"):
+    return worker_result(*(COMPILE_SESSION if layout in SUITE_LAYOUTS else LONG_SESSION))
 
 
 # distinct (shapes, grad mode) a compiled code object meets: training and evaluation
@@ -38,11 +42,14 @@ LAYOUTS = ["single", "single-whole-model", "ddp_naive", "ddp_bucket-tinycap", "f
            "fsdp3", "tp2", "tp2-sp", "pp2-gpipe-m4", "pp2-1f1b-m2", "pp2-interleaved-v2-m2", "cp2",
            "fsdp3-recompute", "tp2-sp-recompute-dropout", "pp2-1f1b-m2-recompute",
            "ddp_bucket-bf16", "tp2-bf16"]
+LONG_SESSION = ("compile_worker.py", 2, 400, ",".join(n for n in LAYOUTS if n not in SUITE_LAYOUTS))
 
 
-@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize("layout", [
+    pytest.param(name, marks=() if name in SUITE_LAYOUTS else
+                 [pytest.mark.long, pytest.mark.worker_sessions(LONG_SESSION)]) for name in LAYOUTS])
 def test_compiled_matches_eager_under_the_same_layout(layout):
-    r = worker()[layout]
+    r = worker(layout)[layout]
     print(f"{layout}: loss {r['loss_rel_diff']:.3g}, grad norm {r['norm_rel_diff']:.3g}, eval "
           f"{r['eval_rel_diff']:.3g}; {r['compile_frames']} code objects compiled, "
           f"{r['compile_recompiles']} recompiles, at most {r['compile_max_per_frame']} each; "
@@ -62,7 +69,7 @@ def test_ddp_bucket_hooks_fire_per_bucket_while_compiled_backward_runs():
     """A compiled block's backward is one autograd node, but its parameters' gradient
     hooks still fire one by one: with a tiny cap every bucket but the last must start
     its all-reduce before backward ends, and every gradient land in its bucket."""
-    r = worker()["ddp_bucket-tinycap"]
+    r = worker("ddp_bucket-tinycap")["ddp_bucket-tinycap"]
     assert r["early_launches"] > 0 and r["grads_copied"] == 0, r
 
 
