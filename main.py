@@ -41,6 +41,7 @@ from config import help_text, load_config, resolved_yaml, to_dict
 from data.prepare import prepare
 from errors import UserError
 from fault_tolerance import lighthouse, replica_group
+from generation import kv_cache
 from launch import preemption
 from launch.hang_report import hang_dir, nccl_flight_recorder
 from launch.devices import cuda_index, local_rank_from_env, pick_device  # noqa: F401 (tests: main.cuda_index)
@@ -247,8 +248,8 @@ def generate_text(model, tokenizer, scfg):
     prompt = tokenizer.encode(scfg.prompt) or [0]
     idx = torch.tensor([prompt], dtype=torch.long)
     gen = torch.Generator().manual_seed(scfg.seed)
-    out = model.generate(idx, scfg.length, temperature=scfg.temperature,
-                         top_k=scfg.top_k or None, generator=gen)
+    out = kv_cache.generate(model, idx, scfg.length, temperature=scfg.temperature,
+                            top_k=scfg.top_k or None, generator=gen)
     return tokenizer.decode(out[0].tolist())
 
 

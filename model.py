@@ -249,10 +249,13 @@ class GPT(nn.Module):
             x = block(x)
         return self.head(x, targets)
 
-    def embed(self, idx):
+    def embed(self, idx, start=0):
+        """start: the position of idx's first token (the sampler's cache feeds one token at
+        a time, after the ones it holds: generation/kv_cache.py)."""
         _, T = idx.size()
-        assert T <= self.config.block_size, f"sequence of {T} > block_size {self.config.block_size}"
-        pos = torch.arange(T, dtype=torch.long, device=idx.device)
+        assert start + T <= self.config.block_size, \
+            f"sequence of {start + T} > block_size {self.config.block_size}"
+        pos = torch.arange(start, start + T, dtype=torch.long, device=idx.device)
         return self.transformer.drop(self.transformer.wte(idx) + self.transformer.wpe(pos))
 
     def head(self, x, targets=None):
@@ -273,15 +276,22 @@ class GPT(nn.Module):
 
     @torch.no_grad()
     def generate(self, idx, max_new_tokens, temperature=1.0, top_k=None, generator=None):
-        """Extend `idx` (B, T) by sampling max_new_tokens tokens, one at a time."""
+        """Extend `idx` (B, T) by sampling max_new_tokens tokens, one at a time, each from
+        the whole context again (generation/kv_cache.py keeps what it computed instead)."""
         for _ in range(max_new_tokens):
             idx_cond = idx[:, -self.config.block_size:]
             logits, _ = self(idx_cond)
-            logits = logits[:, -1, :] / max(temperature, 1e-6)
-            if top_k:
-                v, _ = torch.topk(logits, min(top_k, logits.size(-1)))
-                logits[logits < v[:, [-1]]] = -float("inf")
-            probs = F.softmax(logits, dim=-1)
-            idx_next = torch.multinomial(probs, num_samples=1, generator=generator)
+            idx_next = pick_next(logits[:, -1, :], temperature, top_k, generator)
             idx = torch.cat((idx, idx_next), dim=1)
         return idx
+
+
+def pick_next(logits, temperature=1.0, top_k=None, generator=None):
+    """(B, 1) next tokens drawn from (B, vocab) last-position logits: scaled by the
+    temperature, cut to the top_k most likely (None: all)."""
+    logits = logits / max(temperature, 1e-6)
+    if top_k:
+        v, _ = torch.topk(logits, min(top_k, logits.size(-1)))
+        logits[logits < v[:, [-1]]] = -float("inf")
+    probs = F.softmax(logits, dim=-1)
+    return torch.multinomial(probs, num_samples=1, generator=generator)
