@@ -56,8 +56,10 @@ from planner.stages import stage
 # against Ampere's: stas00/ml-engineering compute/accelerator/README.md, "Maximum
 # Achievable Matmul FLOPS" (mamf-finder.py, best shape of a brute-force search): A100 SXM
 # 271.2 of 312 TFLOP/s (86.9%), H100 SXM 794.5 of 989 (80.3%; "H200 is the same"). No
-# measurement here of Ada (L4) or Volta (V100): Ampere's assumed.
+# measurement here of Ada (L4) or Volta (V100): Ampere's assumed; nor of Blackwell (B200):
+# Hopper's assumed.
 MATMUL_EFF = {"ampere": 0.75, "hopper": 0.75 * 80.3 / 86.9, "ada": 0.75, "volta": 0.75}
+MATMUL_EFF["blackwell"] = MATMUL_EFF["hopper"]
 # Fused causal attention, forward, per generation. FlashAttention-2 (Dao 2023, arXiv
 # 2307.08691): "50-73% of the theoretical maximum FLOPs/s on A100" (the low end: causal,
 # head size 64-128 at GPT lengths); on H100 it reaches "only 35%" (Shah et al. 2024,
@@ -67,7 +69,8 @@ MATMUL_EFF = {"ampere": 0.75, "hopper": 0.75 * 80.3 / 86.9, "ada": 0.75, "volta"
 # "1.5-2.0x" faster forward, "1.5-1.75x" backward: not modelled (plan.stack has no
 # choice for it; a run with it is predicted too slow in its attention). Ada and Volta:
 # no published figure used here (0.45, the old constant).
-FA2_FWD_EFF = {"ampere": 0.50, "hopper": 0.35, "ada": 0.45, "volta": 0.45}
+FA2_FWD_EFF = {"ampere": 0.50, "hopper": 0.35, "ada": 0.45, "volta": 0.45,
+               "blackwell": 0.35}  # Blackwell: no published figure used here, Hopper's
 # Backward over forward FLOP/s of one flash kernel: apache/tvm tl_doc/flash_perf.md
 # measures flash_attn's causal head-size-128 forward at 151.19 TFLOP/s and its backward at
 # 99.23 (sequence 2k): 0.66. The backward does 2.5 x the forward's FLOPs.

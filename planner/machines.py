@@ -11,6 +11,18 @@ and links, per GPU:
 - H100 SXM 80 GB: NVIDIA H100 Tensor Core GPU data sheet (2023): NVLink 4 at 900 GB/s
   both ways (450 each way); DGX H100 user guide: 8 x 400 Gb/s NDR ConnectX-7 a node,
   50 GB/s each.
+- H200 SXM 141 GB: NVIDIA H200 Tensor Core GPU data sheet (2024): 141 GB HBM3e at 4.8
+  TB/s, the H100 SXM's dense peaks (989 TFLOP/s bf16), NVLink 4 at 900 GB/s both ways
+  (450 each way); DGX H200 user guide: 8 x 400 Gb/s ConnectX-7 a node, 50 GB/s each;
+  its host as DGX H100's.
+- B200 180 GB (preset B200-180GB): NVIDIA DGX B200 data sheet (2024): 1,440 GB of HBM3e and 64 TB/s over 8
+  GPUs, so 180 GB at 8 TB/s each (the chip carries 192 GB; the 8-GPU systems expose
+  180: plan.gpu_memory_gb=192 for another SKU), NVLink 5 at 1.8 TB/s both ways (900
+  each way), 8 x 400 Gb/s ConnectX-7 a node, 50 GB/s each; HGX B200 specifications
+  (2024): per GPU 4.5 PFLOP/s bf16 with sparsity, so 2.25 dense, fp32 75 TFLOP/s. PCIe
+  Gen5 to the host; the host's memory (two Xeon 8570 sockets of DDR5) taken as DGX
+  H100's (75). Its kernels' shares of the peak are Hopper's, assumed
+  (planner/efficiency.py).
 - L4 24 GB: NVIDIA L4 data sheet (2023): no NVLink, PCIe Gen4 x16 at 64 GB/s both
   ways (32 each way); Google Cloud g2-standard-96 (8 L4): 100 Gb/s of network per
   machine, one 12.5 GB/s card.
@@ -32,7 +44,7 @@ a g2 L4 host 40). Assumed figures: the fused CPU AdamW is taken as bound by memo
 
 Memory bandwidth (HBM, what element-wise kernels and the optimizer stream at), from the
 same data sheets: A100 40GB SXM 1,555 GB/s, A100 80GB SXM 2,039 GB/s, H100 SXM 3,350
-GB/s, L4 300 GB/s, V100 SXM2 900 GB/s. Per-hop latency of a collective (assumed, the
+GB/s, H200 4,800 GB/s, B200 8,000 GB/s, L4 300 GB/s, V100 SXM2 900 GB/s. Per-hop latency of a collective (assumed, the
 order NCCL's own small-message tests show): 3 us over NVLink / NVSwitch, 6 us over
 PCIe, 10 us across nodes (InfiniBand or Ethernet).
 
@@ -71,6 +83,8 @@ PRESETS = {m.name: m for m in [
     Machine("A100-40GB", 40, _peaks("A100"), 300, 25, 25, 50, 1555, 3, 10, 8, "ampere"),
     Machine("A100-80GB", 80, _peaks("A100"), 300, 25, 25, 50, 2039, 3, 10, 8, "ampere"),
     Machine("H100-80GB", 80, _peaks("H100"), 450, 50, 50, 75, 3350, 3, 10, 8, "hopper"),
+    Machine("H200-141GB", 141, _peaks("H200"), 450, 50, 50, 75, 4800, 3, 10, 8, "hopper"),
+    Machine("B200-180GB", 180, _peaks("B200"), 900, 50, 50, 75, 8000, 3, 10, 8, "blackwell"),
     Machine("L4", 24, _peaks("L4"), 32, 12.5, 25, 40, 300, 6, 10, 1, "ada"),
     Machine("V100-32GB", 32, _peaks("V100"), 150, 12.5, 12, 19, 900, 3, 10, 4, "volta"),
 ]}

@@ -8,6 +8,7 @@ import json
 import time
 
 from errors import UserError
+from planner.command import dryrun_command, run_command
 from planner.figures import metrics_names, rank_figures
 from planner.layouts import RECOMPUTE_CHOICES, refusal, valid_layouts, with_grad_accum
 from planner.efficiency import MOE_IMBALANCE, STACKS
@@ -173,7 +174,8 @@ def reason(row, best):
     return f"{delta:+.3g} ms ({100 * delta / b['step_ms']:+.0f}%): {words}"
 
 
-GENERATIONS = {"ampere": "A100", "hopper": "H100", "ada": "L4", "volta": "V100"}
+GENERATIONS = {"ampere": "A100", "hopper": "H100", "ada": "L4", "volta": "V100",
+               "blackwell": "B200"}
 
 
 def band(gpu, stack):
@@ -272,7 +274,8 @@ def plan(cfg):
     fewer = fewer_gpus(cfg, w, gpu, world, best)
     if fewer:
         print(fewer)
-    print("run the first: " + " ".join(f"{k}={_value(v)}" for k, v in best["layout"].keys().items()))
+    print("run the first: " + run_command(cfg, best["layout"]))
+    print("try it here first: " + dryrun_command(cfg, best["layout"]))
     if cfg.plan.out:
         write_json(cfg.plan.out, rows, fits, gpu, world, cfg.plan.gpus_per_node)
         print(f"all {len(rows)} layouts that run written to {cfg.plan.out}")

@@ -28,6 +28,7 @@ PEAKS = [
     ("H100 NVL", {}),
     ("H100", {"bf16": 989e12, "fp16": 989e12, "fp32": 67e12}),      # SXM
     ("H200", {"bf16": 989e12, "fp16": 989e12, "fp32": 67e12}),
+    ("B200", {"bf16": 2250e12, "fp16": 2250e12, "fp32": 75e12}),    # HGX B200 (GB200's differ)
     ("A100", {"bf16": 312e12, "fp16": 312e12, "fp32": 19.5e12}),
     ("A10G", {}),  # AWS's A10 variant: no published tensor peak we trust -> no MFU
     ("A10", {"bf16": 125e12, "fp16": 125e12, "fp32": 31.2e12}),

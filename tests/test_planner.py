@@ -269,7 +269,7 @@ def test_plan_command_ranks_layouts_and_writes_every_one(tmp_path):
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     lines = result.stdout.splitlines()
     assert any(ln.split()[:2] == ["rank", "layout"] for ln in lines), result.stdout
-    assert "fastest" in result.stdout and "run the first: parallel.dp=" in result.stdout
+    assert "fastest" in result.stdout and "run the first: torchrun --nnodes=2 " in result.stdout
     seconds = float(re.search(r"planned in ([\d.]+) s", result.stdout).group(1))
     assert seconds < 60, seconds
     items = json.loads(out.read_text())
@@ -304,6 +304,37 @@ def test_a_small_model_is_not_split_and_fewer_gpus_are_named(capsys):
                       r"([\d.]+) on 32", out)
     assert fewer and int(fewer.group(1)) < 32, out
     assert float(fewer.group(2)) <= 1.05 * float(fewer.group(3))
+
+
+def test_the_first_choice_is_printed_as_commands_that_run_it(tmp_path, capsys, monkeypatch):
+    """The plan ends with the whole command to paste (torchrun, the config file, every key
+    given that shapes the run, the precision it priced, the layout) and the dry run of it.
+    Through the config loader, each gives the first choice's layout and the planned
+    precision and keeps the given keys; a given parallel.* key is the search's to replace.
+    The dry-run line runs, in process (a small model, 1 x 4, bf16)."""
+    import shlex
+    from config import load_config
+    from planner.dryrun import layout_of
+    from planner.report import plan
+    small = ["model.n_layer=2", "model.n_embd=64", "data.block_size=64", "trainer.batch_size=16"]
+    best = plan(load_config(["mode=plan", *small, "trainer.max_steps=7", "parallel.dp=ddp_naive",
+                             "trainer.precision=bf16", "plan.nodes=1", "plan.gpus_per_node=4",
+                             "plan.gpu=A100-80GB", "plan.top=1"], 1))
+    out = capsys.readouterr().out
+    lines = {ln.split(": ", 1)[0]: shlex.split(ln.split(": ", 1)[1]) for ln in out.splitlines()
+             if ln.startswith(("run the first: ", "try it here first: "))}
+    run, dry = lines["run the first"], lines["try it here first"]
+    print(shlex.join(run), shlex.join(dry), sep="\n")
+    assert run[:3] == ["torchrun", "--standalone", "--nproc_per_node=4"] and run[3] == "main.py"
+    assert dry[:3] == ["python", "main.py", "mode=dryrun"]
+    for cfg, world in ((load_config(run[4:], 4), 4), (load_config(dry[2:], 1), None)):
+        world = world or cfg.plan.nodes * cfg.plan.gpus_per_node
+        assert world == 4 and layout_of(cfg, world) == best["layout"], best["layout"].name()
+        assert (cfg.trainer.precision, cfg.trainer.max_steps, cfg.model.n_layer) == ("bf16", 7, 2)
+    monkeypatch.chdir(tmp_path)
+    import main
+    main.main(dry[2:], 0, 1, 0)
+    assert f"{best['layout'].name()} on 1 x 4 ranks" in capsys.readouterr().out
 
 
 def test_plan_search_false_evaluates_exactly_the_configured_layout(tmp_path, capsys):
@@ -433,7 +464,7 @@ def test_plan_proposes_hsdp_across_nodes_where_it_wins_and_offload_where_nothing
 
 
 @pytest.mark.parametrize("overrides,message", [
-    (["plan.gpu=B200"], "plan.gpu='B200' is not a preset"),
+    (["plan.gpu=MI300X"], "plan.gpu='MI300X' is not a preset"),
     (["model.n_layer=48", "model.n_head=25", "model.n_embd=1600", "plan.gpus_per_node=1",
       "plan.gpu=L4", "plan.gpu_memory_gb=16"], "no layout fits in 16 GB per GPU on 1 GPUs"),
     (["plan.nodes=0"], "plan.nodes=0 and plan.gpus_per_node=8 must be >= 1"),
