@@ -111,7 +111,22 @@ def block_activations(w: Workload, L: Layout, rows: int, experts=False, busiest=
     else:  # c_fc's input, its output and GELU's (4 C each; gated: gate|up 2 H, SiLU's
         # and the product's H each), c_proj's input (GELU's output, the product) for W
         mlp, mlp_weights = lin_in + n * e * 2 * w.fc_out // t, lin_in + n * e * w.ffn // t
-    return residual + lin_in + split + mlp + heads_t * F32, weights + mlp_weights
+    copies = weight_copies(w, C * qkv + C * C + (0 if experts else C * w.fc_out + w.ffn * C)) // t
+    return residual + lin_in + split + mlp + heads_t * F32 + copies, weights + mlp_weights
+
+
+def head_input_bytes(w: Workload) -> int:
+    """Bytes of an element of the LM head's saved input: the final LayerNorm's output as
+    the product reads it (autocast's low-precision copy of the fp32 stream)."""
+    return act_bytes(w) if w.precision != "fp32" else F32
+
+
+def weight_copies(w: Workload, elements: int) -> int:
+    """Bytes of the low-precision copies autocast makes of fp32 weights (`elements` of
+    them), each saved by its product for the input's gradient, one set per micro-batch's
+    forward (measured: tests/test_dryrun.py, bf16 against fp32); none in fp32 or for a
+    bf16 model, whose weights are used as they are."""
+    return elements * act_bytes(w) if w.precision != "fp32" and w.model_bytes == 4 else 0
 
 
 def expert_activations(w: Workload, L: Layout, rows: int, n: int, busiest=1.0):
@@ -140,8 +155,9 @@ def end_activations(w: Workload, L: Layout, rows: int, first: bool, last: bool):
     if last:  # final LayerNorm, LM head input, the loss's softmax (or logits) and targets
         vocab = -(-w.padded_vocab // L.tp)
         r = res_bytes(w)
-        total += n * C * r // s + 2 * n * F32 // s + n * C * r
+        total += n * C * r // s + 2 * n * F32 // s + n * C * head_input_bytes(w)
         total += n * vocab * logit_bytes(w) + 8 * n + (n if L.tp > 1 else 0)
+        total += weight_copies(w, vocab * C)  # the LM head's
     return total
 
 
@@ -160,7 +176,7 @@ def activation_bytes(w: Workload, L: Layout, p: int, busiest=1.0) -> int:
     if L.pp == 1:
         return size[0]
     n = rows * (w.block // L.cp)
-    keep = {c: blocks(c, 1) + (n * w.n_embd * res_bytes(w) if c == last_chunk else 0)
+    keep = {c: blocks(c, 1) + (n * w.n_embd * head_input_bytes(w) if c == last_chunk else 0)
             + (8 * n + 8 * (w.block // L.cp) if c == 0 else 0) for c in st.chunks}
     # split backward: W keeps the graph below the weights' gradients; what lies above them
     # (the last chunk's loss: its softmax, the targets) lives as long as the pipeline still
