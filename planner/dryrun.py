@@ -106,17 +106,58 @@ class ShapesOnly:
         return self.read_full(key)[tuple(slice(a, b) for a, b in box)]
 
 
+# What the CPU's autocast casts (aten/src/ATen/autocast_mode.cpp, its lists for the CPU),
+# of the functions this product's forward calls: products to the low precision, the loss
+# to fp32. Everything else runs in its inputs' dtype (the residual adds promote to fp32).
+LOW_PRECISION = {F.linear, torch.matmul, torch.mm, torch.bmm, torch.addmm, torch.baddbmm,
+                 torch.Tensor.matmul, torch.Tensor.__matmul__}
+FP32 = {F.cross_entropy, F.nll_loss}
+
+
+class MetaAutocast(torch.overrides.TorchFunctionMode):
+    """torch.autocast for meta tensors, which have no autocast dispatch key: while the CPU's
+    autocast is on (the meta device's is mapped to it: meta_kernels), a product's floating
+    inputs are cast to its dtype and the loss's to fp32 before the call, as autocast
+    does, so autograd saves the same copies (the weights' too) a CPU rank saves."""
+
+    def __init__(self, enabled, dtype_of):
+        super().__init__()
+        # torch.is_autocast_enabled and get_autocast_dtype, as they were before meta_kernels
+        self.enabled, self.dtype_of = enabled, dtype_of
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if (func in LOW_PRECISION or func in FP32) and self.enabled("cpu"):
+            dtype = self.dtype_of("cpu") if func in LOW_PRECISION else torch.float32
+            args, kwargs = cast_floats((args, kwargs), dtype)
+        return func(*args, **kwargs)
+
+
+def cast_floats(tree, dtype):
+    """tree with its floating-point tensors in dtype (lists, tuples and dicts walked)."""
+    if torch.is_tensor(tree):
+        return tree.to(dtype) if tree.is_floating_point() and tree.dtype != dtype else tree
+    if isinstance(tree, (list, tuple)):
+        return type(tree)(cast_floats(t, dtype) for t in tree)
+    if isinstance(tree, dict):
+        return {k: cast_floats(v, dtype) for k, v in tree.items()}
+    return tree
+
+
 @contextmanager
 def meta_kernels():
     """What the meta device lacks, for a shapes-only rank: attention saves what the CPU's
     flash kernel saves (q, k, v, out and the log-sum-exp: meta would take the math
     path, which keeps the score matrices), and an `autocast` of the meta device (the
-    ring attention switches it off around its blocks), and whether it is on, the CPU's."""
+    ring attention switches it off around its blocks), and whether it is on, the CPU's,
+    which MetaAutocast reads to cast as the CPU's autocast would."""
     sdpa, autocast = F.scaled_dot_product_attention, torch.autocast
     enabled = torch.is_autocast_enabled
 
     def attention(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, **kw):
         if q.device.type == "meta" and attn_mask is None and not kw:
+            if enabled("cpu"):  # a product: autocast's low precision (SDPA is on its list)
+                q, k, v = cast_floats((q, k, v), dtype_of("cpu"))
             return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
                 q, k, v, dropout_p, is_causal)[0]
         return sdpa(q, k, v, attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal, **kw)
@@ -124,18 +165,22 @@ def meta_kernels():
     def meta_autocast(device_type, *args, **kw):
         return autocast("cpu" if device_type == "meta" else device_type, *args, **kw)
 
-    def meta_enabled(*args):
-        device = args[0] if args else None
-        return enabled(*(("cpu",) if device == "meta" or getattr(device, "type", "") == "meta"
-                         else args))
+    def on_cpu(function):  # the CPU's autocast state asked for the meta device
+        def asked(*args):
+            device = args[0] if args else None
+            return function(*(("cpu",) if device == "meta" or getattr(device, "type", "") == "meta"
+                              else args))
+        return asked
 
+    dtype_of = torch.get_autocast_dtype
     F.scaled_dot_product_attention, torch.autocast = attention, meta_autocast
-    torch.is_autocast_enabled = meta_enabled
+    torch.is_autocast_enabled, torch.get_autocast_dtype = on_cpu(enabled), on_cpu(dtype_of)
     try:
-        yield
+        with MetaAutocast(enabled, dtype_of):
+            yield
     finally:
         F.scaled_dot_product_attention, torch.autocast = sdpa, autocast
-        torch.is_autocast_enabled = enabled
+        torch.is_autocast_enabled, torch.get_autocast_dtype = enabled, dtype_of
 
 
 @contextmanager
@@ -159,6 +204,24 @@ def even_split(strategy):
         yield
     finally:
         del comm.all_to_all
+
+
+@contextmanager
+def step_taken(precision, device):
+    """fp16: the loss scaler would skip the step, the fake reductions' gradients holding
+    infs (and a meta rank's flag cannot be read), and AdamW would hold no state: the dry
+    run takes its first step as a run without an overflow does. A CPU rank still unscales."""
+    real = precision.unscale_and_check
+
+    def unscale_and_check(grads):
+        if device.type != "meta":
+            real(grads)
+        precision.skip_step = False
+    precision.unscale_and_check = unscale_and_check
+    try:
+        yield
+    finally:
+        del precision.unscale_and_check
 
 
 def host_memory_bytes():
@@ -217,9 +280,8 @@ def try_rank(cfg, w, L, sizes, rank, device=None) -> dict:
         need = memory_need(w, L, {"state_bytes": plan_state, "activation_bytes": plan_act,
                                   "pp_rank": p})
         device = "cpu" if need <= host_memory_bytes() / 2 else "meta"
-    if device == "meta" and (w.precision != "fp32" or L.offload or w.experts):
-        why = f"no autocast (trainer.precision={w.precision})" if w.precision != "fp32" else \
-            "no host copies of it (parallel.offload)" if L.offload else \
+    if device == "meta" and (L.offload or w.experts):
+        why = "no host copies of it (parallel.offload)" if L.offload else \
             "no values to route tokens by (model.moe_experts)"
         raise UserError(f"dryrun: rank {rank} does not fit in half of this machine's "
                         f"{host_memory_bytes() / GB:.3g} GB, and the meta device it would run on "
@@ -278,7 +340,8 @@ def one_step(cfg, rank, world, vocab, device):
         # the fake backend's reductions bring uninitialized memory: the gradients' norm may be
         # an inf or a NaN (on the meta device, unreadable); the dry run takes the step anyway
         strategy.skips_not_finite = False
-        with meta_kernels() if device.type == "meta" else nullcontext(), even_split(strategy):
+        with meta_kernels() if device.type == "meta" else nullcontext(), even_split(strategy), \
+                step_taken(strategy.precision, device):
             step.compute_step(strategy, micro, 0, t, OneGroup(), meter)
         return strategy.state_figures()["state_bytes"], meter.peak_bytes
     finally:
