@@ -112,6 +112,8 @@ def block_activations(w: Workload, L: Layout, rows: int, experts=False, busiest=
         # and the product's H each), c_proj's input (GELU's output, the product) for W
         mlp, mlp_weights = lin_in + n * e * 2 * w.fc_out // t, lin_in + n * e * w.ffn // t
     copies = weight_copies(w, C * qkv + C * C + (0 if experts else C * w.fc_out + w.ffn * C)) // t
+    if experts:  # each of this rank's experts' two matrices (whole under TP: it splits tokens)
+        copies += weight_copies(w, w.experts // L.ep * 2 * C * w.expert_hidden)
     return residual + lin_in + split + mlp + heads_t * F32 + copies, weights + mlp_weights
 
 
