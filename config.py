@@ -130,8 +130,9 @@ def load_config(overrides, world_size: int, yaml_path: str = DEFAULT_YAML) -> Co
 
 def auto_precision(cfg):
     """bf16 where the device has it: this machine's (launch/devices.py), or for mode=plan
-    the planned GPU's (plan.gpu, whose table may lack bf16: a V100)."""
-    if cfg.mode == "plan":
+    and mode=dryrun (which tries the plan's layout) the planned GPU's (plan.gpu, whose
+    table may lack bf16: a V100)."""
+    if cfg.mode in ("plan", "dryrun"):
         from planner.machines import machine
         return "bf16" if "bf16" in machine(cfg.plan).peak else "fp32"
     return precision_for(cfg.trainer.device)

@@ -112,8 +112,8 @@ def main(argv=None):
     times, block_size, params = measure(args)
     env = report.environment(load_before)
     text = "\n".join(report.header("Sampling with and without the key/value cache", command, [
-        f"the default model ({params / 1e6:.2f}M parameters, block_size {block_size}"
-        + (", " + " ".join(args.set) if args.set else "") + f"), one process, {args.threads} "
+        "gpt2_train_cfg.yaml's model" + (" with " + " ".join(args.set) if args.set else "")
+        + f" ({params / 1e6:.2f}M parameters, block_size {block_size}), one process, {args.threads} "
         f"thread(s), {args.rounds} rounds; the same tokens drawn both ways (checked)"], env)
         + ["", *table(times), ""])
     if args.out:

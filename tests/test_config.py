@@ -20,6 +20,7 @@ def test_defaults_and_overrides():
     ("auto", 7, "train", "fp32"),        # a V100: bf16 only emulated, slower than fp32
     ("auto", 9, "dryrun", "bf16"),
     ("cpu", None, "plan", "bf16"),       # mode=plan asks plan.gpu (H100-80GB here), not this machine
+    ("cpu", None, "dryrun", "bf16"),     # and so does the dry run of the plan's layout
 ])
 def test_precision_auto_is_bf16_where_the_device_has_it(monkeypatch, device, gpu_major, mode, expected):
     """trainer.precision=auto is resolved in load_config, the same way on every rank, so the

@@ -32,7 +32,7 @@ class TrainerConfig:
                                        # backward (a hook per saved tensor)
     precision: str = "fp32"     # fp32 | bf16 | fp16 (autocast; weights, gradients, AdamW state
                                 # stay fp32; fp16 adds a dynamic loss scaler) | auto (bf16 on a
-                                # GPU that has it, else fp32; mode=plan: plan.gpu's)
+                                # GPU that has it, else fp32; mode=plan, dryrun: plan.gpu's)
     fp16_init_scale: float = 65536.0  # fp16: the loss scaler's first scale (halved on overflow)
     fp16_growth_interval: int = 2000  # fp16: steps without overflow before the scale doubles
     max_skipped_steps: int = 5  # fp32/bf16: non-finite gradients skip the step on every
