@@ -70,6 +70,14 @@ class MoE(nn.Module):
                 out = AttachLoss.apply(out, loss, self)
         return self.leave(self.dropout(out.view(B, T, C)))
 
+    def before_compile(self):
+        """Called by parallel/compile.py before this block is compiled: record() runs
+        eagerly between the compiled pieces. Traced, its per-step counters (a Python int
+        and float) would be guarded constants, a new graph for each micro-batch of a step,
+        and past dynamo's limit of 8 (grad_accum or microbatches above 8) a failed run."""
+        if not getattr(self.record, "_torchdynamo_disable", False):
+            self.record = torch.compiler.disable(self.record)
+
     def record(self, r):
         if torch._C._current_graph_task_id() != -1:  # a recompute inside backward
             return

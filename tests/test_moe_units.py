@@ -254,3 +254,30 @@ def test_fp16_loss_scale_reaches_the_block_losses_under_accumulation():
         grads[scale] = torch.cat([layer.router.weight.grad.flatten()
                                   for _, layer in strategy.expert_layers()])
     close(grads[1024.0], grads[1.0])
+
+
+# ---------------------------------------------------------------- under trainer.compile
+
+def test_a_compiled_moe_block_compiles_no_more_after_its_first_micro_batches():
+    """Under trainer.compile, what changes with every micro-batch stays out of the graphs:
+    the per-expert loop's counts (fp32 experts take it; Experts.before_compile) and the
+    layer's per-step statistics (MoELayer.before_compile). Traced, either is a new graph
+    each micro-batch, and past dynamo's limit of 8 a failed run (grad_accum=10 did). 12
+    micro-batches of one step, routed differently: no compilation after the first two."""
+    import torch._dynamo as dynamo
+    from parallel.compile import compile_model
+    dynamo.reset()
+    torch.manual_seed(0)
+    model = GPT(block_config(n_layer=2, moe_experts=4, moe_top_k=2))
+    events = compile_model(model, "eager")
+    events.listen()
+    try:
+        seen = []
+        for seed in range(12):  # the statistics are popped once a step: never here
+            x = torch.randint(0, 20, (4, 8), generator=torch.Generator().manual_seed(seed))
+            model(x, x)[1].backward()
+            seen.append(events.counts())
+        print(seen[1], seen[-1])
+        assert seen[1]["compile_frames"] >= 1 and seen[-1] == seen[1], (seen[1], seen[-1])
+    finally:
+        dynamo.reset()
