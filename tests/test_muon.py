@@ -1,0 +1,123 @@
+"""trainer.optimizer=muon in one process (optimizers/muon.py): our Strategy's steps equal
+torch.optim.Muon on the blocks' matrices plus torch.optim.AdamW on the rest, per step, over
+a run; a stacked expert weight steps as each expert's matrix would alone; AdamW's path is
+the same object as before (torch's)."""
+
+import math
+
+import pytest
+import torch
+
+from dp_worker import OneRank
+from model import GPT, GPTConfig
+from optimizers.muon import MuonAdamW
+from parallel import model_plan as plan
+from parallel.config import ParallelConfig
+from parallel.parallelize import parallelize
+from training.config import TrainerConfig
+from training.step import lr_at
+
+CONFIG = GPTConfig(n_layer=2, n_head=2, n_embd=32, vocab_size=20, block_size=8)
+
+
+def batches(steps):
+    g = torch.Generator().manual_seed(0)
+    return [(torch.randint(20, (4, 8), generator=g), torch.randint(20, (4, 8), generator=g))
+            for _ in range(steps)]
+
+
+def ours(t, data):
+    strategy = parallelize(GPT(CONFIG, seed=1), OneRank(), ParallelConfig(dp="single"))
+    strategy.configure_optimizer(t)
+    out = []
+    for step, (x, y) in enumerate(data):
+        loss = strategy.forward_backward([(x, y)])
+        norm = strategy.clip_grad_norm_(t.grad_clip or math.inf)
+        strategy.optimizer_step(lr_at(step, t))
+        out.append((loss, norm))
+    return out, strategy.state_dict(), strategy.optimizer
+
+
+def torch_reference(t, data):
+    """What PyTorch's example does: torch.optim.Muon over the hidden matrices, AdamW over
+    the rest (decaying matrices only), the same schedule."""
+    model = GPT(CONFIG, seed=1)
+    named = dict(model.named_parameters())
+    hidden = set(plan.hidden_matrices(model))
+    muon = torch.optim.Muon([named[n] for n in hidden], lr=t.muon_lr, momentum=t.muon_momentum,
+                            nesterov=t.muon_nesterov, weight_decay=t.muon_weight_decay,
+                            ns_coefficients=tuple(t.muon_ns_coefficients),
+                            ns_steps=t.muon_ns_steps, adjust_lr_fn=t.muon_adjust_lr)
+    groups = [{**g, "params": [named[n] for n in g["params"] if n not in hidden]}
+              for g in model.optim_groups(t.weight_decay)]
+    adamw = torch.optim.AdamW(groups, lr=t.lr, betas=(t.beta1, t.beta2))
+    out = []
+    for step, (x, y) in enumerate(data):
+        _, loss = model(x, y)
+        loss.backward()
+        grads = [p.grad for p in model.parameters()]
+        # the norm summed as parallel/clipping.py sums it: torch's clip_grad_norm_ takes the
+        # norm of the norms, whose last bit can differ, and bf16 Newton-Schulz turns a
+        # last-bit difference of the clipped gradient into a bf16 step of the update
+        norm = torch.stack(torch._foreach_norm(grads)).square().sum().sqrt()
+        torch.nn.utils.clip_grads_with_norm_(model.parameters(), t.grad_clip or math.inf, norm)
+        lr = lr_at(step, t)
+        for g in adamw.param_groups:
+            g["lr"] = lr
+        for g in muon.param_groups:
+            g["lr"] = lr * (t.muon_lr / t.lr)  # ours: the schedule's lr times muon_lr / lr
+        adamw.step()
+        muon.step()
+        model.zero_grad(set_to_none=True)
+        out.append((loss.item(), norm.item()))
+    return out, {n: p.detach().clone() for n, p in named.items()}
+
+
+@pytest.mark.parametrize("keys", [
+    {},  # the defaults: nesterov, Keller Jordan's lr ratio, clipping
+    {"grad_clip": 0.0},  # no clipping: torch's own clip_grad_norm_ would do as well
+    {"muon_nesterov": False, "muon_adjust_lr": "match_rms_adamw", "muon_momentum": 0.9,
+     "grad_clip": 0.05, "muon_weight_decay": 0.0},
+])
+def test_one_process_equals_torch_muon_with_adamw(keys):
+    t = TrainerConfig(optimizer="muon", warmup_steps=2, max_steps=6, lr=3e-3, **keys)
+    data = batches(6)
+    (got, weights, optimizer), (want, want_weights) = ours(t, data), torch_reference(t, data)
+    assert isinstance(optimizer, MuonAdamW) and optimizer.muon is not None
+    worst = max(abs(a - b) / abs(b) for step in zip(got, want) for a, b in zip(*step))
+    moved = max((want_weights[n] - GPT(CONFIG, seed=1).state_dict()[n]).abs().max().item()
+                for n in weights)
+    off = max((weights[n] - want_weights[n]).abs().max().item() for n in weights)
+    print(f"{keys}: worst relative loss/norm difference {worst:.2e}, weights {off:.2e} "
+          f"(moved {moved:.2e})")
+    assert moved > 1e-3  # the run trained
+    assert worst <= 1e-5 and off == 0.0  # the same kernels on the same numbers
+
+
+def test_a_stacked_expert_weight_steps_as_each_expert_matrix_alone():
+    """[E, in, out]: expert e's slice, transposed to the (out, in) a Linear holds, under
+    torch.optim.Muon (whose lr ratio reads which side is longer) gives the same slice."""
+    t = TrainerConfig(optimizer="muon", muon_adjust_lr="original", lr=1e-3)
+    g = torch.Generator().manual_seed(3)
+    stacked = torch.nn.Parameter(torch.randn(3, 8, 24, generator=g))
+    grads = [torch.randn(3, 8, 24, generator=g) for _ in range(3)]
+    from optimizers.muon import build
+    opt = build([{"params": [stacked], "weight_decay": 0.1}], t, {stacked: True})
+    slices = [torch.nn.Parameter(stacked.detach()[e].T.clone()) for e in range(3)]
+    ref = torch.optim.Muon(slices, lr=t.muon_lr, adjust_lr_fn="original")
+    for grad in grads:
+        stacked.grad = grad.clone()
+        for e, p in enumerate(slices):
+            p.grad = grad[e].T.clone()
+        opt.step()
+        ref.step()
+    off = max((stacked.detach()[e].T - p.detach()).abs().max().item() for e, p in enumerate(slices))
+    ratio = math.sqrt(24 / 8)  # (out, in) = (24, 8): the tall reading moves it more
+    print(f"expert slices: max difference {off:.2e} (lr ratio {ratio:.3f})")
+    assert off <= 1e-6
+
+
+def test_adamw_stays_torchs_own_optimizer():
+    strategy = parallelize(GPT(CONFIG, seed=1), OneRank(), ParallelConfig(dp="single"))
+    strategy.configure_optimizer(TrainerConfig())
+    assert type(strategy.optimizer) is torch.optim.AdamW
