@@ -1,14 +1,22 @@
-"""trainer.optimizer=muon in one process (optimizers/muon.py): our Strategy's steps equal
-torch.optim.Muon on the blocks' matrices plus torch.optim.AdamW on the rest, per step, over
-a run; a stacked expert weight steps as each expert's matrix would alone; AdamW's path is
-the same object as before (torch's)."""
+"""trainer.optimizer=muon (optimizers/muon.py).
+
+- in process: our Strategy's steps equal torch.optim.Muon on the blocks' matrices plus
+  torch.optim.AdamW on the rest, bitwise, per step, over a run; a stacked expert weight
+  steps as each expert's matrix would alone; AdamW stays torch's own optimizer;
+- the parity matrix (tests/layout_worker.py's and experts_worker.py's muon cases, in the
+  2- and 4-rank layout sessions): every layout Muon runs under equals one process to fp32
+  tolerance (Newton-Schulz in fp32: layout_worker.MUON says why).
+"""
 
 import math
 
 import pytest
 import torch
 
+import experts_worker
+import layout_worker
 from dp_worker import OneRank
+from harness import LAYOUT_SESSIONS, assert_layout_matches, experts_worker_result, layout_worker_result
 from model import GPT, GPTConfig
 from optimizers.muon import MuonAdamW
 from parallel import model_plan as plan
@@ -16,6 +24,8 @@ from parallel.config import ParallelConfig
 from parallel.parallelize import parallelize
 from training.config import TrainerConfig
 from training.step import lr_at
+
+pytestmark = pytest.mark.worker_sessions(*LAYOUT_SESSIONS[:2])  # prefetch.py: 2 and 4 ranks
 
 CONFIG = GPTConfig(n_layer=2, n_head=2, n_embd=32, vocab_size=20, block_size=8)
 
@@ -121,3 +131,27 @@ def test_adamw_stays_torchs_own_optimizer():
     strategy = parallelize(GPT(CONFIG, seed=1), OneRank(), ParallelConfig(dp="single"))
     strategy.configure_optimizer(TrainerConfig())
     assert type(strategy.optimizer) is torch.optim.AdamW
+
+
+LAYOUTS = [(w, c.name) for w in (2, 4) for c in layout_worker.CASES[w] if c.trainer.get("optimizer") == "muon"]
+EXPERTS = [(w, c.name) for w in (2, 4) for c in experts_worker.CASES[w] if "muon" in c.name]
+
+
+@pytest.mark.parametrize("world,name", LAYOUTS, ids=[n for _, n in LAYOUTS])
+def test_muon_under_a_layout_equals_one_process(world, name):
+    r = layout_worker_result(world)["cases"][name]
+    print(f"{name}: loss {r['loss_rel_diff']:.2g}, grad norm {r['norm_rel_diff']:.2g}, val loss "
+          f"{r['eval_rel_diff']:.2g}, parameters {r['param_max_abs_diff']:.2g}")
+    assert r["optimizer"] == "MuonAdamW", r["optimizer"]
+    assert_layout_matches(r)
+    assert r["param_max_abs_diff"] < 1e-5, r  # Muon's steps are no sign of the gradient: tight
+
+
+@pytest.mark.parametrize("world,name", EXPERTS, ids=[n for _, n in EXPERTS])
+def test_muon_on_experts_under_expert_parallelism_equals_one_process(world, name):
+    """Each ep rank holds whole experts: their slices orthogonalized where they live."""
+    r = experts_worker_result(world)[name]
+    print({k: v for k, v in r.items() if k.endswith("diff")})
+    assert r["optimizer"] == "MuonAdamW" and r["ep"] > 1, r
+    assert all(r[f"{f}_rel_diff"] <= 1e-5 for f in ("loss", "norm", "aux", "z", "load", "eval")), r
+    assert r["param_max_abs_diff"] < 1e-5, r
