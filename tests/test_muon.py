@@ -5,7 +5,10 @@
   steps as each expert's matrix would alone; AdamW stays torch's own optimizer;
 - the parity matrix (tests/layout_worker.py's and experts_worker.py's muon cases, in the
   2- and 4-rank layout sessions): every layout Muon runs under equals one process to fp32
-  tolerance (Newton-Schulz in fp32: layout_worker.MUON says why).
+  tolerance (Newton-Schulz in fp32: layout_worker.MUON says why);
+- through main.py: a snapshot carries the momentum in canonical form (resumed under
+  another layout and world size, the losses of an uninterrupted run); a snapshot of
+  another optimizer is refused in one line.
 """
 
 import math
@@ -16,7 +19,9 @@ import torch
 import experts_worker
 import layout_worker
 from dp_worker import OneRank
-from harness import LAYOUT_SESSIONS, assert_layout_matches, experts_worker_result, layout_worker_result
+from harness import (LAYOUT_SESSIONS, assert_layout_matches, assert_parity, experts_worker_result,
+                     layout_worker_result, run_job, run_metrics, save_then_resume)
+from test_bad_input import assert_clean_failure
 from model import GPT, GPTConfig
 from optimizers.muon import MuonAdamW
 from parallel import model_plan as plan
@@ -155,3 +160,31 @@ def test_muon_on_experts_under_expert_parallelism_equals_one_process(world, name
     assert r["optimizer"] == "MuonAdamW" and r["ep"] > 1, r
     assert all(r[f"{f}_rel_diff"] <= 1e-5 for f in ("loss", "norm", "aux", "z", "load", "eval")), r
     assert r["param_max_abs_diff"] < 1e-5, r
+
+
+# constant lr, no clipping (as test_cp's resume): what a resumed run computes is the
+# uninterrupted run's own arithmetic
+RUN = ["trainer.optimizer=muon", "trainer.muon_ns_dtype=fp32", "trainer.warmup_steps=0",
+       "trainer.lr=0.003", "trainer.min_lr=0.003", "trainer.grad_clip=0"]
+RESUME_LAYOUTS = {"single": (1, ["parallel.dp=single"]),
+                  "dp2": (2, ["parallel.dp=ddp_bucket"]),
+                  "pp2": (2, ["parallel.dp=single", "parallel.pp=2", "parallel.microbatches=2"])}
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(tmp_path_factory):
+    return run_metrics(tmp_path_factory.mktemp("muon"), 1, ["parallel.dp=single", *RUN])
+
+
+@pytest.mark.parametrize("saved_under,resumed_under", [("dp2", "single"), ("single", "pp2")])
+def test_muon_resumes_across_layouts_exactly(tmp_path, uninterrupted, saved_under, resumed_under):
+    resumed = save_then_resume(tmp_path, RESUME_LAYOUTS[saved_under],
+                               RESUME_LAYOUTS[resumed_under], RUN)
+    print(f"{saved_under} -> {resumed_under}: {assert_parity(uninterrupted[3:], resumed)}")
+
+
+def test_resuming_with_another_optimizer_is_refused_in_one_line(tmp_path):
+    saved = run_job(tmp_path, 1, ["parallel.dp=single", "trainer.max_steps=2"])
+    assert saved.returncode == 0, saved.stderr[-2000:]
+    result = run_job(tmp_path, 2, ["parallel.dp=ddp_bucket", "trainer.max_steps=4", *RUN])
+    assert_clean_failure(result, "was trained with trainer.optimizer=adamw, this run asks for muon")
