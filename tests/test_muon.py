@@ -188,3 +188,28 @@ def test_resuming_with_another_optimizer_is_refused_in_one_line(tmp_path):
     assert saved.returncode == 0, saved.stderr[-2000:]
     result = run_job(tmp_path, 2, ["parallel.dp=ddp_bucket", "trainer.max_steps=4", *RUN])
     assert_clean_failure(result, "was trained with trainer.optimizer=adamw, this run asks for muon")
+
+
+@pytest.mark.parametrize("fused", [False, True])
+def test_a_step_whose_gradients_are_not_finite_leaves_weights_and_momentum_untouched(fused):
+    """parallel/finite.py: foreach AdamW's flag is read before step(); fused AdamW takes it
+    inside its kernel, and Muon (no such kernel) reads it in MuonAdamW.step."""
+    from optimizers.muon import build
+    from parallel.finite import step_unless
+    t = TrainerConfig(optimizer="muon")
+    matrix, bias = torch.nn.Parameter(torch.randn(8, 4)), torch.nn.Parameter(torch.randn(8))
+    opt = build([{"params": [matrix, bias], "weight_decay": 0.1}], t, {matrix: False},
+                **({"fused": True} if fused else {}))
+    assert bool(opt.defaults.get("fused")) == fused
+
+    def step(found):
+        matrix.grad, bias.grad = torch.randn(8, 4), torch.randn(8)
+        step_unless(opt, torch.tensor(found))
+    step(False)  # states exist
+    before = [t.clone() for t in (matrix, bias, *opt.state[matrix].values(),
+                                  *opt.state[bias].values())]
+    step(True)
+    after = [matrix, bias, *opt.state[matrix].values(), *opt.state[bias].values()]
+    assert all(torch.equal(a, b) for a, b in zip(before, after))
+    step(False)
+    assert not torch.equal(before[0], matrix) and float(opt.state[matrix]["step"]) == 2
