@@ -213,3 +213,21 @@ def test_a_step_whose_gradients_are_not_finite_leaves_weights_and_momentum_untou
     assert all(torch.equal(a, b) for a, b in zip(before, after))
     step(False)
     assert not torch.equal(before[0], matrix) and float(opt.state[matrix]["step"]) == 2
+
+
+@pytest.mark.parametrize("overrides,world,needle", [
+    (["trainer.optimizer=sgd"], 1, "trainer.optimizer must be one of adamw, muon, got 'sgd'"),
+    (["trainer.optimizer=muon", "trainer.muon_momentum=1"], 1, "muon_momentum must be in [0, 1)"),
+    (["trainer.optimizer=muon", "trainer.muon_ns_coefficients=[1,2]"], 1, "three numbers"),
+    (["trainer.optimizer=muon", "trainer.muon_adjust_lr=keller"], 1,
+     "muon_adjust_lr must be original or match_rms_adamw"),
+    (["trainer.optimizer=muon", "trainer.muon_ns_dtype=fp16"], 1, "must be bf16 or fp32"),
+    (["trainer.optimizer=muon", "parallel.dp=fsdp"], 2, "with parallel.dp=fsdp is not supported yet"),
+    (["trainer.optimizer=muon", "parallel.tp=2"], 2, "with parallel.tp=2 is not supported yet"),
+])
+def test_bad_muon_settings_are_refused_in_one_line(overrides, world, needle):
+    import config
+    from errors import UserError
+    with pytest.raises(UserError) as e:
+        config.load_config(overrides, world)
+    assert needle in str(e.value) and "\n" not in str(e.value), str(e.value)
