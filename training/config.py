@@ -30,7 +30,7 @@ class TrainerConfig:
     muon_adjust_lr: str = "original"  # original (x sqrt(max(1, rows / cols))) | match_rms_adamw
                                 # (x 0.2 sqrt(max(rows, cols)): AdamW's update RMS, Moonshot's)
     muon_ns_dtype: str = "bf16"  # bf16 (PyTorch's Muon) | fp32 (layouts equal one process to
-                                 # fp32 tolerance)
+                                 # fp32 tolerance; on a CPU much faster than bf16)
     eval_every: int = 50        # val loss every N optimizer steps and at the end; 0 = never
     eval_batches: int = 4       # global batches of val data per evaluation
     log_every: int = 10         # a metrics.jsonl record and a console line every N steps
