@@ -5,7 +5,7 @@ parallelism left (a `LocalModel`), as replicas or shards, and averages gradients
 grid.grad_group. That is all it knows. The rest is given, by the `Strategy` that
 parallelize() wraps around it (parallel/strategy.py): the step's forward and backward
 over micro-batches or the pipeline's schedule, its random state (forward_backward.py),
-the gradient norm across shards and the clip (clipping.py), AdamW's step, snapshots and
+the gradient norm across shards and the clip (clipping.py), the optimizer's step, snapshots and
 state_dict through `regions()` (placement.py), and the statistics.
 
 `ReplicatedStrategy` (replicated.py) implements build_optimizer, regions, norm_group and
