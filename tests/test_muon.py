@@ -152,6 +152,25 @@ def test_muon_under_a_layout_equals_one_process(world, name):
     assert r["param_max_abs_diff"] < 1e-5, r  # Muon's steps are no sign of the gradient: tight
 
 
+PLANNED = [(w, n) for w, n in LAYOUTS if not n.startswith("cp2-torch")]  # torch_ddp: not counted
+
+
+@pytest.mark.parametrize("world,name", PLANNED, ids=[n for _, n in PLANNED])
+def test_muon_adds_no_traffic_where_every_replica_orthogonalizes(world, name):
+    """Every replica holds each whole matrix and its averaged gradient: the bytes a Muon
+    step counts are exactly the planner's for the same layout under AdamW (its textbook)."""
+    from dataclasses import replace
+    from planner.figures import metrics_names, rank_figures
+    from test_planner import modelled
+    case = next(c for c in layout_worker.CASES[world] if c.name == name)
+    w, layout = modelled(replace(case, trainer={}))
+    planned = {k: v for k, v in metrics_names(rank_figures(w, layout)["fullest"]).items()
+               if k.startswith("comm_") and k.endswith("_bytes") and v}
+    for step, got in enumerate(layout_worker_result(world)["cases"][name]["comm"]):
+        logged = {k: v for k, v in got.items() if k.endswith("_bytes") and v}
+        assert logged == planned, f"step {step}: counted {logged}, planned {planned}"
+
+
 @pytest.mark.parametrize("world,name", EXPERTS, ids=[n for _, n in EXPERTS])
 def test_muon_on_experts_under_expert_parallelism_equals_one_process(world, name):
     """Each ep rank holds whole experts: their slices orthogonalized where they live."""
