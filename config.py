@@ -30,6 +30,7 @@ from fault_tolerance.config import FTConfig
 from launch.devices import precision_for
 from telemetry import tensorboard
 from model import ModelConfig
+from optimizers import registry as optimizers
 from parallel.config import ParallelConfig
 from parallel.layout import check_keys, check_layout
 from data.prepare import PrepareConfig
@@ -269,6 +270,8 @@ def validate(cfg: Config, world_size: int):
     for ok, message in checks:
         if not ok:
             raise UserError(message)
+    if optimizers.refusal(t):
+        raise UserError(optimizers.refusal(t))
     check_keys(p)  # parallel/rules.py KEYS
     ft_config.check(cfg)  # fault_tolerance/config.py
     tensorboard.check(cfg)  # the optional package, before anything starts

@@ -1,5 +1,6 @@
 """Where a run's snapshots live, and whether a snapshot may be resumed by this run:
-the data order it was trained in must be the one this run reads."""
+the data order it was trained in must be the one this run reads, and its optimizer this
+run's."""
 
 import os
 
@@ -26,6 +27,12 @@ def check_resumable(path, meta, cfg, data):
                 f"snapshot {path} was trained with {section}.{key}={was!r}, this run asks "
                 f"for {now!r}: resuming would change the data order. Use the snapshot's value "
                 "or a new trainer.snapshot_path")
+    was, now = saved_t.get("optimizer", "adamw"), cfg.trainer.optimizer
+    if was != now:
+        raise UserError(
+            f"snapshot {path} was trained with trainer.optimizer={was}, this run asks for {now}: "
+            "its optimizer state does not carry over to another optimizer. Use "
+            f"trainer.optimizer={was}, or a new trainer.snapshot_path")
     was, now = meta.get("data_order", LEGACY_ORDER), data_order(cfg.data)
     if was != now:
         known = SAMPLERS.get(was["sampler"]) == was["version"] and was["sampler"] != now["sampler"]

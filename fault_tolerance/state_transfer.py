@@ -65,7 +65,9 @@ def numbers_of(cfg) -> dict:
             "data.tokenizer": cfg.data.tokenizer, "parallel": dict(vars(cfg.parallel)),
             **{f"trainer.{k}": getattr(t, k) for k in (
                 "batch_size", "grad_accum", "lr", "min_lr", "warmup_steps", "max_steps",
-                "weight_decay", "beta1", "beta2", "grad_clip", "seed", "precision")}}
+                "weight_decay", "beta1", "beta2", "grad_clip", "seed", "precision")},
+            **{f"trainer.{k}": getattr(t, k) for k in vars(t)  # the optimizer and its keys
+               if k == "optimizer" or k.startswith("muon_")}}
 
 
 def differences(mine, theirs) -> list:

@@ -86,6 +86,15 @@ def block_parameter_names(model):
     return [[block_prefix(i) + n for n, _ in block.named_parameters()] for i, block in blocks(model)]
 
 
+def hidden_matrices(model):
+    """{canonical name: stored (in, out)} of the blocks' matrices this rank holds, which
+    Muon orthogonalizes: attention, MLP and router weights (out, in) as nn.Linear holds
+    them, and the stacked experts' weights [E, in, out] (moe/experts.py: each expert's
+    slice is a matrix of its own). Biases, norms, embeddings and the head are not."""
+    return {n: p.dim() == 3 for names, (_, block) in zip(block_parameter_names(model), blocks(model))
+            for n, p in zip(names, block.parameters()) if p.dim() >= 2 and not n.endswith("bias")}
+
+
 # ---------------------------------------------------------------- tensor parallelism
 
 def swap_linear(block, path, layer):

@@ -125,13 +125,20 @@ def writer_among(name, replicas):
 
 # ---------------------------------------------------------------- canonical state through regions
 
-OPTIM_FIELDS = ("exp_avg", "exp_avg_sq")
+OPTIM_FIELDS = ("exp_avg", "exp_avg_sq", "momentum_buffer")  # AdamW's moments, Muon's momentum
+
+
+def state_fields(optimizer, param) -> tuple:
+    """The state tensors shaped like `param` that its optimizer keeps: AdamW's moments, or
+    what a composite optimizer (optimizers/muon.py) says for the part that steps it."""
+    fields = getattr(optimizer, "state_fields", None)
+    return fields(param) if fields is not None else OPTIM_FIELDS[:2]
 
 
 @torch.no_grad()
 def snapshot_pieces(regions, optimizer, with_optimizer=True):
-    """[(key, canonical shape, box, tensor)] this rank writes. AdamW's step counter is
-    one scalar per canonical parameter: the writer of its first element writes it."""
+    """[(key, canonical shape, box, tensor)] this rank writes. The step counter (AdamW's,
+    Muon's) is one scalar per canonical parameter: the writer of its first element writes it."""
     out = []
     for r in regions:
         if not r.writes:
@@ -151,7 +158,7 @@ def snapshot_pieces(regions, optimizer, with_optimizer=True):
 
 @torch.no_grad()
 def load_regions(regions, optimizer, reader):
-    """Fill every region this rank holds (every replica reads) from a snapshot, AdamW
+    """Fill every region this rank holds (every replica reads) from a snapshot, optimizer
     state included; a fresh optimizer gets its state tensors created here. optimizer
     None: the model only (the initial weights, parallel/initial.py)."""
     for r in regions:
@@ -167,14 +174,14 @@ def load_regions(regions, optimizer, reader):
             if optimizer.defaults.get("fused") or optimizer.defaults.get("capturable"):
                 step = step.to(r.opt_param.device)  # their kernels keep it beside the parameter
             if not state:
-                for field in OPTIM_FIELDS:
+                for field in state_fields(optimizer, r.opt_param):
                     state[field] = torch.zeros_like(r.opt_param)
             state["step"] = step  # also into a live state: a replica group behind takes it
         else:  # every step so far skipped (fp16 overflows, non-finite gradients): no state
             state.clear()
         for box, idx in r.canonical_parts():
             r.values()[idx] = reader.read_box(f"model/{name}", box).reshape(-1).to(r.opt_param)
-            for field in OPTIM_FIELDS if stepped else ():
+            for field in state_fields(optimizer, r.opt_param) if stepped else ():
                 r.values(state[field])[idx] = reader.read_box(
                     f"optim/{name}/{field}", box).reshape(-1).to(r.opt_param)
 

@@ -199,6 +199,15 @@ DATA = [  # data parallelism: hybrid sharding, offload, each strategy (data_para
          "CUDA: the ring's thread and the training thread would drive two NCCL communicators in "
          "an order that can differ between ranks (a deadlock); use parallel.allreduce=native, or "
          "parallel.dp=ddp_naive (its ring runs in the training thread)"),
+    # Muon needs each whole matrix where it orthogonalizes: shards are not assembled yet
+    Rule("fsdp torch_fsdp torch_tp", lambda t: t.optimizer == "muon",
+         "trainer.optimizer=muon with {what} is not supported yet: Muon orthogonalizes whole "
+         "matrices, and {what} holds shards of them (issue 56); use parallel.dp=ddp_bucket, "
+         "ddp_naive or single, or trainer.optimizer=adamw"),
+    Rule("parallel.tp", lambda t, tp: t.optimizer == "muon" and tp > 1,
+         "trainer.optimizer=muon with parallel.tp={tp} is not supported yet: Muon orthogonalizes "
+         "whole matrices, and tensor parallelism splits them (issue 56); use parallel.tp=1 or "
+         "trainer.optimizer=adamw"),
     Rule("fsdp", lambda p, pp: pp > 1 and p.zero_stage == 3,
          "parallel.zero_stage=3 with parallel.pp > 1 is refused: ZeRO-3 would all-gather a "
          "stage's parameters again for every micro-batch's forward and backward (2M gathers a "

@@ -17,7 +17,7 @@ single-device model: a snapshot written under one layout resumes under another.
 A Strategy is no base class: it holds the data-parallel strategy (`dp`, eight methods:
 parallel/data_parallel/contract.py) and does for it, once, what every one needs: the
 step's forward and backward (forward_backward.py), the gradient norm and the clip
-(clipping.py), AdamW's step, snapshots through its Regions (placement.py), statistics.
+(clipping.py), the optimizer's step, snapshots through its Regions (placement.py), statistics.
 """
 
 from dataclasses import dataclass
@@ -134,7 +134,7 @@ class Strategy:
         return self.clip_gradients(max_norm).item()
 
     def optimizer_step(self, lr):
-        """AdamW's step at learning rate lr (skipped after an fp16 overflow anywhere), then
+        """The optimizer's step at learning rate lr (skipped after an fp16 overflow anywhere), then
         the gradients dropped."""
         for group in self.optimizer.param_groups:
             group["lr"] = lr

@@ -89,6 +89,8 @@ CASES = {  # each Case's `parallel` holds ep; its `moe`-like keys travel in MOE_
         Case("ep2-fp16-ddp_bucket-accum2", "ddp_bucket", dp=2, parallel=ep(2), accum=2),
         Case("ep2-recompute-fsdp3-accum2", "fsdp", dp=2, parallel=ep(2, zero_stage=3), accum=2),
         Case("ep2-compile-ddp_bucket", "ddp_bucket", dp=2, parallel=ep(2)),
+        Case("ep2-muon-ddp_bucket-accum3", "ddp_bucket", dp=2, parallel=ep(2), accum=3),
+        Case("ep2cp2-muon-ddp_naive", "ddp_naive", cp=2, parallel=ep(2)),
     ],
     4: [
         Case("ep4-ddp_bucket", "ddp_bucket", dp=4, parallel=ep(4)),
@@ -97,6 +99,8 @@ CASES = {  # each Case's `parallel` holds ep; its `moe`-like keys travel in MOE_
         Case("ep2tp2-sp-fsdp2", "fsdp", dp=2, tp=2, parallel=ep(2, zero_stage=2,
                                                                  sequence_parallel=True)),
         Case("ep2pp2-1f1b-m2-every2", "ddp_bucket", dp=2, pp=2, parallel=ep(2, **pp("1f1b", 2))),
+        Case("ep2pp2-1f1b-m2-every2-muon", "ddp_bucket", dp=2, pp=2,
+             parallel=ep(2, **pp("1f1b", 2))),
         Case("ep2pp2-bias-gpipe-m2", "ddp_naive", dp=2, pp=2, parallel=ep(2, **pp("gpipe", 2))),
         Case("ep2pp2-interleaved-v2-m2", "ddp_bucket", dp=2, pp=2,
              parallel=ep(2, **pp("interleaved", 2, 2)), n_layer=4),
@@ -150,6 +154,8 @@ def trainer_of(case, replica=False):
         t = replace(t, activation_checkpointing=True)
     if "compile" in case.name and not replica:
         t = replace(t, compile=True, compile_backend="aot_eager")
+    if "muon" in case.name:  # each expert's slice a matrix (layout_worker.MUON: why fp32)
+        t = replace(t, optimizer="muon", muon_ns_dtype="fp32")
     return t
 
 
@@ -187,7 +193,7 @@ _replicas = {}
 
 def replica_run(case):
     key = (case.n_layer, case.accum, case.clip, tuple(sorted(moe_keys(case).items())),
-           "collapse" in case.name, trainer_of(case, replica=True).precision)
+           "collapse" in case.name, repr(trainer_of(case, replica=True)))
     if key not in _replicas:
         ref = parallelize(gpt(case), OneRank(), ParallelConfig(dp="single"))
         ref.configure_compute(trainer_of(case, replica=True))
@@ -224,7 +230,8 @@ def check_case(case):
     out = {**{f"{n}_rel_diff": 0.0 for n in names}, "replicated_equal": [], "all_to_all": [],
            "name": case.name, "ep": p.get("ep", 1), "ep_impl": p.get("ep_impl", "alltoall"),
            "precision": trainer_of(case).precision,
-           "recompute": trainer_of(case).activation_checkpointing}
+           "recompute": trainer_of(case).activation_checkpointing,
+           "optimizer": type(strategy.optimizer).__name__}  # a muon case runs Muon
     per_rank = BATCH // grid.data_size
     mine = slice(grid.data_rank * per_rank, (grid.data_rank + 1) * per_rank)
     for step in range(STEPS):

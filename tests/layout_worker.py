@@ -30,7 +30,7 @@ ranks always reach the same collectives and a wrong result cannot hang.
 import hashlib
 import os
 import sys
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 
 import torch
 import torch.distributed as dist
@@ -64,6 +64,11 @@ class Case:
     accum: int = 1
     clip: float = 1.0
     n_layer: int = 2
+    trainer: dict = field(default_factory=dict)  # more TrainerConfig fields (the optimizer)
+
+    @property
+    def tcfg(self):
+        return replace(TRAINER, **self.trainer)
 
     @property
     def replicate(self):
@@ -85,6 +90,11 @@ def hsdp(stage, replicate=2, offload=False, **more):
 
 def pp(schedule, m, v=1, **more):
     return {"pp_schedule": schedule, "microbatches": m, "pp_virtual_stages": v, **more}
+
+
+# Muon with fp32 Newton-Schulz (tests/test_muon.py): bf16's would round the last bits in
+# which a layout's gradients differ from one process's into bf16 steps of the update
+MUON = {"optimizer": "muon", "muon_ns_dtype": "fp32"}
 
 
 CASES = {
@@ -129,6 +139,14 @@ CASES = {
         Case("dp2-fsdp3-offload-accum4-noclip", "fsdp", dp=2, parallel=hsdp(3, 1, True), accum=4,
              clip=0.0, vocab=65),
         Case("hsdp2x1-fsdp2-accum2", "fsdp", dp=1, parallel=hsdp(2), accum=2),
+        # Muon on the replicated strategies: every rank orthogonalizes every matrix
+        Case("dp2-ddp_bucket-accum2-muon", "ddp_bucket", dp=2, accum=2, trainer=MUON),
+        Case("dp2-ddp_naive-noclip-muon", "ddp_naive", dp=2, clip=0.0, trainer=MUON),
+        Case("cp2-torch_ddp-muon", "torch_ddp", cp=2, trainer=MUON),
+        Case("pp2-zbv-m4-muon", pp=2, parallel=pp("zbv", 4), n_layer=4, trainer=MUON),
+        Case("pp2-interleaved-v2-m2-muon-rms-plain", pp=2, parallel=pp("interleaved", 2, 2),
+             n_layer=4, trainer={**MUON, "muon_adjust_lr": "match_rms_adamw",
+                                 "muon_nesterov": False}),
     ],
     4: [
         Case("tp4-vocab50", tp=4, vocab=50),
@@ -210,6 +228,9 @@ CASES = {
         Case("hsdp2x1cp2-fsdp3-accum2", "fsdp", cp=2, parallel=hsdp(3), accum=2),
         Case("hsdp2x2-torch_fsdp-offload-accum2", "torch_fsdp", dp=2,
              parallel={"dp_replicate": 2, "offload": True}, accum=2),
+        Case("dp2pp2-ddp_bucket-1f1b-m2-muon", "ddp_bucket", dp=2, pp=2, parallel=pp("1f1b", 2),
+             trainer=MUON),
+        Case("dp2cp2-ddp_naive-accum2-muon", "ddp_naive", dp=2, cp=2, accum=2, trainer=MUON),
     ],
     8: [
         Case("dp2pp2tp2-ddp_bucket-1f1b-m2-accum2", "ddp_bucket", dp=2, pp=2, tp=2,
@@ -281,16 +302,16 @@ _replicas = {}
 
 def replica_run(case):
     """The single-process run every case of the same (vocabulary, layers, accumulation,
-    clipping) is measured against: per step its loss and pre-clip gradient norm, the
+    clipping, trainer) is measured against: per step its loss and pre-clip gradient norm, the
     validation loss after STEPS steps and the final parameters. It depends on nothing
     else (same seed, same global batches, no dropout), so each rank trains it once per
     such key and every case with that key compares against the same numbers."""
-    key = (case.vocab, case.n_layer, case.accum, case.clip)
+    key = (case.vocab, case.n_layer, case.accum, case.clip, repr(case.tcfg))
     if key not in _replicas:
         torch.manual_seed(1234)
         ref = parallelize(GPT(gpt_config(case.vocab, case.n_layer)), OneRank(),
                           ParallelConfig(dp="single"))
-        ref.configure_optimizer(TRAINER)
+        ref.configure_optimizer(case.tcfg)
         steps = []
         for step in range(STEPS):
             x, y = global_batch(step, case.vocab)
@@ -310,7 +331,7 @@ def check_case(case):
     model = GPT(gpt_config(case.vocab, case.n_layer))
     strategy = parallelize(model, grid, ParallelConfig(dp=case.dp_kind, tp=case.tp, pp=case.pp,
                                                           cp=case.cp, **case.parallel))
-    strategy.configure_optimizer(TRAINER)
+    strategy.configure_optimizer(case.tcfg)
     ref_steps, ref_val, ref_state = replica_run(case)
     strategy.comm_stats()  # drop start-up traffic (dp broadcasts)
     out = {"loss_rel_diff": 0.0, "norm_rel_diff": 0.0, "replicated_equal": [], "tied_equal": [],
@@ -334,6 +355,7 @@ def check_case(case):
     out["replicated_equal"] = on_every_rank(out["replicated_equal"])
     out["tied_equal"] = on_every_rank(out["tied_equal"])
     out["state"] = strategy.state_figures()  # state_bytes (host_state_bytes), the fullest rank's
+    out["optimizer"] = type(strategy.optimizer).__name__  # a muon case runs Muon
     # the validation loss of the trained model on a batch it never saw (as the trainer
     # asks it: this rank's data-parallel share in, the global batch's mean out)
     x, y = global_batch(STEPS, case.vocab)

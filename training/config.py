@@ -1,7 +1,8 @@
 """TrainerConfig: a leaf, importing nothing, so config.py and the planner read it without
 the loop."""
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import List
 
 
 @dataclass
@@ -17,6 +18,19 @@ class TrainerConfig:
     beta1: float = 0.9          # AdamW beta1
     beta2: float = 0.95         # AdamW beta2
     grad_clip: float = 1.0      # max global gradient norm; 0 = no clipping
+    optimizer: str = "adamw"    # adamw | muon (Muon on the blocks' matrices, AdamW on the rest:
+                                # docs/optimizers.md)
+    muon_lr: float = 0.02       # Muon's peak learning rate; it follows lr's warm-up and decay
+    muon_momentum: float = 0.95  # Muon's momentum (an average: buf = m buf + (1 - m) grad)
+    muon_nesterov: bool = True  # Muon orthogonalizes grad + m (buf - grad) instead of buf
+    muon_ns_steps: int = 5      # Newton-Schulz iterations per matrix and step
+    muon_ns_coefficients: List[float] = field(  # the quintic Newton-Schulz iteration's
+        default_factory=lambda: [3.4445, -4.775, 2.0315])  # (a, b, c), Keller Jordan's
+    muon_weight_decay: float = 0.1  # Muon's decoupled weight decay (times its learning rate)
+    muon_adjust_lr: str = "original"  # original (x sqrt(max(1, rows / cols))) | match_rms_adamw
+                                # (x 0.2 sqrt(max(rows, cols)): AdamW's update RMS, Moonshot's)
+    muon_ns_dtype: str = "bf16"  # bf16 (PyTorch's Muon) | fp32 (layouts equal one process to
+                                 # fp32 tolerance; on a CPU much faster than bf16)
     eval_every: int = 50        # val loss every N optimizer steps and at the end; 0 = never
     eval_batches: int = 4       # global batches of val data per evaluation
     log_every: int = 10         # a metrics.jsonl record and a console line every N steps

@@ -11,7 +11,7 @@ process gets as many threads as the others have ranks (2 ranks x 1 thread
 against one process x 2 threads: the same cores).
 """
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 
 @dataclass(frozen=True)
@@ -225,7 +225,24 @@ def expert_variants():
 EXPERT_VARIANTS = expert_variants()
 VARIANTS += EXPERT_VARIANTS
 
+
+def muon_variants():
+    """Muon (trainer.optimizer=muon, Newton-Schulz in PyTorch's bf16) beside AdamW's run of
+    the same layout: what orthogonalizing every hidden matrix adds to a step. Layouts that
+    shard matrices (fsdp, tp) refuse Muon for now: their variants say so."""
+    muon = "trainer.optimizer=muon"
+    out = [Variant("single_muon", ("parallel.dp=single", muon), ranks=1, threads=0,
+                   reference="single", note="one process, Muon on the blocks' matrices")]
+    for base in ("ddp_bucket", "fsdp1", "fsdp3", "tp"):
+        v = BY_NAME[base]
+        out.append(replace(v, name=f"{base}_muon", overrides=v.overrides + (muon,),
+                           reference=base, note=f"{base} with Muon"))
+    return out
+
 BY_NAME = {v.name: v for v in VARIANTS}
+MUON_VARIANTS = muon_variants()
+VARIANTS += MUON_VARIANTS
+BY_NAME.update((v.name, v) for v in MUON_VARIANTS)
 
 # each preset starts with `single`: every ratio "vs single" needs it in the same round
 PRESETS = {
@@ -260,10 +277,13 @@ PRESETS = {
     "hsdp": ["single", "torch_hsdp", "hsdp3", "torch_fsdp_offload", "fsdp3_offload"],
     # expert parallelism against experts on every rank and the all-gather (run with --model moe)
     "ep": ["single", "ep1", "ep_allgather", "ep"],
+    # Muon's extra step time over AdamW, layout by layout (docs/optimizers.md)
+    "muon": ["single", "single_muon", "ddp_bucket", "ddp_bucket_muon", "fsdp1", "fsdp1_muon",
+             "fsdp3", "fsdp3_muon", "tp", "tp_muon"],
     # (compiled variants only on request: each job pays inductor's start-up, tens of seconds;
     # the expert variants need a mixture-of-experts model: --preset ep --model moe)
     "all": [v.name for v in VARIANTS if v.name != "single_1t" and "compiled" not in v.name
-            and v not in EXPERT_VARIANTS],
+            and v not in EXPERT_VARIANTS and v not in MUON_VARIANTS],
 }
 
 # the same model, data and GLOBAL batch for every variant

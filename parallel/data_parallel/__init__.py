@@ -2,7 +2,7 @@
 the model (after tensor, context and pipeline parallelism) and average gradients over
 grid.grad_group, each implementing the eight methods of contract.py.
 
-    contract.py    DataParallel: the contract, in the order a step calls it; build_adamw
+    contract.py    DataParallel: the contract, in the order a step calls it; build_optimizer
     replicated.py  its replicas' half: one Region per parameter, AdamW over them
     single.py      one data-parallel rank: the parity reference
     naive.py       ddp_naive: one all-reduce per parameter after backward

@@ -5,7 +5,7 @@ parallelism left (a `LocalModel`), as replicas or shards, and averages gradients
 grid.grad_group. That is all it knows. The rest is given, by the `Strategy` that
 parallelize() wraps around it (parallel/strategy.py): the step's forward and backward
 over micro-batches or the pipeline's schedule, its random state (forward_backward.py),
-the gradient norm across shards and the clip (clipping.py), AdamW's step, snapshots and
+the gradient norm across shards and the clip (clipping.py), the optimizer's step, snapshots and
 state_dict through `regions()` (placement.py), and the statistics.
 
 `ReplicatedStrategy` (replicated.py) implements build_optimizer, regions, norm_group and
@@ -16,8 +16,8 @@ contract too.
 
 from contextlib import nullcontext
 
-import torch
-
+from optimizers.adamw import adamw_kind, build_adamw  # noqa: F401 (the strategies' helpers)
+from optimizers.registry import builder as optimizer_builder
 from parallel.strategy import hold
 
 
@@ -33,7 +33,7 @@ class DataParallel:
         self.optimizer = None  # build_optimizer
 
     def build_optimizer(self, tcfg):
-        """Set `self.optimizer`: AdamW (`build_adamw`) over what this rank updates."""
+        """Set `self.optimizer`: `build_optimizer`'s over what this rank updates."""
         raise NotImplementedError
 
     def backward_scope(self, chunk, last):
@@ -71,22 +71,13 @@ class DataParallel:
 
 # ---------------------------------------------------------------- helpers a strategy is given
 
-def build_adamw(param_groups, tcfg, **kwargs):
-    """AdamW over `param_groups` (torch.optim's [{"params": [...], ...}]) with the
-    trainer's hyperparameters, in the implementation `adamw_kind` picks for their device
-    unless kwargs name one."""
-    params = [p for g in param_groups for p in g["params"]]
-    if params and not {"fused", "foreach"} & set(kwargs):
-        kwargs.update(adamw_kind(params[0].device))
-    return torch.optim.AdamW(param_groups, lr=tcfg.lr, betas=(tcfg.beta1, tcfg.beta2),
-                             weight_decay=tcfg.weight_decay, **kwargs)
-
-
-def adamw_kind(device) -> dict:
-    """On a GPU, fused AdamW: one kernel, and a step whose gradients are not finite skips
-    inside it on a flag nobody reads (parallel/finite.py). Elsewhere torch's default (foreach
-    on the CPU: what CPU runs always computed)."""
-    return {"fused": True} if device.type == "cuda" else {}
+def build_optimizer(param_groups, tcfg, matrices=(), **kwargs):
+    """The optimizer trainer.optimizer names (optimizers/registry.py) over `param_groups`
+    (torch.optim's [{"params": [...], "weight_decay": ...}], as AdamW takes them);
+    `matrices`: those parameters that are whole hidden matrices (model_plan.
+    hidden_matrices), which Muon takes from the groups; kwargs: AdamW's kind."""
+    return optimizer_builder(tcfg.optimizer)(
+        param_groups, tcfg, matrices, **kwargs)
 
 
 def sharded_group(grid, *dims):

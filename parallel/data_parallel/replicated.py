@@ -5,7 +5,8 @@ a subclass adds `__init__` and `sync_gradients` or `backward_scope` (contract.py
 
 import torch
 
-from parallel.data_parallel.contract import DataParallel, build_adamw, sharded_group
+from parallel import model_plan as plan
+from parallel.data_parallel.contract import DataParallel, build_optimizer, sharded_group
 from parallel.initial import allocate
 from parallel.placement import Region, load_regions, writer_among
 
@@ -48,8 +49,10 @@ class ReplicatedStrategy(DataParallel):
     def build_optimizer(self, tcfg):
         self.named = dict(self.module.named_parameters())
         groups = self.module.optim_groups(tcfg.weight_decay)
-        self.optimizer = build_adamw([{**g, "params": [self.named[n] for n in g["params"]
-                                                       if n in self.named]} for g in groups], tcfg)
+        matrices = {self.named[n]: in_out for n, in_out in plan.hidden_matrices(self.module).items()}
+        self.optimizer = build_optimizer([{**g, "params": [self.named[n] for n in g["params"]
+                                                           if n in self.named]} for g in groups],
+                                         tcfg, matrices)
 
     def drop_gradients(self):
         held = resident_bytes(self.module.parameters(), self.optimizer)
