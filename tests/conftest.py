@@ -28,13 +28,16 @@ def pytest_addoption(parser):
 
 def pytest_collection_modifyitems(config, items):
     """The suite (the README's command, CI's) leaves the long tier out; `--long` adds it,
-    `--long -m long` runs it alone."""
-    if config.getoption("--long"):
-        return
-    long = [item for item in items if item.get_closest_marker("long")]
-    if long:
-        config.hook.pytest_deselected(items=long)
-        items[:] = [item for item in items if not item.get_closest_marker("long")]
+    `--long -m long` runs it alone. Then the modules that read worker sessions go last, in
+    their order: the sessions run ahead on idle CPU beside every other module's tests
+    (prefetch.py), instead of being waited for by the first of them."""
+    if not config.getoption("--long"):
+        long = [item for item in items if item.get_closest_marker("long")]
+        if long:
+            config.hook.pytest_deselected(items=long)
+            items[:] = [item for item in items if not item.get_closest_marker("long")]
+    reading = {item.module for item in items if item.get_closest_marker("worker_sessions")}
+    items.sort(key=lambda item: item.module in reading)  # stable: each module stays whole
 
 
 def pytest_collection_finish(session):

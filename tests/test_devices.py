@@ -37,6 +37,8 @@ CONSTRUCTORS = {"tensor", "as_tensor", "asarray", "scalar_tensor", "zeros", "one
 HOST_ONLY = {  # a directory, a file, or "file:function" -> why its tensors stay on the host
     "data/": "the data pipeline reads and orders windows on the host; the strategy moves "
              "each micro-batch to the device",
+    "optimizers/muon.py:Muon._update": "the step count, a host scalar as torch.optim.AdamW's "
+                                        "and Muon's own (the momentum is zeros_like the gradient)",
     "planner/dryrun.py:ranks_to_try": "rank arithmetic of the world tried, never a tensor of a rank",
     "planner/dryrun.py:RandomWindows.batch": "mode=dryrun's stand-in for the data pipeline, which "
                                              "makes batches on the host (as data/ does)",

@@ -256,6 +256,6 @@ def test_plan_search_false_takes_the_configured_ep(capsys):
 
 
 def test_docs_name_the_imbalance():
-    """docs/planner.md states the imbalance the plan assumes, as the code has it."""
-    text = open(os.path.join(REPO, "docs", "planner.md")).read()
+    """docs/experts.md (planning experts) states the imbalance the plan assumes, as the code has it."""
+    text = open(os.path.join(REPO, "docs", "experts.md")).read()
     assert f"`moe_imbalance` = {MOE_IMBALANCE:g}" in text
