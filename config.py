@@ -24,7 +24,7 @@ from omegaconf import OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
 from char_dataset import SAMPLERS, DataConfig
-from errors import UserError
+from errors import UserError, missing_package
 from fault_tolerance import config as ft_config
 from fault_tolerance.config import FTConfig
 from launch.devices import precision_for
@@ -304,10 +304,10 @@ def check_filesystems(cfg: Config):
             fsspec.get_filesystem_class(protocol)
         except ImportError as e:
             package = FILESYSTEM_PACKAGES.get(protocol)
-            raise UserError(f"{key}={path} needs " + (
-                f"{package}, which is not installed here: pip install {package} "
-                "(requirements-dev.txt has it)" if package else
-                f"fsspec's {protocol} filesystem, which cannot be imported here: {e}")) from None
+            if package:
+                raise missing_package(f"{key}={path}", package) from None
+            raise UserError(f"{key}={path} needs fsspec's {protocol} filesystem, which cannot "
+                            f"be imported here: {e}") from None
         except ValueError:  # no fsspec filesystem of that name: the path's own error says it
             continue
 

@@ -4,7 +4,7 @@ ft.enabled cannot run with is in parallel/rules.py, FT)."""
 import importlib.util
 from dataclasses import dataclass
 
-from errors import UserError
+from errors import UserError, missing_package
 
 
 @dataclass
@@ -43,8 +43,7 @@ def check(cfg):
         # once (replica_group.py sets it to warn before the import)
         if not _installed("torchft"):  # an optional package: requirements-dev.txt
             asked = "mode=lighthouse" if cfg.mode == "lighthouse" else "ft.enabled=true"
-            raise UserError(f"{asked} needs torchft, which is not installed here: "
-                            "pip install torchft==0.2.0 (requirements-dev.txt has it)")
+            raise missing_package(asked, "torchft", "torchft==0.2.0")
 
 
 def _installed(package):

@@ -4,7 +4,7 @@ step's pipeline timeline through bench's own chart, and the page that shows them
 import os
 
 from bench.run_engine import charts as bench_charts
-from errors import UserError
+from errors import missing_package
 from plots import page, series
 
 
@@ -13,8 +13,7 @@ def pyplot():
     try:
         import matplotlib
     except ImportError:
-        raise UserError("mode=plot needs matplotlib, which is not installed here: "
-                        "pip install matplotlib (requirements-dev.txt has it)") from None
+        raise missing_package("mode=plot", "matplotlib") from None
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
     return plt

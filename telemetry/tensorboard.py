@@ -13,7 +13,7 @@ import glob
 import os
 import time
 
-from errors import UserError
+from errors import missing_package
 
 
 def check(cfg):
@@ -22,8 +22,7 @@ def check(cfg):
         try:
             import tensorboard  # noqa: F401  (an optional package: requirements-dev.txt)
         except ImportError:
-            raise UserError("metrics.tensorboard=true needs tensorboard, which is not installed "
-                            "here: pip install tensorboard (requirements-dev.txt has it)") from None
+            raise missing_package("metrics.tensorboard=true", "tensorboard") from None
 
 
 def created_second(path):
